@@ -1,0 +1,140 @@
+// The only file that talks to Python. Enums cross as small ints; the Python
+// package (pycomm/communicator.py) owns the names.
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/extension.h>
+
+#include "algorithms/algorithms.h"
+#include "communicator.h"
+#include "kernels/kernels.h"
+
+namespace py = pybind11;
+
+namespace pycomm {
+namespace {
+
+// Joining the progress thread may wait for a future callback that needs the
+// GIL, so never destroy a communicator while holding it.
+struct GilFreeDelete {
+  void operator()(Communicator* c) const {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release release;
+      delete c;
+    } else {
+      delete c;
+    }
+  }
+};
+
+Algorithm to_algo(int a) {
+  if (a < 0 || a > static_cast<int>(Algorithm::kTwoShot)) throw CommError("pycomm: unknown algorithm id");
+  return static_cast<Algorithm>(a);
+}
+RedOp to_op(int op) {
+  if (op < 0 || op > static_cast<int>(RedOp::kMin)) throw CommError("pycomm: unknown reduce op id");
+  return static_cast<RedOp>(op);
+}
+Collective to_coll(int c) {
+  if (c < 0 || c > static_cast<int>(Collective::kInvalid)) throw CommError("pycomm: unknown collective id");
+  return static_cast<Collective>(c);
+}
+
+// Data-free view of a schedule, for tests and for reading along:
+// [(kind, phase, peer, chunk, sent_step), ...] of `rank` at `step`.
+std::vector<std::tuple<int, int, int, int, int>> schedule_ops(int algo, int coll, int rank, int world, int root,
+                                                             int step) {
+  Schedule s{to_algo(algo), to_coll(coll), world, root};
+  std::vector<ScheduleOp> ops;
+  s.ops(rank, step, ops);
+  std::vector<std::tuple<int, int, int, int, int>> out;
+  for (const auto& op : ops)
+    out.emplace_back(static_cast<int>(op.kind), op.phase, op.peer, op.chunk, op.sent_step);
+  return out;
+}
+
+}  // namespace
+}  // namespace pycomm
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace pycomm;
+  m.doc() = "pycomm compiled core";
+  py::register_exception<CommError>(m, "CommError", PyExc_RuntimeError);
+
+  py::class_<Work, std::shared_ptr<Work>>(m, "Work")
+      .def("wait", [](Work& w, std::optional<double> timeout) { return w.wait(timeout.value_or(-1)); },
+           py::arg("timeout") = py::none(), py::call_guard<py::gil_scoped_release>(),
+           "Block until the collective finished; raises pycomm.CommError if it failed.")
+      .def("is_completed", &Work::is_completed)
+      .def("is_success", &Work::is_success)
+      .def("exception", [](Work& w) -> std::optional<std::string> {
+        auto msg = w.error_message();
+        if (msg.empty()) return std::nullopt;
+        return msg;
+      })
+      .def("result", [](Work& w) { return w.result(); })
+      .def("get_future",
+           [](Work& w) { return std::make_shared<torch::jit::PythonFutureWrapper>(w.get_future()); },
+           "A torch.futures.Future holding [output tensors], completed by the progress engine.")
+      .def_property_readonly("seq", &Work::seq)
+      .def_property_readonly("algorithm", [](Work& w) { return std::string(algorithm_name(w.algorithm())); });
+
+  py::class_<Communicator, std::unique_ptr<Communicator, GilFreeDelete>>(m, "Communicator")
+      .def(py::init([](int rank, int world, const std::string& name, const std::string& token, bool create,
+                       size_t round_bytes, double timeout) {
+             CommunicatorOptions o;
+             o.rank = rank;
+             o.world = world;
+             o.shm_name = name;
+             o.token = token;
+             o.create = create;
+             o.round_bytes = round_bytes;
+             o.timeout_s = timeout;
+             return std::unique_ptr<Communicator, GilFreeDelete>(new Communicator(o));
+           }),
+           py::arg("rank"), py::arg("world"), py::arg("shm_name"), py::arg("token"), py::arg("create"),
+           py::arg("round_bytes"), py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
+      .def("all_reduce",
+           [](Communicator& c, const at::Tensor& in, const at::Tensor& out, int op, int algo, bool strict,
+              bool async_op) { return c.all_reduce(in, out, to_op(op), to_algo(algo), strict, async_op); },
+           py::call_guard<py::gil_scoped_release>())
+      .def("reduce_scatter",
+           [](Communicator& c, const at::Tensor& out, const at::Tensor& in, int op, int algo, bool strict,
+              bool async_op) { return c.reduce_scatter(out, in, to_op(op), to_algo(algo), strict, async_op); },
+           py::call_guard<py::gil_scoped_release>())
+      .def("all_gather",
+           [](Communicator& c, const at::Tensor& out, const at::Tensor& in, int algo, bool strict, bool async_op) {
+             return c.all_gather(out, in, to_algo(algo), strict, async_op);
+           },
+           py::call_guard<py::gil_scoped_release>())
+      .def("broadcast",
+           [](Communicator& c, const at::Tensor& t, int src, int algo, bool strict, bool async_op) {
+             return c.broadcast(t, src, to_algo(algo), strict, async_op);
+           },
+           py::call_guard<py::gil_scoped_release>())
+      .def("barrier", &Communicator::barrier, py::arg("async_op"), py::call_guard<py::gil_scoped_release>())
+      .def("resolve",
+           [](Communicator& c, int coll, int algo, size_t bytes) {
+             return std::string(algorithm_name(c.resolve(to_coll(coll), to_algo(algo), bytes)));
+           })
+      .def("shutdown", &Communicator::shutdown, py::call_guard<py::gil_scoped_release>())
+      .def("abort", &Communicator::abort, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("rank", &Communicator::rank)
+      .def_property_readonly("world", &Communicator::world)
+      .def_property_readonly("round_bytes", &Communicator::round_bytes)
+      .def_property("timeout", &Communicator::timeout, &Communicator::set_timeout);
+
+  m.def("schedule_ops", &schedule_ops, py::arg("algorithm"), py::arg("collective"), py::arg("rank"),
+        py::arg("world"), py::arg("root"), py::arg("step"));
+  m.def("schedule_shape", [](int algo, int coll, int world, int root) {
+    Schedule s{to_algo(algo), to_coll(coll), world, root};
+    return std::make_pair(s.num_chunks(), s.num_steps());
+  });
+  m.def("algorithm_supports", [](int algo, int coll) { return algorithm_supports(to_algo(algo), to_coll(coll)); });
+  m.def("tune", [](int algo, int coll, size_t bytes, int world) {
+    return static_cast<int>(tune(to_algo(algo), to_coll(coll), bytes, world));
+  });
+#ifdef PYCOMM_WITH_CUDA
+  m.attr("has_cuda") = true;
+#else
+  m.attr("has_cuda") = false;
+#endif
+}

@@ -1,0 +1,381 @@
+#include "communicator.h"
+
+#include <sstream>
+
+#include "algorithms/algorithms.h"
+
+namespace pycomm {
+
+namespace {
+
+bool to_dtype(at::ScalarType t, DType* out) {
+  switch (t) {
+    case at::kFloat: *out = DType::kFloat32; return true;
+    case at::kDouble: *out = DType::kFloat64; return true;
+    case at::kHalf: *out = DType::kFloat16; return true;
+    case at::kBFloat16: *out = DType::kBFloat16; return true;
+    case at::kInt: *out = DType::kInt32; return true;
+    case at::kLong: *out = DType::kInt64; return true;
+    default: return false;
+  }
+}
+
+// "" when `t` can take part in a collective, else why not.
+std::string check_tensor(const at::Tensor& t, const char* role, Collective coll) {
+  std::ostringstream os;
+  os << "pycomm." << collective_name(coll) << ": ";
+  if (!t.defined()) {
+    os << role << " is undefined";
+    return os.str();
+  }
+  if (!t.device().is_cpu()) {
+    os << role << " is on device '" << t.device() << "', but this pycomm build handles CPU tensors only";
+    return os.str();
+  }
+  DType dt;
+  if (!to_dtype(t.scalar_type(), &dt)) {
+    os << role << " has dtype " << t.scalar_type()
+       << ", which is not supported (use float32, float64, float16, bfloat16, int32 or int64)";
+    return os.str();
+  }
+  if (!t.is_contiguous()) {
+    os << role << " is not contiguous (shape " << t.sizes() << ", strides " << t.strides()
+       << "); pass tensor.contiguous()";
+    return os.str();
+  }
+  if (t.is_sparse() || t.is_quantized()) {
+    os << role << " must be a dense tensor";
+    return os.str();
+  }
+  return "";
+}
+
+bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+  const char* a0 = static_cast<const char*>(a.data_ptr());
+  const char* b0 = static_cast<const char*>(b.data_ptr());
+  const char* a1 = a0 + a.numel() * a.element_size();
+  const char* b1 = b0 + b.numel() * b.element_size();
+  return a0 < b1 && b0 < a1;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- Work
+
+void Work::finish(std::exception_ptr error) {
+  c10::intrusive_ptr<c10::ivalue::Future> fut;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    done_ = true;
+    error_ = error;
+    fut = future_;
+  }
+  cv_.notify_all();
+  // Completed outside the lock: the future's callbacks (a DDP hook's
+  // continuation, say) run right here, on the progress thread.
+  if (fut) {
+    if (error) {
+      fut->setError(error);
+    } else {
+      fut->markCompleted(c10::IValue(outputs_));
+    }
+  }
+  inputs_.clear();
+}
+
+bool Work::wait(double timeout_s) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (timeout_s < 0) {
+    cv_.wait(lk, [&] { return done_; });
+  } else if (!cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return done_; })) {
+    std::ostringstream os;
+    os << "pycomm: Work.wait timed out after " << timeout_s << " s; " << collective_name(desc_.coll) << " #"
+       << seq_ << " is still in progress";
+    throw CommError(os.str());
+  }
+  if (error_) std::rethrow_exception(error_);
+  return true;
+}
+
+bool Work::is_completed() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return done_;
+}
+
+bool Work::is_success() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return done_ && !error_;
+}
+
+std::string Work::error_message() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!error_) return "";
+  try {
+    std::rethrow_exception(error_);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Work::get_future() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!future_) {
+    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    if (done_) {
+      if (error_) {
+        future_->setError(error_);
+      } else {
+        future_->markCompleted(c10::IValue(outputs_));
+      }
+    }
+  }
+  return future_;
+}
+
+// ---------------------------------------------------------- Communicator
+
+Communicator::Communicator(const CommunicatorOptions& o) {
+  ShmConfig cfg;
+  cfg.name = o.shm_name;
+  cfg.token = o.token;
+  cfg.create = o.create;
+  cfg.rank = o.rank;
+  cfg.world = o.world;
+  cfg.round_bytes = o.round_bytes;
+  cfg.timeout_s = o.timeout_s;
+  transport_ = std::make_unique<ShmTransport>(cfg);
+  progress_ = std::thread([this] { progress_loop(); });
+}
+
+Communicator::~Communicator() {
+  try {
+    shutdown();
+  } catch (...) {
+  }
+}
+
+void Communicator::shutdown() {
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    if (stop_ && !progress_.joinable()) return;
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (progress_.joinable()) progress_.join();
+  transport_->shutdown();
+}
+
+void Communicator::abort(const std::string& why) { transport_->abort(why); }
+
+void Communicator::progress_loop() {
+  std::unique_lock<std::mutex> lk(mu_);
+  while (true) {
+    cv_.wait(lk, [&] { return (!queue_.empty() && !busy_) || (stop_ && queue_.empty() && !busy_); });
+    if (queue_.empty()) return;  // stopping, and everything queued has run
+    auto work = std::move(queue_.front());
+    queue_.pop_front();
+    busy_ = true;
+    lk.unlock();
+    execute(*work);
+    lk.lock();
+    busy_ = false;
+    cv_.notify_all();
+  }
+}
+
+void Communicator::execute(Work& work) {
+  std::exception_ptr error;
+  try {
+    transport_->run(work.desc_, work.seq_);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  work.finish(error);
+}
+
+std::shared_ptr<Work> Communicator::submit(std::shared_ptr<Work> work, bool async_op) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (stop_) throw CommError("pycomm: the communicator has been shut down");
+  work->seq_ = next_seq_++;
+  if (!async_op && queue_.empty() && !busy_) {
+    busy_ = true;
+    lk.unlock();
+    execute(*work);
+    lk.lock();
+    busy_ = false;
+    if (!queue_.empty() || stop_) cv_.notify_all();
+    lk.unlock();
+  } else {
+    queue_.push_back(work);
+    lk.unlock();
+    cv_.notify_all();
+  }
+  if (!async_op) work->wait();
+  return work;
+}
+
+std::shared_ptr<Work> Communicator::reject(Collective coll, const std::string& why) {
+  // The rejected call still takes its turn, so that peers that made the same
+  // mistake stay in step and peers that did not fail at once.
+  auto work = std::make_shared<Work>();
+  work->desc_.coll = Collective::kInvalid;
+  work->desc_.algo = Algorithm::kOneShot;
+  (void)coll;
+  try {
+    submit(work, /*async_op=*/false);
+  } catch (const CommError&) {
+    // A peer disagreed; it has been told. Our own reason is the useful one.
+  }
+  throw CommError(why);
+}
+
+Algorithm Communicator::choose(Collective coll, Algorithm algo, bool strict, size_t bytes) const {
+  if (algo != Algorithm::kAuto && algo != Algorithm::kDirect) {
+    if (!algorithm_supports(algo, coll)) {
+      if (strict) {
+        std::ostringstream os;
+        os << "pycomm." << collective_name(coll) << ": algorithm '" << algorithm_name(algo)
+           << "' is not available for " << collective_name(coll) << "; use "
+           << (coll == Collective::kBroadcast ? "ring, tree, direct or auto" : "ring, direct or auto");
+        throw CommError(os.str());
+      }
+      algo = Algorithm::kAuto;
+    }
+  }
+  return tune(algo, coll, bytes, world());
+}
+
+Algorithm Communicator::resolve(Collective coll, Algorithm algo, size_t bytes) const {
+  return choose(coll, algo, /*strict=*/false, bytes);
+}
+
+std::shared_ptr<Work> Communicator::all_reduce(const at::Tensor& input, const at::Tensor& output, RedOp op,
+                                               Algorithm algo, bool strict, bool async_op) {
+  const Collective coll = Collective::kAllReduce;
+  std::string why = check_tensor(input, "input", coll);
+  if (why.empty()) why = check_tensor(output, "output", coll);
+  if (why.empty() && output.scalar_type() != input.scalar_type())
+    why = "pycomm.all_reduce: output dtype differs from input dtype";
+  if (why.empty() && output.numel() != input.numel())
+    why = "pycomm.all_reduce: output has " + std::to_string(output.numel()) + " elements but input has " +
+          std::to_string(input.numel());
+  if (why.empty() && output.data_ptr() != input.data_ptr() && overlaps(input, output))
+    why = "pycomm.all_reduce: output partially overlaps input; pass the same tensor or a separate one";
+  DType dt = DType::kFloat32;
+  if (why.empty()) to_dtype(input.scalar_type(), &dt);
+  if (why.empty() && op == RedOp::kAvg && !dtype_is_floating(dt))
+    why = std::string("pycomm.all_reduce: op=avg needs a floating-point tensor, got ") + dtype_name(dt);
+  if (!why.empty()) return reject(coll, why);
+
+  auto work = std::make_shared<Work>();
+  auto& d = work->desc_;
+  d.coll = coll;
+  d.dtype = dt;
+  d.op = op;
+  d.count = input.numel();
+  d.input = input.data_ptr();
+  d.output = output.data_ptr();
+  d.algo = choose(coll, algo, strict, d.count * dtype_size(dt));
+  work->inputs_ = {input};
+  work->outputs_ = {output};
+  return submit(std::move(work), async_op);
+}
+
+std::shared_ptr<Work> Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input, RedOp op,
+                                                   Algorithm algo, bool strict, bool async_op) {
+  const Collective coll = Collective::kReduceScatter;
+  std::string why = check_tensor(input, "input", coll);
+  if (why.empty()) why = check_tensor(output, "output", coll);
+  if (why.empty() && output.scalar_type() != input.scalar_type())
+    why = "pycomm.reduce_scatter: output dtype differs from input dtype";
+  if (why.empty() && input.numel() != output.numel() * world())
+    why = "pycomm.reduce_scatter: input must have world_size (" + std::to_string(world()) +
+          ") x output.numel() (" + std::to_string(output.numel()) + ") elements, got " +
+          std::to_string(input.numel());
+  if (why.empty() && overlaps(input, output)) why = "pycomm.reduce_scatter: output overlaps input";
+  DType dt = DType::kFloat32;
+  if (why.empty()) to_dtype(input.scalar_type(), &dt);
+  if (why.empty() && op == RedOp::kAvg && !dtype_is_floating(dt))
+    why = std::string("pycomm.reduce_scatter: op=avg needs a floating-point tensor, got ") + dtype_name(dt);
+  if (!why.empty()) return reject(coll, why);
+
+  auto work = std::make_shared<Work>();
+  auto& d = work->desc_;
+  d.coll = coll;
+  d.dtype = dt;
+  d.op = op;
+  d.count = output.numel();
+  d.input = input.data_ptr();
+  d.output = output.data_ptr();
+  d.algo = choose(coll, algo, strict, input.numel() * dtype_size(dt));
+  work->inputs_ = {input};
+  work->outputs_ = {output};
+  return submit(std::move(work), async_op);
+}
+
+std::shared_ptr<Work> Communicator::all_gather(const at::Tensor& output, const at::Tensor& input, Algorithm algo,
+                                               bool strict, bool async_op) {
+  const Collective coll = Collective::kAllGather;
+  std::string why = check_tensor(input, "input", coll);
+  if (why.empty()) why = check_tensor(output, "output", coll);
+  if (why.empty() && output.scalar_type() != input.scalar_type())
+    why = "pycomm.all_gather: output dtype differs from input dtype";
+  if (why.empty() && output.numel() != input.numel() * world())
+    why = "pycomm.all_gather: output must have world_size (" + std::to_string(world()) +
+          ") x input.numel() (" + std::to_string(input.numel()) + ") elements, got " +
+          std::to_string(output.numel());
+  if (why.empty() && overlaps(input, output)) {
+    // In place is allowed when the input is exactly this rank's slot.
+    const char* slot = static_cast<const char*>(output.data_ptr()) + rank() * input.numel() * input.element_size();
+    if (input.data_ptr() != slot) why = "pycomm.all_gather: input overlaps output but is not this rank's slot of it";
+  }
+  DType dt = DType::kFloat32;
+  if (why.empty()) to_dtype(input.scalar_type(), &dt);
+  if (!why.empty()) return reject(coll, why);
+
+  auto work = std::make_shared<Work>();
+  auto& d = work->desc_;
+  d.coll = coll;
+  d.dtype = dt;
+  d.count = input.numel();
+  d.input = input.data_ptr();
+  d.output = output.data_ptr();
+  d.algo = choose(coll, algo, strict, output.numel() * dtype_size(dt));
+  work->inputs_ = {input};
+  work->outputs_ = {output};
+  return submit(std::move(work), async_op);
+}
+
+std::shared_ptr<Work> Communicator::broadcast(const at::Tensor& tensor, int src, Algorithm algo, bool strict,
+                                              bool async_op) {
+  const Collective coll = Collective::kBroadcast;
+  std::string why = check_tensor(tensor, "tensor", coll);
+  if (why.empty() && (src < 0 || src >= world()))
+    why = "pycomm.broadcast: src=" + std::to_string(src) + " is not a rank of this communicator (world size " +
+          std::to_string(world()) + ")";
+  DType dt = DType::kFloat32;
+  if (why.empty()) to_dtype(tensor.scalar_type(), &dt);
+  if (!why.empty()) return reject(coll, why);
+
+  auto work = std::make_shared<Work>();
+  auto& d = work->desc_;
+  d.coll = coll;
+  d.dtype = dt;
+  d.root = src;
+  d.count = tensor.numel();
+  d.input = tensor.data_ptr();
+  d.output = tensor.data_ptr();
+  d.algo = choose(coll, algo, strict, d.count * dtype_size(dt));
+  work->inputs_ = {};
+  work->outputs_ = {tensor};
+  return submit(std::move(work), async_op);
+}
+
+std::shared_ptr<Work> Communicator::barrier(bool async_op) {
+  auto work = std::make_shared<Work>();
+  work->desc_.coll = Collective::kBarrier;
+  work->desc_.algo = Algorithm::kOneShot;
+  return submit(std::move(work), async_op);
+}
+
+}  // namespace pycomm

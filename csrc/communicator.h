@@ -1,0 +1,116 @@
+// The communicator: validates calls, orders them, runs them on a transport
+// and hands back a Work whose torch Future completes when the data is ready.
+//
+// Ordering: every op gets a sequence number at submission and runs in that
+// order, on the progress thread, or, for a synchronous op submitted while
+// nothing is queued or running, directly on the caller's thread (which
+// saves two thread hand-offs on small messages and changes no ordering).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collective.h"
+#include "transport/shm.h"
+
+namespace pycomm {
+
+class Work {
+ public:
+  // Blocks until the op finished (or `timeout_s` passed, if >= 0); rethrows
+  // its error.
+  bool wait(double timeout_s = -1);
+  bool is_completed();
+  bool is_success();
+  // The error message, or "" when there is none (yet).
+  std::string error_message();
+  const std::vector<at::Tensor>& result() const { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> get_future();
+  uint64_t seq() const { return seq_; }
+  Algorithm algorithm() const { return desc_.algo; }
+
+ private:
+  friend class Communicator;
+  void finish(std::exception_ptr error);
+
+  CollectiveDesc desc_;
+  uint64_t seq_ = 0;
+  std::vector<at::Tensor> inputs_;   // kept alive until the op completes
+  std::vector<at::Tensor> outputs_;
+  std::string invalid_reason_;       // set for kInvalid ops
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+struct CommunicatorOptions {
+  int rank = 0;
+  int world = 1;
+  std::string shm_name;
+  std::string token;
+  bool create = false;
+  size_t round_bytes = 1 << 20;
+  double timeout_s = 300;
+};
+
+class Communicator {
+ public:
+  explicit Communicator(const CommunicatorOptions& options);
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  // `algo` may be kAuto; `strict` makes an algorithm the collective cannot
+  // use an error instead of a fall-back to kAuto.
+  std::shared_ptr<Work> all_reduce(const at::Tensor& input, const at::Tensor& output, RedOp op,
+                                   Algorithm algo, bool strict, bool async_op);
+  std::shared_ptr<Work> reduce_scatter(const at::Tensor& output, const at::Tensor& input, RedOp op,
+                                       Algorithm algo, bool strict, bool async_op);
+  std::shared_ptr<Work> all_gather(const at::Tensor& output, const at::Tensor& input, Algorithm algo,
+                                   bool strict, bool async_op);
+  std::shared_ptr<Work> broadcast(const at::Tensor& tensor, int src, Algorithm algo, bool strict,
+                                  bool async_op);
+  std::shared_ptr<Work> barrier(bool async_op);
+
+  // The concrete algorithm a call of `bytes` per rank would run.
+  Algorithm resolve(Collective coll, Algorithm algo, size_t bytes) const;
+
+  // Finishes queued ops, then tells peers this rank is gone. Idempotent.
+  void shutdown();
+  void abort(const std::string& why);
+
+  int rank() const { return transport_->rank(); }
+  int world() const { return transport_->world(); }
+  double timeout() const { return transport_->timeout(); }
+  void set_timeout(double seconds) { transport_->set_timeout(seconds); }
+  size_t round_bytes() const { return transport_->round_bytes(); }
+
+ private:
+  std::shared_ptr<Work> submit(std::shared_ptr<Work> work, bool async_op);
+  std::shared_ptr<Work> reject(Collective coll, const std::string& why);
+  void execute(Work& work);
+  void progress_loop();
+  Algorithm choose(Collective coll, Algorithm algo, bool strict, size_t bytes) const;
+
+  std::unique_ptr<ShmTransport> transport_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Work>> queue_;
+  bool busy_ = false;
+  bool stop_ = false;
+  uint64_t next_seq_ = 1;
+  std::thread progress_;
+};
+
+}  // namespace pycomm

@@ -1,0 +1,735 @@
+#include "shm.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#include "../kernels/kernels.h"
+
+namespace pycomm {
+
+namespace {
+
+constexpr uint64_t kMagic = 0x314d4d4f43595075ull;  // "uPYCOMM1"
+constexpr uint32_t kLayoutVersion = 1;
+constexpr size_t kPage = 4096;
+// Header slots per rank, indexed by seq % kHeaderSlots. A rank finishes
+// collective s only after every peer has published its header for s, so no
+// two ranks are ever more than one collective apart: two slots would do,
+// four leave slack.
+constexpr int kHeaderSlots = 4;
+// Chunk boundaries fall on cache lines so that two ranks never write the
+// same line of a mailbox.
+constexpr size_t kChunkAlignBytes = 64;
+// A sleeping waiter re-checks abort, timeout and peer liveness this often
+// even if nobody wakes it.
+constexpr long kFutexSleepNs = 5 * 1000 * 1000;
+constexpr auto kLivenessPeriod = std::chrono::milliseconds(50);
+
+size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+long futex_op(std::atomic<uint32_t>* addr, int op, uint32_t val, const timespec* ts) {
+  // Not FUTEX_PRIVATE: the word lives in memory shared between processes.
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), op, val, ts, nullptr, 0);
+}
+
+void futex_wake_all(std::atomic<uint32_t>* addr) { futex_op(addr, FUTEX_WAKE, INT_MAX, nullptr); }
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Counters wrap at 2^32; compare by signed distance.
+inline bool reached(uint32_t value, uint32_t target) {
+  return static_cast<int32_t>(value - target) >= 0;
+}
+
+// State and start time (clock ticks since boot) of a process from
+// /proc/<pid>/stat. The start time tells a recycled pid from the original.
+bool read_proc_stat(int pid, char* state, uint64_t* starttime) {
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", pid);
+  FILE* f = std::fopen(path, "r");
+  if (!f) return false;
+  char buf[1024];
+  size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  // The command name may contain spaces and parentheses: fields start after
+  // the last ')'.
+  char* p = std::strrchr(buf, ')');
+  if (!p || p[1] == '\0') return false;
+  p += 2;
+  *state = *p;
+  // starttime is field 22; the state is field 3.
+  int field = 3;
+  char* save = nullptr;
+  for (char* tok = strtok_r(p, " ", &save); tok; tok = strtok_r(nullptr, " ", &save), ++field) {
+    if (field == 22) {
+      *starttime = std::strtoull(tok, nullptr, 10);
+      return true;
+    }
+  }
+  return false;
+}
+
+uint64_t pid_namespace_id() {
+  struct stat st;
+  if (stat("/proc/self/ns/pid", &st) != 0) return 0;
+  return static_cast<uint64_t>(st.st_ino);
+}
+
+int usable_cpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
+}
+
+}  // namespace
+
+struct SegmentHeader {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t world;
+  uint64_t round_bytes;
+  uint64_t total_size;
+  char token[64];
+  std::atomic<uint32_t> attached;
+  std::atomic<uint32_t> abort_state;  // 0: healthy, 1: message being written, 2: aborted
+  char abort_msg[2048];
+};
+
+struct HeaderSlot {
+  std::atomic<uint32_t> seq;  // futex word: low bits of seq64, stored last
+  uint8_t coll, algo, dtype, op;
+  int32_t root;
+  uint64_t count;
+  uint64_t seq64;
+  char pad[64 - 32];
+};
+static_assert(sizeof(HeaderSlot) == 64, "one header per cache line");
+
+// Each group of fields written by one party sits on its own cache line, so
+// a rank polling a peer's flag does not bounce the line its owner writes.
+struct RankControl {
+  alignas(64) std::atomic<uint32_t> step_flag;   // owner: sends done through step flag-1
+  alignas(64) std::atomic<uint32_t> round_done;  // owner: rounds completed
+  alignas(64) std::atomic<uint32_t> waiters;     // peers sleeping on this rank's words
+  alignas(64) std::atomic<int32_t> pid;
+  std::atomic<uint32_t> exited;
+  uint64_t starttime;
+  uint64_t pidns;
+  alignas(64) HeaderSlot headers[kHeaderSlots];
+};
+
+enum class Loc : uint8_t { kNone, kInput, kOutput, kMailbox0, kMailbox1 };
+
+inline Loc mailbox_loc(int phase) { return phase == 0 ? Loc::kMailbox0 : Loc::kMailbox1; }
+
+struct PlanSend {
+  int chunk;
+  int phase;
+  Loc from;  // kNone: the value is already in place (fused into a reduce)
+};
+
+struct PlanSrc {
+  int peer;
+  int phase;
+  Loc self_loc;  // where our own value is, when peer is this rank
+  uint32_t sent_step;
+};
+
+struct PlanGroup {
+  int chunk;
+  bool to_output;
+  int fwd_phase;  // -1: not forwarded; else also written into that mailbox region
+  std::vector<PlanSrc> srcs;
+};
+
+struct PlanStep {
+  std::vector<PlanSend> sends;
+  std::vector<PlanGroup> groups;
+};
+
+struct ShmPlan {
+  Algorithm algo;
+  Collective coll;
+  int root;
+  int num_chunks;
+  std::vector<PlanStep> steps;
+  std::vector<int> final_copies;  // chunks whose output is their untouched input
+};
+
+namespace {
+
+bool has_output(Collective coll, int chunk, int rank) {
+  return coll != Collective::kReduceScatter || chunk == rank;
+}
+bool has_input(Collective coll, int chunk, int rank) {
+  return coll != Collective::kAllGather || chunk == rank;
+}
+
+// Works out, once per (schedule, rank), where every chunk's latest value
+// lives at each step, so that the executor (a) reduces straight into the
+// mailbox region a value is sent from next and (b) copies a chunk into a
+// mailbox only once however many peers read it.
+std::unique_ptr<ShmPlan> build_plan(const Schedule& s, int rank) {
+  auto plan = std::make_unique<ShmPlan>();
+  plan->algo = s.algo;
+  plan->coll = s.coll;
+  plan->root = s.root;
+  plan->num_chunks = s.num_chunks();
+  const int K = plan->num_chunks;
+  const int T = s.num_steps();
+
+  std::vector<std::vector<ScheduleOp>> ops(T);
+  for (int t = 0; t < T; ++t) s.ops(rank, t, ops[t]);
+
+  auto internal = [&](const std::string& why) {
+    std::ostringstream os;
+    os << "pycomm internal error: schedule " << algorithm_name(s.algo) << "/" << collective_name(s.coll)
+       << " on rank " << rank << " of " << s.world << ": " << why;
+    return CommError(os.str());
+  };
+
+  // Lookahead tables: for a receive of chunk c at step t, the phase of the
+  // next send of c (before c is received again), and whether it is the last
+  // receive of c.
+  auto next_send_phase = [&](int c, int t) {
+    for (int u = t + 1; u < T; ++u) {
+      for (const auto& op : ops[u])
+        if (op.chunk == c && op.kind == OpKind::kSend) return static_cast<int>(op.phase);
+      for (const auto& op : ops[u])
+        if (op.chunk == c && op.kind != OpKind::kSend) return -1;
+    }
+    return -1;
+  };
+  auto is_last_recv = [&](int c, int t) {
+    for (int u = t + 1; u < T; ++u)
+      for (const auto& op : ops[u])
+        if (op.chunk == c && op.kind != OpKind::kSend) return false;
+    return true;
+  };
+
+  std::vector<Loc> loc(K);
+  std::vector<std::array<bool, kNumPhases>> in_mailbox(K, {false, false});
+  std::vector<std::array<bool, kNumPhases>> written(K, {false, false});
+  std::vector<bool> received(K, false);
+  for (int c = 0; c < K; ++c) loc[c] = has_input(s.coll, c, rank) ? Loc::kInput : Loc::kNone;
+
+  auto note_write = [&](int c, int phase) {
+    // A region written twice in one round could be overwritten while a
+    // peer still reads it; every schedule must avoid that.
+    if (written[c][phase]) throw internal("chunk written twice into one mailbox region");
+    written[c][phase] = true;
+  };
+
+  plan->steps.resize(T);
+  for (int t = 0; t < T; ++t) {
+    PlanStep& step = plan->steps[t];
+    // 1. Sends.
+    for (const auto& op : ops[t]) {
+      if (op.kind != OpKind::kSend) continue;
+      const int c = op.chunk;
+      if (loc[c] == Loc::kNone) throw internal("sends a chunk it does not have");
+      if (in_mailbox[c][op.phase]) {
+        step.sends.push_back({c, op.phase, Loc::kNone});
+      } else {
+        note_write(c, op.phase);
+        step.sends.push_back({c, op.phase, loc[c]});
+        in_mailbox[c][op.phase] = true;
+      }
+    }
+    // 2. Receives, grouped by consecutive chunk.
+    const auto& v = ops[t];
+    for (size_t i = 0; i < v.size();) {
+      if (v[i].kind == OpKind::kSend) { ++i; continue; }
+      const int c = v[i].chunk;
+      PlanGroup g;
+      g.chunk = c;
+      if (v[i].kind == OpKind::kRecvReduce) {
+        if (loc[c] == Loc::kNone) throw internal("reduces into a chunk it does not have");
+        g.srcs.push_back({rank, 0, loc[c], 0});
+      }
+      for (; i < v.size() && v[i].kind != OpKind::kSend && v[i].chunk == c; ++i) {
+        if (v[i].kind == OpKind::kRecvCopy && !g.srcs.empty())
+          throw internal("a copy in the middle of a reduction group");
+        if (v[i].peer == rank && loc[c] == Loc::kNone) throw internal("reads its own missing chunk");
+        g.srcs.push_back({v[i].peer, v[i].phase, loc[c], static_cast<uint32_t>(v[i].sent_step)});
+      }
+      g.fwd_phase = next_send_phase(c, t);
+      g.to_output = has_output(s.coll, c, rank) && (is_last_recv(c, t) || g.fwd_phase < 0);
+      if (!g.to_output && g.fwd_phase < 0) throw internal("a received chunk is neither kept nor sent");
+      if (g.fwd_phase >= 0) note_write(c, g.fwd_phase);
+      loc[c] = g.to_output ? Loc::kOutput : mailbox_loc(g.fwd_phase);
+      in_mailbox[c] = {false, false};
+      if (g.fwd_phase >= 0) in_mailbox[c][g.fwd_phase] = true;
+      received[c] = true;
+      step.groups.push_back(std::move(g));
+    }
+  }
+  for (int c = 0; c < K; ++c) {
+    if (!has_output(s.coll, c, rank) || received[c]) continue;
+    if (!has_input(s.coll, c, rank)) throw internal("an output chunk is never received");
+    plan->final_copies.push_back(c);
+  }
+  return plan;
+}
+
+}  // namespace
+
+ShmTransport::ShmTransport(const ShmConfig& config)
+    : name_(config.name),
+      rank_(config.rank),
+      world_(config.world),
+      round_bytes_(config.round_bytes),
+      timeout_s_(config.timeout_s) {
+  if (world_ < 1 || rank_ < 0 || rank_ >= world_)
+    throw CommError("pycomm: invalid shared-memory rank " + std::to_string(rank_) + " of " + std::to_string(world_));
+  if (round_bytes_ < 64 * 1024 || round_bytes_ % kPage != 0)
+    throw CommError("pycomm: shared-memory round size must be a multiple of 4096 and at least 64 KiB");
+  if (name_.empty() || name_[0] != '/' || name_.find('/', 1) != std::string::npos)
+    throw CommError("pycomm: invalid shared-memory segment name '" + name_ + "'");
+  map_segment(config);
+
+  // Spinning keeps a peer's wake-up latency near zero while every rank has
+  // its own core; with more ranks than cores a spinning rank steals the core
+  // its peer needs, so there it gives the core up almost at once.
+  const bool oversubscribed = world_ > usable_cpus();
+  spin_iters_ = oversubscribed ? 64 : 20000;
+  yield_iters_ = oversubscribed ? 0 : 4;
+  if (const char* env = std::getenv("PYCOMM_SPIN_ITERS")) spin_iters_ = std::max(0, std::atoi(env));
+}
+
+void ShmTransport::map_segment(const ShmConfig& config) {
+  const size_t header_bytes = align_up(sizeof(SegmentHeader), kPage);
+  const size_t control_bytes = align_up(sizeof(RankControl) * world_, kPage);
+  mailbox_stride_ = 2 * kNumPhases * round_bytes_;
+  size_ = header_bytes + control_bytes + mailbox_stride_ * world_;
+
+  int fd;
+  if (config.create) {
+    // O_EXCL: never adopt a segment somebody else made; 0600: only our uid.
+    fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0)
+      throw CommError("pycomm: cannot create shared memory segment " + name_ + ": " + std::strerror(errno));
+    if (ftruncate(fd, static_cast<off_t>(size_)) != 0) {
+      const int err = errno;
+      close(fd);
+      shm_unlink(name_.c_str());
+      throw CommError("pycomm: cannot size shared memory segment " + name_ + " to " +
+                      std::to_string(size_ >> 20) + " MiB (" + std::strerror(err) +
+                      "); free space in /dev/shm or lower PYCOMM_SHM_ROUND_BYTES");
+    }
+  } else {
+    fd = shm_open(name_.c_str(), O_RDWR, 0);
+    if (fd < 0)
+      throw CommError("pycomm: cannot open shared memory segment " + name_ + ": " + std::strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != size_) {
+      close(fd);
+      throw CommError("pycomm: shared memory segment " + name_ +
+                      " has the wrong size: ranks disagree on world size or round size");
+    }
+  }
+  // MAP_POPULATE faults every page in now rather than inside the first
+  // timed collectives.
+  base_ = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  const int map_err = errno;
+  close(fd);
+  if (base_ == MAP_FAILED) {
+    base_ = nullptr;
+    if (config.create) shm_unlink(name_.c_str());
+    throw CommError("pycomm: cannot map shared memory segment " + name_ + ": " + std::strerror(map_err));
+  }
+  header_ = static_cast<SegmentHeader*>(base_);
+  controls_ = reinterpret_cast<RankControl*>(static_cast<char*>(base_) + header_bytes);
+  mailboxes_ = static_cast<char*>(base_) + header_bytes + control_bytes;
+
+  if (config.token.size() >= sizeof(header_->token)) throw CommError("pycomm: segment token too long");
+  if (config.create) {
+    header_->version = kLayoutVersion;
+    header_->world = static_cast<uint32_t>(world_);
+    header_->round_bytes = round_bytes_;
+    header_->total_size = size_;
+    std::memcpy(header_->token, config.token.data(), config.token.size());
+    // The magic goes last: an attacher that sees it sees a complete header.
+    __atomic_store_n(&header_->magic, kMagic, __ATOMIC_RELEASE);
+  } else {
+    const bool ok = __atomic_load_n(&header_->magic, __ATOMIC_ACQUIRE) == kMagic &&
+                    header_->version == kLayoutVersion && header_->world == static_cast<uint32_t>(world_) &&
+                    header_->round_bytes == round_bytes_ && header_->total_size == size_ &&
+                    std::strncmp(header_->token, config.token.c_str(), sizeof(header_->token)) == 0;
+    if (!ok) {
+      munmap(base_, size_);
+      base_ = nullptr;
+      throw CommError("pycomm: shared memory segment " + name_ +
+                      " does not belong to this job (stale or foreign segment); refusing to attach");
+    }
+  }
+
+  RankControl& me = controls_[rank_];
+  char state = 0;
+  uint64_t starttime = 0;
+  read_proc_stat(getpid(), &state, &starttime);
+  me.starttime = starttime;
+  me.pidns = pid_namespace_id();
+  me.exited.store(0);
+  me.pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
+  // The last rank to map the segment removes its name: from then on it lives
+  // only as long as some rank maps it, and a kill -9 leaves nothing behind.
+  if (header_->attached.fetch_add(1) + 1 == static_cast<uint32_t>(world_)) shm_unlink(name_.c_str());
+}
+
+ShmTransport::~ShmTransport() {
+  if (!base_) return;
+  shutdown();
+  // Covers a bootstrap that failed before every rank attached.
+  if (header_->attached.load() < static_cast<uint32_t>(world_)) shm_unlink(name_.c_str());
+  munmap(base_, size_);
+}
+
+void ShmTransport::shutdown() {
+  if (!base_) return;
+  RankControl& me = controls_[rank_];
+  if (me.exited.exchange(1) == 0) {
+    for (int q = 0; q < world_; ++q) {
+      futex_wake_all(&controls_[q].step_flag);
+      futex_wake_all(&controls_[q].round_done);
+    }
+  }
+}
+
+bool ShmTransport::aborted() const {
+  return header_->abort_state.load(std::memory_order_acquire) == 2;
+}
+
+std::string ShmTransport::abort_message() const {
+  if (!aborted()) return "";
+  return std::string(header_->abort_msg, strnlen(header_->abort_msg, sizeof(header_->abort_msg)));
+}
+
+void ShmTransport::abort(const std::string& why) {
+  uint32_t expected = 0;
+  if (header_->abort_state.compare_exchange_strong(expected, 1)) {
+    const size_t n = std::min(why.size(), sizeof(header_->abort_msg) - 1);
+    std::memcpy(header_->abort_msg, why.data(), n);
+    header_->abort_msg[n] = '\0';
+    header_->abort_state.store(2, std::memory_order_release);
+  }
+  // Sleepers re-check abort within kFutexSleepNs anyway; waking them makes
+  // every rank fail together.
+  for (int q = 0; q < world_; ++q) {
+    futex_wake_all(&controls_[q].step_flag);
+    futex_wake_all(&controls_[q].round_done);
+    for (auto& slot : controls_[q].headers) futex_wake_all(&slot.seq);
+  }
+}
+
+void ShmTransport::check_abort() const {
+  if (aborted()) throw CommError(abort_message());
+}
+
+void ShmTransport::fail(const std::string& why) {
+  abort(why);
+  // If another rank aborted first, report the original cause.
+  throw CommError(abort_message().empty() ? why : abort_message());
+}
+
+void ShmTransport::check_peers_alive(const OpContext& ctx) {
+  const uint64_t my_ns = controls_[rank_].pidns;
+  for (int q = 0; q < world_; ++q) {
+    if (q == rank_) continue;
+    RankControl& pc = controls_[q];
+    const int pid = pc.pid.load(std::memory_order_acquire);
+    if (pid == 0) continue;  // not attached yet: only the timeout applies
+    std::ostringstream os;
+    if (pc.exited.load()) {
+      os << "pycomm: rank " << q << " shut down its communicator while rank " << rank_ << " was in "
+         << collective_name(ctx.coll) << " #" << ctx.seq;
+      fail(os.str());
+    }
+    if (pc.pidns != my_ns) continue;  // its pid means nothing here
+    char state = 0;
+    uint64_t starttime = 0;
+    const bool found = read_proc_stat(pid, &state, &starttime);
+    if (!found || state == 'Z' || state == 'X' || starttime != pc.starttime) {
+      os << "pycomm: rank " << q << " (pid " << pid << ") died; detected by rank " << rank_ << " during "
+         << collective_name(ctx.coll) << " #" << ctx.seq;
+      fail(os.str());
+    }
+  }
+}
+
+template <typename Reached>
+void ShmTransport::wait_on(std::atomic<uint32_t>* word, int peer, const OpContext& ctx, const char* what,
+                           Reached is_reached) {
+  if (is_reached(word->load(std::memory_order_acquire))) return;
+  for (int i = 0; i < spin_iters_; ++i) {
+    cpu_relax();
+    if (is_reached(word->load(std::memory_order_acquire))) return;
+  }
+  RankControl& pc = controls_[peer];
+  for (int i = 0;; ++i) {
+    check_abort();
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= next_liveness_check_) {
+      check_peers_alive(ctx);
+      next_liveness_check_ = now + kLivenessPeriod;
+    }
+    if (now >= ctx.deadline) {
+      uint64_t peer_seq = 0;
+      for (const auto& slot : pc.headers) peer_seq = std::max(peer_seq, slot.seq64);
+      std::ostringstream os;
+      os << "pycomm: " << collective_name(ctx.coll) << " #" << ctx.seq << " timed out after " << timeout_s_
+         << " s on rank " << rank_ << " waiting for rank " << peer << " (" << what << "); rank " << peer
+         << " last entered collective #" << peer_seq;
+      fail(os.str());
+    }
+    if (i < yield_iters_) {
+      sched_yield();
+    } else {
+      // Dekker pair with post(): either the poster sees our waiter count and
+      // wakes us, or we see its new value before sleeping.
+      pc.waiters.fetch_add(1, std::memory_order_seq_cst);
+      const uint32_t v = word->load(std::memory_order_seq_cst);
+      if (!is_reached(v)) {
+        timespec ts{0, kFutexSleepNs};
+        futex_op(word, FUTEX_WAIT, v, &ts);
+      }
+      pc.waiters.fetch_sub(1, std::memory_order_seq_cst);
+    }
+    if (is_reached(word->load(std::memory_order_acquire))) return;
+  }
+}
+
+void ShmTransport::post_step(uint64_t step) {
+  RankControl& me = controls_[rank_];
+  me.step_flag.store(static_cast<uint32_t>(step + 1), std::memory_order_seq_cst);
+  if (me.waiters.load(std::memory_order_seq_cst) > 0) futex_wake_all(&me.step_flag);
+}
+
+void ShmTransport::post_round_done(uint64_t round) {
+  RankControl& me = controls_[rank_];
+  me.round_done.store(static_cast<uint32_t>(round + 1), std::memory_order_seq_cst);
+  if (me.waiters.load(std::memory_order_seq_cst) > 0) futex_wake_all(&me.round_done);
+}
+
+void ShmTransport::wait_step(int peer, uint64_t step, const OpContext& ctx) {
+  const uint32_t target = static_cast<uint32_t>(step + 1);
+  wait_on(&controls_[peer].step_flag, peer, ctx, "its data", [target](uint32_t v) { return reached(v, target); });
+}
+
+void ShmTransport::wait_round_free(uint64_t round, const OpContext& ctx) {
+  // Round `round` reuses the half of round-2: every peer must have finished
+  // reading it, i.e. completed round-2 (round_done >= round-1).
+  if (round < 2) return;
+  const uint32_t target = static_cast<uint32_t>(round - 1);
+  for (int q = 0; q < world_; ++q) {
+    if (q == rank_) continue;
+    wait_on(&controls_[q].round_done, q, ctx, "it to finish reading the previous round",
+            [target](uint32_t v) { return reached(v, target); });
+  }
+}
+
+void ShmTransport::publish_header(const CollectiveDesc& d, uint64_t seq) {
+  RankControl& me = controls_[rank_];
+  HeaderSlot& h = me.headers[seq % kHeaderSlots];
+  h.coll = static_cast<uint8_t>(d.coll);
+  h.algo = static_cast<uint8_t>(d.algo);
+  h.dtype = static_cast<uint8_t>(d.dtype);
+  h.op = static_cast<uint8_t>(d.op);
+  h.root = d.root;
+  h.count = d.count;
+  h.seq64 = seq;
+  h.seq.store(static_cast<uint32_t>(seq), std::memory_order_seq_cst);
+  if (me.waiters.load(std::memory_order_seq_cst) > 0) futex_wake_all(&h.seq);
+}
+
+namespace {
+
+std::string describe(const HeaderSlot& h) {
+  std::ostringstream os;
+  const auto coll = static_cast<Collective>(h.coll);
+  if (coll == Collective::kInvalid) return "a call it rejected as invalid (see the error on that rank)";
+  os << collective_name(coll);
+  if (coll == Collective::kBarrier) return os.str();
+  os << "(count=" << h.count << ", dtype=" << dtype_name(static_cast<DType>(h.dtype));
+  if (coll == Collective::kAllReduce || coll == Collective::kReduceScatter)
+    os << ", op=" << redop_name(static_cast<RedOp>(h.op));
+  if (coll == Collective::kBroadcast) os << ", src=" << h.root;
+  os << ", algorithm=" << algorithm_name(static_cast<Algorithm>(h.algo)) << ")";
+  return os.str();
+}
+
+}  // namespace
+
+void ShmTransport::check_header(int peer, const CollectiveDesc& d, uint64_t seq, const OpContext& ctx) {
+  HeaderSlot& h = controls_[peer].headers[seq % kHeaderSlots];
+  const uint32_t target = static_cast<uint32_t>(seq);
+  wait_on(&h.seq, peer, ctx, "it to enter this collective", [target](uint32_t v) { return reached(v, target); });
+  const HeaderSlot& mine = controls_[rank_].headers[seq % kHeaderSlots];
+  const bool same = h.seq64 == seq && h.coll == mine.coll && h.algo == mine.algo && h.dtype == mine.dtype &&
+                    h.op == mine.op && h.root == mine.root && h.count == mine.count;
+  if (same) return;
+  std::ostringstream os;
+  os << "pycomm: ranks disagree on collective #" << seq << ": rank " << rank_ << " called " << describe(mine)
+     << " but rank " << peer << " called " << describe(h);
+  fail(os.str());
+}
+
+char* ShmTransport::mailbox(int rank, uint64_t round, int phase) const {
+  return mailboxes_ + rank * mailbox_stride_ + (round % 2) * kNumPhases * round_bytes_ + phase * round_bytes_;
+}
+
+const ShmPlan& ShmTransport::plan_for(const Schedule& s) {
+  for (const auto& p : plans_)
+    if (p->algo == s.algo && p->coll == s.coll && p->root == s.root) return *p;
+  plans_.push_back(build_plan(s, rank_));
+  return *plans_.back();
+}
+
+void ShmTransport::run(const CollectiveDesc& desc, uint64_t seq) {
+  check_abort();
+  OpContext ctx;
+  ctx.coll = desc.coll;
+  ctx.seq = seq;
+  ctx.deadline = std::chrono::steady_clock::now() +
+                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                     std::chrono::duration<double>(timeout_s_));
+  publish_header(desc, seq);
+  std::vector<bool> checked(world_, false);
+  checked[rank_] = true;
+  execute(desc, ctx, checked, seq);
+  // Every peer must have entered the same collective before anybody returns:
+  // a mismatch therefore fails on every rank, and no rank runs ahead of the
+  // header slots.
+  for (int q = 0; q < world_; ++q)
+    if (!checked[q]) check_header(q, desc, seq, ctx);
+}
+
+void ShmTransport::execute(const CollectiveDesc& d, const OpContext& ctx, std::vector<bool>& checked,
+                           uint64_t seq) {
+  if (d.count == 0 || d.coll == Collective::kBarrier || d.coll == Collective::kInvalid) return;
+  const size_t es = dtype_size(d.dtype);
+  const bool sharded = d.coll == Collective::kReduceScatter || d.coll == Collective::kAllGather;
+  const size_t out_count = d.coll == Collective::kAllGather ? d.count * world_ : d.count;
+  const auto* in = static_cast<const char*>(d.input);
+  auto* out = static_cast<char*>(d.output);
+
+  if (world_ == 1) {
+    kernels::copy_cpu(out, nullptr, in, out_count * es);
+  } else {
+    const Schedule schedule{d.algo, d.coll, world_, d.root};
+    const ShmPlan& plan = plan_for(schedule);
+    const int K = plan.num_chunks;
+    const size_t align = std::max<size_t>(1, kChunkAlignBytes / es);
+    // Elements of one chunk in a full round: the round region holds K chunks.
+    const size_t chunk_max = std::max<size_t>(align, (round_bytes_ / (K * es)) / align * align);
+    const size_t per_round = sharded ? chunk_max : chunk_max * K;
+    const uint64_t rounds = (d.count + per_round - 1) / per_round;
+    const uint64_t steps = plan.steps.size();
+
+    std::vector<const char*> chunk_in(K);
+    std::vector<char*> chunk_out(K);
+    std::vector<size_t> chunk_len(K);
+    std::vector<const void*> srcs;
+    for (uint64_t j = 0; j < rounds; ++j) {
+      const uint64_t R = round_base_ + j;
+      const uint64_t first = j * per_round;
+      const size_t rem = static_cast<size_t>(std::min<uint64_t>(per_round, d.count - first));
+      // 1. Lay out this round's chunks in the caller's buffers.
+      if (sharded) {
+        for (int c = 0; c < K; ++c) {
+          chunk_len[c] = rem;
+          const size_t shard_off = (static_cast<size_t>(c) * d.count + first) * es;
+          if (d.coll == Collective::kReduceScatter) {
+            chunk_in[c] = in + shard_off;
+            chunk_out[c] = c == rank_ ? out + first * es : nullptr;
+          } else {
+            chunk_in[c] = c == rank_ ? in + first * es : nullptr;
+            chunk_out[c] = out + shard_off;
+          }
+        }
+      } else {
+        const size_t ce = std::min(chunk_max, ((rem + K - 1) / K + align - 1) / align * align);
+        for (int c = 0; c < K; ++c) {
+          const size_t lo = std::min(rem, c * ce), hi = std::min(rem, (c + 1) * ce);
+          chunk_len[c] = hi - lo;
+          chunk_in[c] = in + (first + lo) * es;
+          chunk_out[c] = out + (first + lo) * es;
+        }
+      }
+      auto where = [&](Loc l, int c) -> const char* {
+        switch (l) {
+          case Loc::kInput: return chunk_in[c];
+          case Loc::kOutput: return chunk_out[c];
+          case Loc::kMailbox0: return mailbox(rank_, R, 0) + c * chunk_max * es;
+          case Loc::kMailbox1: return mailbox(rank_, R, 1) + c * chunk_max * es;
+          default: return nullptr;
+        }
+      };
+      // 2. Make sure no peer still reads the mailbox half we are about to fill.
+      wait_round_free(R, ctx);
+      // 3. Run the schedule's steps.
+      for (uint64_t t = 0; t < steps; ++t) {
+        const PlanStep& step = plan.steps[t];
+        const uint64_t g = step_base_ + t;
+        for (const PlanSend& s : step.sends) {
+          if (s.from != Loc::kNone)
+            kernels::copy_cpu(mailbox(rank_, R, s.phase) + s.chunk * chunk_max * es, nullptr,
+                              where(s.from, s.chunk), chunk_len[s.chunk] * es);
+        }
+        if (!step.sends.empty()) post_step(g);
+        for (const PlanGroup& grp : step.groups) {
+          const int c = grp.chunk;
+          srcs.clear();
+          for (const PlanSrc& src : grp.srcs) {
+            if (src.peer == rank_) {
+              srcs.push_back(where(src.self_loc, c));
+              continue;
+            }
+            wait_step(src.peer, step_base_ + src.sent_step, ctx);
+            if (!checked[src.peer]) {
+              // Never read a peer's data before knowing it runs the same op.
+              check_header(src.peer, d, seq, ctx);
+              checked[src.peer] = true;
+            }
+            srcs.push_back(mailbox(src.peer, R, src.phase) + c * chunk_max * es);
+          }
+          char* fwd = grp.fwd_phase >= 0 ? mailbox(rank_, R, grp.fwd_phase) + c * chunk_max * es : nullptr;
+          char* dst0 = grp.to_output ? chunk_out[c] : fwd;
+          char* dst1 = grp.to_output ? fwd : nullptr;
+          kernels::reduce_cpu(d.dtype, d.op, dst0, dst1, srcs.data(), static_cast<int>(srcs.size()),
+                              chunk_len[c]);
+        }
+      }
+      for (int c : plan.final_copies) kernels::copy_cpu(chunk_out[c], nullptr, chunk_in[c], chunk_len[c] * es);
+      // 4. Let peers reuse this half once everybody is done with it.
+      post_round_done(R);
+      step_base_ += steps;
+    }
+    round_base_ += rounds;
+  }
+  if (d.op == RedOp::kAvg && (d.coll == Collective::kAllReduce || d.coll == Collective::kReduceScatter))
+    kernels::divide_cpu(d.dtype, out, out_count, static_cast<double>(world_));
+}
+
+}  // namespace pycomm

@@ -1,0 +1,117 @@
+// Shared-memory transport: the ranks of one host exchange data through one
+// segment, synchronised by counters that live in it.
+//
+// Segment layout (every part page aligned):
+//   SegmentHeader                       magic, token, sizes, abort state
+//   RankControl[world]                  per-rank flags, liveness, headers
+//   Mailbox[world]                      per rank: 2 halves x 2 phases x round_bytes
+//
+// A rank only ever writes its own control block and mailbox; peers read them.
+// Rounds alternate between the two mailbox halves, so a rank can fill round
+// R+1 while slow peers still read round R; before reusing a half it waits
+// until every peer has finished the round that last used it.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../algorithms/algorithms.h"
+#include "../collective.h"
+
+namespace pycomm {
+
+struct ShmConfig {
+  std::string name;        // e.g. "/pycomm.<token>.<host>"; must start with '/'
+  std::string token;       // random per job; checked on attach
+  bool create = false;     // the host's first rank creates, the others attach
+  int rank = 0;            // rank within this host's segment
+  int world = 1;           // ranks sharing the segment
+  size_t round_bytes = 0;  // bytes of one phase region of one mailbox half
+  double timeout_s = 300;
+};
+
+struct SegmentHeader;
+struct RankControl;
+
+// What a rank was doing, for error messages.
+struct OpContext {
+  Collective coll = Collective::kBarrier;
+  uint64_t seq = 0;
+  std::chrono::steady_clock::time_point deadline;
+};
+
+// The per-rank plan for one schedule: the schedule's ops with the
+// shared-memory specifics worked out once (where each chunk's latest value
+// lives, which copies a fused reduce makes unnecessary).
+struct ShmPlan;
+
+class ShmTransport {
+ public:
+  explicit ShmTransport(const ShmConfig& config);
+  ~ShmTransport();
+  ShmTransport(const ShmTransport&) = delete;
+  ShmTransport& operator=(const ShmTransport&) = delete;
+
+  // Runs collective number `seq` (the same on every rank). Throws CommError.
+  void run(const CollectiveDesc& desc, uint64_t seq);
+
+  // Tells peers this rank is leaving: their waits on it fail fast instead of
+  // timing out.
+  void shutdown();
+  // Makes every rank's current and future operations fail with `why`.
+  void abort(const std::string& why);
+
+  bool aborted() const;
+  std::string abort_message() const;
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  size_t round_bytes() const { return round_bytes_; }
+  double timeout() const { return timeout_s_; }
+  void set_timeout(double seconds) { timeout_s_ = seconds; }
+  // Whether the segment name is still visible in /dev/shm (tests).
+  const std::string& name() const { return name_; }
+
+ private:
+  void map_segment(const ShmConfig& config);
+  void publish_header(const CollectiveDesc& desc, uint64_t seq);
+  void check_header(int peer, const CollectiveDesc& desc, uint64_t seq, const OpContext& ctx);
+  void wait_step(int peer, uint64_t step, const OpContext& ctx);
+  void wait_round_free(uint64_t round, const OpContext& ctx);
+  void post_step(uint64_t step);
+  void post_round_done(uint64_t round);
+  template <typename Reached>
+  void wait_on(std::atomic<uint32_t>* word, int peer, const OpContext& ctx, const char* what,
+               Reached reached);
+  void check_abort() const;
+  void check_peers_alive(const OpContext& ctx);
+  [[noreturn]] void fail(const std::string& why);
+  const ShmPlan& plan_for(const Schedule& schedule);
+  char* mailbox(int rank, uint64_t round, int phase) const;
+  void execute(const CollectiveDesc& desc, const OpContext& ctx, std::vector<bool>& checked,
+               uint64_t seq);
+
+  std::string name_;
+  int rank_ = 0;
+  int world_ = 1;
+  size_t round_bytes_ = 0;
+  double timeout_s_ = 300;
+  void* base_ = nullptr;
+  size_t size_ = 0;
+  SegmentHeader* header_ = nullptr;
+  RankControl* controls_ = nullptr;
+  char* mailboxes_ = nullptr;
+  size_t mailbox_stride_ = 0;
+
+  uint64_t step_base_ = 0;   // global step counter, same on every rank
+  uint64_t round_base_ = 0;  // global round counter, same on every rank
+  int spin_iters_ = 0;
+  int yield_iters_ = 0;
+  std::chrono::steady_clock::time_point next_liveness_check_{};
+  std::vector<std::unique_ptr<ShmPlan>> plans_;
+};
+
+}  // namespace pycomm

@@ -1,0 +1,39 @@
+"""Loads the compiled core, tolerantly: pure-Python parts of pycomm import
+without it, and anything that needs it raises one clear message."""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Optional
+
+import torch  # noqa: F401  (loads libtorch, which pycomm._C links against)
+
+_core: Optional[ModuleType]
+try:
+    from . import _C as _core
+
+    _load_error: Optional[BaseException] = None
+except ImportError as e:  # not built, or built against another torch
+    _core = None
+    _load_error = e
+
+if _core is not None:
+    CommError = _core.CommError
+    Work = _core.Work
+else:
+
+    class CommError(RuntimeError):  # type: ignore[no-redef]
+        """A collective failed: bad input, ranks that disagree, a dead peer, a timeout."""
+
+    class Work:  # type: ignore[no-redef]
+        """Handle of an asynchronous collective (needs the compiled core)."""
+
+
+def load_core() -> ModuleType:
+    """pycomm._C, or an ImportError that says how to build it."""
+    if _core is None:
+        raise ImportError(
+            "pycomm's compiled core pycomm._C is not available "
+            f"({_load_error}). Build it against the installed torch with: "
+            "pip install --no-build-isolation -e .   (or run ./dev test, which does it for you)"
+        ) from _load_error
+    return _core

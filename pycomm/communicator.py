@@ -1,0 +1,429 @@
+"""The Python face of the communicator, and its bootstrap from torch.distributed.
+
+pycomm has no rendezvous of its own: ranks meet through a ``torch.distributed``
+Store (the default group's, or one you pass), agree on a random per-job token,
+find which ranks share a host, and map one shared-memory segment per host.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+import secrets
+import socket
+import threading
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from ._loader import CommError, Work, load_core
+
+logger = logging.getLogger("pycomm")
+
+# Ids shared with csrc/ (enum values there).
+ALGORITHMS: Dict[str, int] = {"auto": 0, "ring": 1, "tree": 2, "direct": 3}
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST, BARRIER = range(5)
+COLLECTIVE_NAMES = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier"]
+_OPS: Dict[object, int] = {"sum": 0, "avg": 1, "max": 2, "min": 3}
+for _name, _id in (("SUM", 0), ("AVG", 1), ("MAX", 2), ("MIN", 3)):
+    if hasattr(dist, "ReduceOp") and hasattr(dist.ReduceOp, _name):
+        _OPS[getattr(dist.ReduceOp, _name)] = _id
+
+DEFAULT_TIMEOUT_S = 300.0
+# One phase region of a rank's mailbox half; a rank maps 4 of them per peer.
+# 1 MiB keeps a round's chunks in the last-level cache between the writer and
+# its readers; see benchmarks/RESULTS.md for the sweep that chose it.
+DEFAULT_ROUND_BYTES = 1 << 20
+
+Op = Union[str, "dist.ReduceOp", "dist.ReduceOp.RedOpType"]
+
+
+def _op_id(op: Op) -> int:
+    try:
+        return _OPS[op if not isinstance(op, str) else op.lower()]
+    except (KeyError, TypeError):
+        raise CommError(f"pycomm: unsupported reduce op {op!r}; use sum, avg, max or min") from None
+
+
+def _host_key() -> str:
+    """Ranks with equal keys share memory: same kernel boot and network namespace.
+
+    The namespace matters for the simulated multi-host testbed, where ranks in
+    separate network namespaces of one machine must count as separate hosts.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    try:
+        netns = str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        netns = "?"
+    return f"{socket.gethostname()}|{boot}|{netns}"
+
+
+def _parse_round_bytes(value: Optional[int]) -> int:
+    if value is None:
+        env = os.environ.get("PYCOMM_SHM_ROUND_BYTES")
+        value = _parse_size(env) if env else DEFAULT_ROUND_BYTES
+    value = max(64 * 1024, int(value) // 4096 * 4096)
+    return value
+
+
+def _parse_size(text: str) -> int:
+    text = text.strip().upper()
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+        if text.endswith(suffix):
+            text, mult = text[:-1], m
+            break
+    return int(float(text) * mult)
+
+
+_instances_per_group: Dict[str, int] = {}
+_instances_lock = threading.Lock()
+
+
+class Communicator:
+    """Collectives among the ranks of a torch.distributed group.
+
+    Every call returns ``None`` (``async_op=False``, the default: the result is
+    in place when it returns) or a :class:`pycomm.Work` whose ``wait()`` and
+    ``get_future()`` (a ``torch.futures.Future``) complete when the result is
+    ready. Calls run in issue order, which must be the same on every rank.
+
+    Example::
+
+        dist.init_process_group("gloo")
+        comm = pycomm.Communicator()
+        t = torch.randn(1024)
+        comm.all_reduce(t)                      # sum over ranks, in place
+        work = comm.all_reduce(t, op="avg", async_op=True)
+        work.wait()
+
+    Args:
+        group: the torch.distributed group whose ranks take part (default:
+            the default group). Its Store is used for the bootstrap only.
+        store, rank, world_size: bootstrap from an explicit Store instead.
+        timeout: seconds any one collective may wait for a peer before every
+            rank raises :class:`pycomm.CommError` (default 300, or
+            ``PYCOMM_TIMEOUT``).
+        round_bytes: shared-memory staging size per phase (default 1 MiB or
+            ``PYCOMM_SHM_ROUND_BYTES``).
+    """
+
+    def __init__(
+        self,
+        group: Optional["dist.ProcessGroup"] = None,
+        *,
+        store: Optional["dist.Store"] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        timeout: Optional[Union[float, datetime.timedelta]] = None,
+        round_bytes: Optional[int] = None,
+    ) -> None:
+        core = load_core()
+        store, rank, world_size, group_name = _resolve_bootstrap(group, store, rank, world_size)
+        with _instances_lock:
+            index = _instances_per_group.get(group_name, 0)
+            _instances_per_group[group_name] = index + 1
+        store = dist.PrefixStore(f"pycomm/{group_name}/{index}/", store)
+        if timeout is None:
+            timeout = float(os.environ.get("PYCOMM_TIMEOUT", DEFAULT_TIMEOUT_S))
+        if isinstance(timeout, datetime.timedelta):
+            timeout = timeout.total_seconds()
+        self.rank: int = rank
+        self.world_size: int = world_size
+        self._store = store
+
+        # 1. Topology: which ranks share a host.
+        hosts = self._exchange_hosts(store, rank, world_size)
+        local_ranks = [r for r in range(world_size) if hosts[r] == hosts[rank]]
+        self.local_rank: int = local_ranks.index(rank)
+        self.local_size: int = len(local_ranks)
+        self.num_hosts: int = len(set(hosts))
+        if self.num_hosts != 1:
+            raise CommError(
+                f"pycomm: the {world_size} ranks span {self.num_hosts} hosts; this version connects "
+                "ranks of one host (shared memory) only"
+            )
+
+        # 2. One random token per job: segment names nobody can guess, and a
+        #    check that we attach to this job's segment and no other.
+        if rank == 0:
+            store.set("token", secrets.token_hex(16))
+        token = store.get("token").decode()
+        name = f"/pycomm.{token}.{min(local_ranks)}"
+        key = f"segment/{min(local_ranks)}"
+        round_bytes = _parse_round_bytes(round_bytes)
+
+        # 3. The host's first rank creates the segment, the others attach.
+        if self.local_rank == 0:
+            try:
+                self._c = core.Communicator(rank=self.local_rank, world=self.local_size, shm_name=name,
+                                            token=token, create=True, round_bytes=round_bytes,
+                                            timeout=float(timeout))
+            except Exception as e:
+                store.set(key, f"error: {e}")
+                raise
+            store.set(key, "ok")
+        else:
+            status = store.get(key).decode()
+            if status != "ok":
+                raise CommError(f"pycomm: rank {min(local_ranks)} could not create the shared segment: {status}")
+            self._c = core.Communicator(rank=self.local_rank, world=self.local_size, shm_name=name,
+                                        token=token, create=False, round_bytes=round_bytes,
+                                        timeout=float(timeout))
+
+        # 4. PYCOMM_ALGO is a preference: collectives it cannot run fall back
+        #    to the tuner, and say so once.
+        self._default_algo: List[Tuple[int, bool]] = [(0, False)] * 5
+        env_algo = os.environ.get("PYCOMM_ALGO", "").strip().lower()
+        if env_algo and env_algo != "auto":
+            if env_algo not in ALGORITHMS:
+                raise CommError(f"pycomm: PYCOMM_ALGO={env_algo!r} is not one of {', '.join(ALGORITHMS)}")
+            for coll in (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST):
+                algo_id = ALGORITHMS[env_algo]
+                if env_algo == "direct" or core.algorithm_supports(algo_id, coll):
+                    self._default_algo[coll] = (algo_id, False)
+                elif rank == 0:
+                    logger.info("pycomm: PYCOMM_ALGO=%s does not apply to %s; using the tuner's choice",
+                                env_algo, COLLECTIVE_NAMES[coll])
+
+    @staticmethod
+    def _exchange_hosts(store: "dist.Store", rank: int, world_size: int) -> List[str]:
+        store.set(f"host/{rank}", _host_key())
+        keys = [f"host/{r}" for r in range(world_size)]
+        values = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
+        hosts = [v.decode() for v in values]
+        local_size = os.environ.get("PYCOMM_LOCAL_SIZE")
+        if local_size:
+            # Tests and benchmarks: pretend consecutive blocks of ranks are hosts.
+            n = int(local_size)
+            if n <= 0 or world_size % n:
+                raise CommError(f"pycomm: PYCOMM_LOCAL_SIZE={n} must divide the world size {world_size}")
+            hosts = [f"{h}#block{r // n}" for r, h in enumerate(hosts)]
+        return hosts
+
+    def _algorithm(self, algorithm: str, coll: int) -> Tuple[int, bool]:
+        if algorithm == "auto":
+            return self._default_algo[coll]
+        try:
+            return ALGORITHMS[algorithm], True
+        except KeyError:
+            raise CommError(
+                f"pycomm: unknown algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}"
+            ) from None
+
+    # -------------------------------------------------------------- collectives
+
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: Op = "sum",
+        *,
+        output: Optional[torch.Tensor] = None,
+        algorithm: str = "auto",
+        async_op: bool = False,
+    ) -> Optional[Work]:
+        """Reduce ``tensor`` over all ranks; the result lands in ``output`` (default: in place).
+
+        ``op`` is ``"sum"``, ``"avg"``, ``"max"``, ``"min"`` or a ``dist.ReduceOp``.
+        float16/bfloat16 accumulate in float32. Every rank gets the same bits.
+
+        Example::
+
+            comm.all_reduce(grad, op="avg")
+            out = torch.empty_like(x); comm.all_reduce(x, output=out, algorithm="ring")
+        """
+        algo, strict = self._algorithm(algorithm, ALL_REDUCE)
+        work = self._c.all_reduce(tensor, tensor if output is None else output, _op_id(op), algo, strict, async_op)
+        return work if async_op else None
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: Union[torch.Tensor, Sequence[torch.Tensor]],
+        op: Op = "sum",
+        *,
+        algorithm: str = "auto",
+        async_op: bool = False,
+    ) -> Optional[Work]:
+        """Reduce ``input`` (world_size x output.numel() elements) over ranks; rank r keeps shard r.
+
+        ``input`` may also be a list of world_size tensors shaped like ``output``.
+
+        Example::
+
+            out = torch.empty(n); comm.reduce_scatter(out, torch.randn(world * n))
+        """
+        if not isinstance(input, torch.Tensor):
+            input = torch.cat([t.reshape(-1) for t in input])
+        algo, strict = self._algorithm(algorithm, REDUCE_SCATTER)
+        work = self._c.reduce_scatter(output, input, _op_id(op), algo, strict, async_op)
+        return work if async_op else None
+
+    def all_gather(
+        self,
+        output: Union[torch.Tensor, List[torch.Tensor]],
+        input: torch.Tensor,
+        *,
+        algorithm: str = "auto",
+        async_op: bool = False,
+    ) -> Optional[Work]:
+        """Gather every rank's ``input`` into ``output`` (world_size x input.numel(), rank order).
+
+        ``output`` may also be a list of world_size tensors shaped like ``input``
+        (synchronous calls only).
+
+        Example::
+
+            out = torch.empty(world * n); comm.all_gather(out, x)
+        """
+        algo, strict = self._algorithm(algorithm, ALL_GATHER)
+        if isinstance(output, torch.Tensor):
+            work = self._c.all_gather(output, input, algo, strict, async_op)
+            return work if async_op else None
+        if async_op:
+            raise CommError("pycomm.all_gather: pass one flat output tensor for async_op=True")
+        if len(output) != self.world_size:
+            raise CommError(f"pycomm.all_gather: output list has {len(output)} tensors, expected {self.world_size}")
+        flat = torch.empty(self.world_size * input.numel(), dtype=input.dtype, device=input.device)
+        self._c.all_gather(flat, input, algo, strict, False)
+        for r, t in enumerate(output):
+            t.copy_(flat[r * input.numel():(r + 1) * input.numel()].view_as(t))
+        return None
+
+    def broadcast(
+        self, tensor: torch.Tensor, src: int = 0, *, algorithm: str = "auto", async_op: bool = False
+    ) -> Optional[Work]:
+        """Copy ``tensor`` of rank ``src`` into ``tensor`` on every rank.
+
+        Example::
+
+            comm.broadcast(params, src=0)
+        """
+        algo, strict = self._algorithm(algorithm, BROADCAST)
+        work = self._c.broadcast(tensor, int(src), algo, strict, async_op)
+        return work if async_op else None
+
+    def barrier(self, *, async_op: bool = False) -> Optional[Work]:
+        """Return once every rank has called barrier (or a Work that completes then)."""
+        work = self._c.barrier(async_op)
+        return work if async_op else None
+
+    # ------------------------------------------------------------------- misc
+
+    def resolve_algorithm(self, collective: str, algorithm: str, nbytes: int) -> str:
+        """The concrete algorithm a call of ``nbytes`` per rank would run (e.g. what "auto" picks)."""
+        algo, _ = self._algorithm(algorithm, COLLECTIVE_NAMES.index(collective))
+        return self._c.resolve(COLLECTIVE_NAMES.index(collective), algo, int(nbytes))
+
+    @property
+    def timeout(self) -> float:
+        """Seconds one collective may wait for a peer before raising CommError."""
+        return self._c.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._c.timeout = float(seconds)
+
+    def abort(self, reason: str = "aborted by the user") -> None:
+        """Make the current and every later collective fail on every rank."""
+        self._c.abort(f"pycomm: rank {self.rank}: {reason}")
+
+    def close(self) -> None:
+        """Finish queued collectives and leave; later calls raise CommError."""
+        self._c.shutdown()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"pycomm.Communicator(rank={self.rank}, world_size={self.world_size}, local_size={self.local_size})"
+
+
+def _resolve_bootstrap(group, store, rank, world_size):
+    if store is not None:
+        if rank is None or world_size is None:
+            raise CommError("pycomm: pass rank and world_size together with store")
+        return store, int(rank), int(world_size), "explicit"
+    if not (dist.is_available() and dist.is_initialized()):
+        raise CommError(
+            "pycomm: torch.distributed is not initialized; call dist.init_process_group(...) first "
+            "or pass store=, rank=, world_size="
+        )
+    group = group or dist.group.WORLD
+    name = getattr(group, "group_name", None) or str(id(group))
+    return dist.distributed_c10d._get_default_store(), dist.get_rank(group), dist.get_world_size(group), name
+
+
+# ------------------------------------------------------------------ default communicator
+
+_default: Optional[Communicator] = None
+
+
+def init(group: Optional["dist.ProcessGroup"] = None, **kwargs: object) -> Communicator:
+    """Create the default communicator (used by the module-level functions).
+
+    Example::
+
+        dist.init_process_group("gloo")
+        pycomm.init()
+        pycomm.all_reduce(t)
+    """
+    global _default
+    if _default is not None:
+        raise CommError("pycomm: the default communicator already exists; call pycomm.destroy() first")
+    _default = Communicator(group, **kwargs)
+    return _default
+
+
+def get_default() -> Communicator:
+    """The default communicator, created from the default group on first use."""
+    if _default is None:
+        init()
+    assert _default is not None
+    return _default
+
+
+def destroy() -> None:
+    """Close and drop the default communicator."""
+    global _default
+    if _default is not None:
+        _default.close()
+        _default = None
+
+
+atexit.register(destroy)
+
+
+def all_reduce(tensor: torch.Tensor, op: Op = "sum", **kwargs) -> Optional[Work]:
+    """:meth:`Communicator.all_reduce` on the default communicator."""
+    return get_default().all_reduce(tensor, op, **kwargs)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Op = "sum", **kwargs) -> Optional[Work]:
+    """:meth:`Communicator.reduce_scatter` on the default communicator."""
+    return get_default().reduce_scatter(output, input, op, **kwargs)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, **kwargs) -> Optional[Work]:
+    """:meth:`Communicator.all_gather` on the default communicator."""
+    return get_default().all_gather(output, input, **kwargs)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, **kwargs) -> Optional[Work]:
+    """:meth:`Communicator.broadcast` on the default communicator."""
+    return get_default().broadcast(tensor, src, **kwargs)
+
+
+def barrier(**kwargs) -> Optional[Work]:
+    """:meth:`Communicator.barrier` on the default communicator."""
+    return get_default().barrier(**kwargs)

@@ -1,0 +1,50 @@
+"""Build pycomm._C.
+
+CppExtension by default; CUDAExtension when torch was built with CUDA and
+nvcc is on the PATH (or CUDA_HOME). Override with PYCOMM_FORCE_CUDA=1 or
+PYCOMM_NO_CUDA=1. This is the only place that choice is made.
+"""
+import glob
+import os
+import shutil
+
+from setuptools import find_packages, setup
+from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _want_cuda() -> bool:
+    if os.environ.get("PYCOMM_NO_CUDA") == "1":
+        return False
+    if os.environ.get("PYCOMM_FORCE_CUDA") == "1":
+        return True
+    import torch
+
+    has_nvcc = shutil.which("nvcc") is not None or bool(cpp_extension.CUDA_HOME)
+    return torch.version.cuda is not None and has_nvcc
+
+
+def _sources(pattern: str) -> list:
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
+
+
+cpp_sources = _sources("csrc/**/*.cpp")
+cuda_sources = _sources("csrc/kernels/cuda/*.cu")
+cxx_flags = ["-O3", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
+
+if _want_cuda():
+    ext = cpp_extension.CUDAExtension(
+        "pycomm._C",
+        cpp_sources + cuda_sources,
+        define_macros=[("PYCOMM_WITH_CUDA", "1")],
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
+    )
+else:
+    ext = cpp_extension.CppExtension("pycomm._C", cpp_sources, extra_compile_args={"cxx": cxx_flags})
+
+setup(
+    packages=find_packages(include=["pycomm", "pycomm.*"]),
+    ext_modules=[ext],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+)
