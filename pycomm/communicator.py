@@ -113,6 +113,9 @@ class Communicator:
             ``PYCOMM_TIMEOUT``).
         round_bytes: shared-memory staging size per phase (default 1 MiB or
             ``PYCOMM_SHM_ROUND_BYTES``).
+        name: the communicator's key space in the Store. By default the n-th
+            communicator created on a group is named after the group and n;
+            pass distinct names to build several on one explicit store.
     """
 
     def __init__(
@@ -124,13 +127,18 @@ class Communicator:
         world_size: Optional[int] = None,
         timeout: Optional[Union[float, datetime.timedelta]] = None,
         round_bytes: Optional[int] = None,
+        name: Optional[str] = None,
     ) -> None:
         core = load_core()
         store, rank, world_size, group_name = _resolve_bootstrap(group, store, rank, world_size)
-        with _instances_lock:
-            index = _instances_per_group.get(group_name, 0)
-            _instances_per_group[group_name] = index + 1
-        store = dist.PrefixStore(f"pycomm/{group_name}/{index}/", store)
+        if name is None:
+            # Like torch's new_group: the n-th communicator of a group is the
+            # n-th on every rank, provided ranks create them in the same order.
+            with _instances_lock:
+                index = _instances_per_group.get(group_name, 0)
+                _instances_per_group[group_name] = index + 1
+            name = f"{group_name}/{index}"
+        store = dist.PrefixStore(f"pycomm/{name}/", store)
         if timeout is None:
             timeout = float(os.environ.get("PYCOMM_TIMEOUT", DEFAULT_TIMEOUT_S))
         if isinstance(timeout, datetime.timedelta):
@@ -353,7 +361,7 @@ def _resolve_bootstrap(group, store, rank, world_size):
     if store is not None:
         if rank is None or world_size is None:
             raise CommError("pycomm: pass rank and world_size together with store")
-        return store, int(rank), int(world_size), "explicit"
+        return store, int(rank), int(world_size), "store"
     if not (dist.is_available() and dist.is_initialized()):
         raise CommError(
             "pycomm: torch.distributed is not initialized; call dist.init_process_group(...) first "

@@ -1,9 +1,10 @@
 // Tree: latency of O(log n) hops instead of the ring's O(n).
 //
 // All-reduce uses a double binary tree (as NCCL does): the round is split in
-// two halves, each reduced up one tree and broadcast back down it. Tree 1 is
-// tree 0 shifted (even n) or mirrored (odd n), so most ranks that are leaves
-// in one tree are inner nodes in the other and no rank's links idle. Each
+// two halves, each reduced up one tree and broadcast back down it. Tree 0 is
+// an in-order tree over the ranks, whose leaves are (nearly) the even labels;
+// tree 1 is the same tree with every label shifted by one, so its leaves are
+// odd ranks: at most one rank is a leaf in both and no rank's links idle. Each
 // half is further cut into kPipelineChunks chunks so that every level of the
 // tree works on a different chunk at once.
 //
@@ -37,12 +38,10 @@ struct TreeSchedule {
 
   // Label <-> rank maps of the two all-reduce trees.
   PYCOMM_HOST_DEVICE static int label_to_rank(int tree, int label, int n) {
-    if (tree == 0) return label;
-    return (n % 2 == 0) ? mod(label + 1, n) : n - 1 - label;
+    return tree == 0 ? label : mod(label + 1, n);
   }
   PYCOMM_HOST_DEVICE static int rank_to_label(int tree, int rank, int n) {
-    if (tree == 0) return rank;
-    return (n % 2 == 0) ? mod(rank - 1, n) : n - 1 - rank;
+    return tree == 0 ? rank : mod(rank - 1, n);
   }
 
   // Node `rank` of all-reduce tree `tree`: descend from the root of the

@@ -1,0 +1,140 @@
+"""Worker-side sweeps of the collective matrix (run inside harness workers).
+
+Inputs are fresh random data, seeded per (case, rank) so that every rank can
+rebuild every other rank's input and compute the expected result in float64.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import List, Optional, Tuple
+
+import torch
+
+from harness import make_comm
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
+# 0, 1, tiny, primes, and sizes that cross chunk and (64 KiB) round boundaries
+# unevenly for every world size; the largest (several rounds) for two dtypes.
+COUNTS = [0, 1, 2, 3, 7, 31, 1021, 16411]
+LARGE_COUNT = 70001
+LARGE_DTYPES = (torch.float32, torch.int64)
+EPS = {torch.float32: 2.0 ** -23, torch.float64: 2.0 ** -52, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+
+
+def ops_for(dtype: torch.dtype) -> List[str]:
+    if dtype == torch.float32:
+        return ["sum", "avg", "max", "min"]
+    if dtype in (torch.int32, torch.int64):
+        return ["sum", "max", "min"]
+    if dtype == torch.float64:
+        return ["sum", "avg"]
+    return ["sum", "max"]
+
+
+def make_input(seed: int, rank: int, n: int, dtype: torch.dtype, shard: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed((seed * 7919 + rank) * 131 + shard)
+    if dtype.is_floating_point:
+        return (torch.randn(n, generator=g, dtype=torch.float64) * 4).to(dtype)
+    return torch.randint(-1000, 1000, (n,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def check_reduction(out: torch.Tensor, xs: List[torch.Tensor], op: str, dtype: torch.dtype) -> Optional[str]:
+    """None if `out` is the reduction of xs within the stated bound, else why not.
+
+    Bound for sums: world * eps(dtype) * sum(|x|) per element. A sum rounded
+    once per hop (ring, tree) loses at most eps/2 of a partial sum, itself at
+    most sum(|x|), at each of fewer than `world` hops. Integers, max and min
+    are exact.
+    """
+    world = len(xs)
+    stack = torch.stack([x.double() for x in xs]) if xs else None
+    if op in ("sum", "avg"):
+        exp = stack.sum(0)
+        if op == "avg":
+            exp = exp / world
+    elif op == "max":
+        exp = stack.max(0).values
+    else:
+        exp = stack.min(0).values
+    got = out.double()
+    if not dtype.is_floating_point or op in ("max", "min"):
+        bad = (got != exp).nonzero()
+        return None if bad.numel() == 0 else f"{bad.numel()} wrong, first at {bad[0].item()}: {got[bad[0]].item()} vs {exp[bad[0]].item()}"
+    bound = world * EPS[dtype] * stack.abs().sum(0) + EPS[dtype] * exp.abs() + 1e-300
+    err = (got - exp).abs()
+    bad = (err > bound).nonzero()
+    if bad.numel():
+        i = bad[0].item()
+        return f"{bad.numel()} outside bound, first at {i}: {got[i].item()} vs {exp[i].item()} (bound {bound[i].item():.3g})"
+    return None
+
+
+def sweep(rank: int, world: int, name: str, coll: str, algos: List[str]) -> List[Tuple[str, Optional[str], str]]:
+    """Runs every (algorithm, dtype, count, op) case of one collective; returns
+    (case, error or None, digest of the result) per case."""
+    comm = make_comm(rank, world, name, round_bytes=64 * 1024, timeout=60)
+    results = []
+    seed = 0
+    for algo in algos:
+        for dtype in DTYPES:
+            ops = ops_for(dtype) if coll in ("all_reduce", "reduce_scatter") else ["-"]
+            for count in COUNTS + ([LARGE_COUNT] if dtype in LARGE_DTYPES else []):
+                for op in ops:
+                    seed += 1
+                    key = f"{coll}/{algo}/{str(dtype)[6:]}/{count}/{op}"
+                    results.append(_one(comm, rank, world, coll, algo, dtype, count, op, seed, key))
+    comm.close()
+    return results
+
+
+def _one(comm, rank, world, coll, algo, dtype, count, op, seed, key):
+    # Replicated results must be bitwise identical on every rank (checked by
+    # digest), so only rank 0 needs to check values against the reference.
+    verify = rank == 0
+    in_place = seed % 2 == 0
+    err = None
+    if coll == "all_reduce":
+        mine = make_input(seed, rank, count, dtype)
+        x = mine.clone()
+        out = x if in_place else torch.full_like(x, 7)
+        comm.all_reduce(x, op, output=None if in_place else out, algorithm=algo)
+        if not in_place and not torch.equal(x, mine):
+            return key, "out-of-place all_reduce modified its input", ""
+        if verify:
+            xs = [make_input(seed, r, count, dtype) for r in range(world)]
+            err = check_reduction(out, xs, op, dtype)
+    elif coll == "reduce_scatter":
+        # Inputs are built shard by shard, so each rank rebuilds only the
+        # shard it checks.
+        x = torch.cat([make_input(seed, rank, count, dtype, shard=c) for c in range(world)])
+        out = torch.full((count,), 7, dtype=dtype)
+        comm.reduce_scatter(out, x, op, algorithm=algo)
+        shards = [make_input(seed, r, count, dtype, shard=rank) for r in range(world)]
+        err = check_reduction(out, shards, op, dtype)
+    elif coll == "all_gather":
+        mine = make_input(seed, rank, count, dtype)
+        out = torch.full((count * world,), 7, dtype=dtype)
+        if in_place:
+            out[rank * count:(rank + 1) * count] = mine
+            comm.all_gather(out, out[rank * count:(rank + 1) * count], algorithm=algo)
+        else:
+            comm.all_gather(out, mine.clone(), algorithm=algo)
+        if verify:
+            exp = torch.cat([make_input(seed, r, count, dtype) for r in range(world)])
+            err = None if torch.equal(out, exp) else f"{(out != exp).sum().item()} wrong"
+    else:  # broadcast, three roots per case
+        errs = []
+        for root in sorted({0, world - 1, world // 2}):
+            x = make_input(seed + 1000 * root, rank, count, dtype)
+            comm.broadcast(x, src=root, algorithm=algo)
+            if verify and not torch.equal(x, make_input(seed + 1000 * root, root, count, dtype)):
+                errs.append(f"root {root}: {(x != exp).sum().item()} wrong")
+        out = x
+        err = "; ".join(errs) or None
+    # Each rank holds a different shard after reduce_scatter: only replicated
+    # results can be compared across ranks.
+    return key, err, "" if coll == "reduce_scatter" else digest(out)

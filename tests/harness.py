@@ -1,0 +1,147 @@
+"""Multi-process harness: worker processes are started once per test module
+(importing torch costs seconds) and run many cases each.
+
+The pytest process hosts a TCPStore; each case builds its communicators
+under a fresh name, so cases never share keys or segments.
+"""
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from typing import Any, Callable, List, Optional
+
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankError(AssertionError):
+    """A worker raised; carries every failing rank's traceback."""
+
+
+def _worker_main(rank: int, port: int, conn) -> None:
+    import torch
+
+    # Up to 8 ranks share 2 cores: torch's own intra-op thread pool (whose
+    # threads busy-wait) would turn every reference computation into a fight
+    # for the cores.
+    torch.set_num_threads(1)
+
+    import pycomm  # noqa: F401
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=__import__("datetime").timedelta(seconds=60))
+    _STATE["store"] = store
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        fn, args, kwargs = msg
+        try:
+            conn.send(("ok", fn(rank, *args, **kwargs)))
+        except BaseException as e:  # noqa: BLE001 - everything goes back to the test
+            conn.send(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+_STATE: dict = {}
+_names = itertools.count()
+
+
+def worker_store():
+    """The TCPStore client of this worker process."""
+    return _STATE["store"]
+
+
+def make_comm(rank: int, world: int, name: str, **kwargs: Any):
+    """A pycomm.Communicator over ranks 0..world-1 of the pool (call inside a worker)."""
+    import pycomm
+
+    return pycomm.Communicator(store=worker_store(), rank=rank, world_size=world, name=name, **kwargs)
+
+
+class RankPool:
+    """``nprocs`` long-lived worker processes; ``run`` calls a module-level
+    function ``fn(rank, *args)`` on ranks ``0..world-1`` and returns the
+    results in rank order."""
+
+    def __init__(self, nprocs: int, env: Optional[dict] = None) -> None:
+        self.nprocs = nprocs
+        self.port = free_port()
+        self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        old = {k: os.environ.get(k) for k in (env or {})}
+        os.environ.update(env or {})
+        try:
+            self.conns, self.procs = [], []
+            for r in range(nprocs):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=_worker_main, args=(r, self.port, child), daemon=True)
+                p.start()
+                self.conns.append(parent)
+                self.procs.append(p)
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def new_name(self, prefix: str = "case") -> str:
+        return f"{prefix}{next(_names)}"
+
+    def run(self, fn: Callable, *args: Any, world: Optional[int] = None, timeout: float = 300,
+            ranks_ok_to_die: bool = False, **kwargs: Any) -> List[Any]:
+        world = self.nprocs if world is None else world
+        for r in range(world):
+            self.conns[r].send((fn, args, kwargs))
+        results, errors = [], []
+        for r in range(world):
+            if not self.conns[r].poll(timeout):
+                raise RankError(f"rank {r} did not answer within {timeout} s (hang?)")
+            try:
+                status, value = self.conns[r].recv()
+            except EOFError:
+                if ranks_ok_to_die:
+                    results.append(None)
+                    continue
+                raise RankError(f"rank {r} died") from None
+            if status == "err":
+                errors.append(f"--- rank {r}:\n{value}")
+            results.append(value)
+        if errors:
+            raise RankError("\n".join(errors))
+        return results
+
+    def run_expect(self, fn: Callable, *args: Any, world: Optional[int] = None, timeout: float = 300,
+                   **kwargs: Any) -> List[tuple]:
+        """Like run, but returns (status, value) per rank instead of raising."""
+        world = self.nprocs if world is None else world
+        for r in range(world):
+            self.conns[r].send((fn, args, kwargs))
+        out = []
+        for r in range(world):
+            if not self.conns[r].poll(timeout):
+                raise RankError(f"rank {r} did not answer within {timeout} s (hang?)")
+            try:
+                out.append(self.conns[r].recv())
+            except EOFError:
+                out.append(("dead", None))
+        return out
+
+    def close(self) -> None:
+        for c, p in zip(self.conns, self.procs):
+            try:
+                if p.is_alive():
+                    c.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self.procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()

@@ -1,0 +1,127 @@
+"""Schedules, executed symbolically: no processes, no memory, just who sends
+which chunk when. Every rank's chunk values are multisets of contributing
+ranks; a correct all-reduce ends with every rank holding every rank once.
+
+Also checks the executor's contract (csrc/algorithms/schedule.h): a receive
+names the step its data was sent at, never a later one; sends come before
+receives; a chunk enters one mailbox region at most once per round.
+"""
+from collections import Counter
+
+import pytest
+import torch  # noqa: F401
+
+import pycomm
+
+C = pycomm.load_core()
+RING, TREE, ONESHOT, TWOSHOT = 1, 2, 4, 5
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST = 0, 1, 2, 3
+SEND, RECV_REDUCE, RECV_COPY = 0, 1, 2
+ALL_PEERS = -1
+
+CASES = [
+    (RING, ALL_REDUCE), (TREE, ALL_REDUCE), (ONESHOT, ALL_REDUCE), (TWOSHOT, ALL_REDUCE),
+    (RING, REDUCE_SCATTER), (TWOSHOT, REDUCE_SCATTER),
+    (RING, ALL_GATHER), (TWOSHOT, ALL_GATHER),
+    (RING, BROADCAST), (TREE, BROADCAST), (ONESHOT, BROADCAST),
+]
+
+
+def has_input(coll, chunk, rank):
+    return coll != ALL_GATHER or chunk == rank
+
+
+def simulate(algo, coll, world, root):
+    chunks, steps = C.schedule_shape(algo, coll, world, root)
+    value = [[Counter({r: 1}) if has_input(coll, c, r) else None for c in range(chunks)] for r in range(world)]
+    if coll == BROADCAST:
+        value = [[Counter({r: 1}) for _ in range(chunks)] for r in range(world)]
+    sent = {}  # (sender, step, phase, chunk) -> (value, receivers)
+    written = set()
+    for step in range(steps):
+        ops = {r: C.schedule_ops(algo, coll, r, world, root, step) for r in range(world)}
+        for r in range(world):
+            kinds = [k for k, *_ in ops[r]]
+            assert kinds == sorted(kinds, key=lambda k: k != SEND), f"rank {r} step {step}: sends must come first"
+            for kind, phase, peer, chunk, _ in ops[r]:
+                if kind != SEND:
+                    continue
+                assert value[r][chunk] is not None, f"rank {r} sends chunk {chunk} it does not have"
+                assert peer == ALL_PEERS or 0 <= peer < world and peer != r
+                key = (r, phase, chunk)
+                prior = sent.get((r, step, phase, chunk))
+                if prior is None:
+                    # A chunk may be sent to several peers in one step, but never
+                    # re-written into a region within the round.
+                    assert key not in written, f"rank {r} rewrites chunk {chunk} in phase {phase}"
+                    written.add(key)
+                    sent[(r, step, phase, chunk)] = Counter(value[r][chunk])
+        for r in range(world):
+            recvs = [op for op in ops[r] if op[0] != SEND]
+            i = 0
+            while i < len(recvs):
+                chunk = recvs[i][3]
+                group = []
+                while i < len(recvs) and recvs[i][3] == chunk:
+                    group.append(recvs[i])
+                    i += 1
+                acc = Counter(value[r][chunk]) if group[0][0] == RECV_REDUCE else Counter()
+                for j, (kind, phase, peer, c, sent_step) in enumerate(group):
+                    assert j == 0 or kind == RECV_REDUCE, "copies only open a group"
+                    if peer == r:
+                        acc.update(value[r][c])
+                        continue
+                    assert sent_step <= step, f"rank {r} waits for a send from a later step"
+                    msg = sent.get((peer, sent_step, phase, c))
+                    assert msg is not None, (f"rank {r} step {step} expects chunk {c} phase {phase} "
+                                             f"from rank {peer} at step {sent_step}, never sent")
+                    acc.update(msg)
+                value[r][chunk] = acc
+    return value, chunks
+
+
+@pytest.mark.parametrize("algo,coll", CASES)
+@pytest.mark.parametrize("world", list(range(1, 13)))
+def test_schedule_delivers(algo, coll, world):
+    roots = sorted({0, world - 1, world // 2}) if coll == BROADCAST else [0]
+    everyone = Counter(range(world))
+    for root in roots:
+        value, chunks = simulate(algo, coll, world, root)
+        for r in range(world):
+            for c in range(chunks):
+                got = value[r][c]
+                if coll == ALL_REDUCE:
+                    assert got == everyone, (r, c, got)
+                elif coll == REDUCE_SCATTER and c == r:
+                    assert got == everyone, (r, c, got)
+                elif coll == ALL_GATHER:
+                    assert got is not None and set(got) == {c}, (r, c, got)
+                elif coll == BROADCAST:
+                    assert got == Counter({root: 1}) or (r == root and got == Counter({root: 1})), (r, c, got)
+
+
+def test_tree_is_double_binary():
+    """Most ranks are leaves in one tree and inner nodes in the other."""
+    for world in (7, 8, 15, 16):
+        ops0 = [C.schedule_ops(TREE, ALL_REDUCE, r, world, 0, 0) for r in range(world)]
+        # At step 0 only leaves send partial sums up: chunk 0 (tree 0) or chunk P (tree 1).
+        p = C.schedule_shape(TREE, ALL_REDUCE, world, 0)[0] // 2
+        leaf0 = {r for r in range(world) if any(k == SEND and ch == 0 for k, _, _, ch, _ in ops0[r])}
+        leaf1 = {r for r in range(world) if any(k == SEND and ch == p for k, _, _, ch, _ in ops0[r])}
+        assert len(leaf0 & leaf1) <= 1, (world, leaf0, leaf1)
+
+
+def test_tree_latency_is_logarithmic():
+    _, ring_steps = C.schedule_shape(RING, ALL_REDUCE, 64, 0)
+    _, tree_steps = C.schedule_shape(TREE, ALL_REDUCE, 64, 0)
+    assert ring_steps == 2 * 63
+    assert tree_steps < 20
+
+
+def test_tuner_is_deterministic_and_supports():
+    auto = pycomm.ALGORITHMS["auto"]
+    assert C.tune(auto, ALL_REDUCE, 1024, 2) == ONESHOT
+    assert C.tune(auto, ALL_REDUCE, 64 << 20, 2) in (RING, TREE, TWOSHOT)
+    assert C.tune(auto, REDUCE_SCATTER, 1 << 20, 4) in (RING, TWOSHOT)
+    assert not C.algorithm_supports(TREE, ALL_GATHER)
+    assert C.algorithm_supports(TREE, BROADCAST)
