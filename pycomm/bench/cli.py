@@ -1,0 +1,165 @@
+"""Command line of pycomm-bench: parse nccl-tests-style options, launch the
+ranks (or join torchrun's), print the table, write JSON and a plot."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import platform
+import socket
+import sys
+from typing import List, Optional
+
+from .report import HEADER, format_size, plot, summary, write_json
+
+COLLECTIVES = ["all_reduce", "reduce_scatter", "all_gather", "broadcast"]
+ALGOS = ["ring", "tree", "direct", "auto"]
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().upper().rstrip("B")
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+        if t.endswith(suffix):
+            t, mult = t[:-1], m
+            break
+    try:
+        value = int(float(t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 8, 1K, 64M)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pycomm-bench",
+        description="nccl-tests-style benchmark of pycomm collectives against the torch.distributed "
+                    "backend (gloo on CPU), measured in the same run.",
+    )
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("1K"), help="smallest size (default 1K)")
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"), help="largest size (default 64M)")
+    p.add_argument("-f", "--stepfactor", type=int, default=4, help="multiply the size by this each step (default 4)")
+    p.add_argument("-c", "--collective", choices=COLLECTIVES, default="all_reduce")
+    p.add_argument("-a", "--algorithms", default="ring,tree,direct,auto",
+                   help="comma-separated pycomm algorithms (ring, tree, direct, auto)")
+    p.add_argument("-d", "--dtype", default="float32", help="float32, float64, float16, bfloat16, int32, int64")
+    p.add_argument("-o", "--op", default="sum", choices=["sum", "avg", "max", "min"])
+    p.add_argument("-n", "--iters", type=int, default=None, help="timed iterations per point (default: by size)")
+    p.add_argument("-w", "--warmup", type=int, default=None, help="warm-up iterations per point")
+    p.add_argument("--nproc", type=int, default=2, help="local ranks to launch (ignored under torchrun)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the torch.distributed baseline")
+    p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="plot bandwidth and latency against size")
+    p.add_argument("--timeout", type=float, default=120.0, help="pycomm collective timeout in seconds")
+    return p
+
+
+def validate(args: argparse.Namespace) -> List[str]:
+    from .runner import DTYPES
+
+    if args.dtype not in DTYPES:
+        raise SystemExit(f"pycomm-bench: unknown dtype {args.dtype!r}")
+    if args.minbytes > args.maxbytes:
+        raise SystemExit("pycomm-bench: -b must not exceed -e")
+    if args.stepfactor < 2:
+        raise SystemExit("pycomm-bench: -f must be at least 2")
+    if args.nproc < 1:
+        raise SystemExit("pycomm-bench: --nproc must be at least 1")
+    algos = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    for a in algos:
+        if a not in ALGOS:
+            raise SystemExit(f"pycomm-bench: unknown algorithm {a!r} (use {', '.join(ALGOS)})")
+    if args.collective in ("reduce_scatter", "all_gather") and "tree" in algos:
+        algos.remove("tree")  # no tree schedule for these; say so in the header
+    if args.op == "avg" and DTYPES[args.dtype] in (__import__("torch").int32, __import__("torch").int64):
+        raise SystemExit("pycomm-bench: avg needs a floating-point dtype")
+    return algos
+
+
+def sizes(args: argparse.Namespace) -> List[int]:
+    out, s = [], args.minbytes
+    while s <= args.maxbytes:
+        out.append(s)
+        s *= args.stepfactor
+    return out
+
+
+def _rank_main(rank: int, world: int, port: Optional[int], args: argparse.Namespace, algos: List[str]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import pycomm
+
+    from .runner import BenchConfig, run_rank
+
+    # One process per core, like torchrun's default: torch's own thread pool
+    # would otherwise compete with the ranks for the cores.
+    torch.set_num_threads(1)
+    if port is not None:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=max(60, args.timeout)))
+    else:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(60, args.timeout)))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = pycomm.Communicator(timeout=args.timeout)
+    if rank == 0:
+        print(f"# pycomm-bench: {args.collective}, {world} ranks, dtype {args.dtype}, op {args.op}, "
+              f"algorithms {','.join(algos)}, baseline {'none' if args.no_baseline else dist.get_backend()}")
+        print(f"# host {socket.gethostname()} ({platform.machine()}, {os.cpu_count()} cpus), torch {torch.__version__}, "
+              f"pycomm {pycomm.__version__}, shm round {format_size(comm._c.round_bytes)}B, "
+              f"local ranks {comm.local_size}")
+        print("# time: median per call of the slowest rank; busbw = algbw x nccl-tests factor; "
+              "#wrong: elements off the closed-form result")
+        print(HEADER, flush=True)
+    cfg = BenchConfig(args.collective, sizes(args), algos, args.dtype, args.op, args.iters, args.warmup,
+                      not args.no_baseline)
+    rows = run_rank(cfg, comm)
+    if rank == 0 and rows is not None:
+        print("#")
+        for line in summary(rows):
+            print("# " + line)
+        wrong = sum(r["wrong"] for r in rows)
+        print(f"# total #wrong: {wrong}", flush=True)
+        if args.json:
+            write_json(rows, args.json)
+            print(f"# wrote {args.json}")
+        if args.plot:
+            plot(rows, args.plot, title=f"{args.collective}, {world} ranks, {args.dtype}")
+            print(f"# wrote {args.plot}")
+    comm.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0 and rows is not None and sum(r["wrong"] for r in rows):
+        sys.exit(3)
+
+
+def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, algos: List[str]) -> None:
+    _rank_main(rank, world, port, args, algos)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    args = build_parser().parse_args(argv)
+    algos = validate(args)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        _rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, args, algos)
+        return
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    try:
+        mp.start_processes(_spawned, args=(args.nproc, port, args, algos), nprocs=args.nproc,
+                           start_method="spawn")
+    except mp.ProcessExitedException as e:
+        raise SystemExit(f"pycomm-bench: rank {e.error_index} exited with code {e.exit_code}") from None
+    except mp.ProcessRaisedException as e:
+        raise SystemExit(f"pycomm-bench: a rank failed:\n{e}") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""What every rank runs: time each size x algorithm for pycomm and for the
+torch.distributed backend, check the results, gather the numbers on rank 0."""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+import pycomm
+
+from .report import busbw_factor
+
+DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "float64": torch.float64, "double": torch.float64,
+    "float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+    "int32": torch.int32, "int": torch.int32, "int64": torch.int64, "long": torch.int64,
+}
+DIST_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+@dataclass
+class BenchConfig:
+    collective: str
+    sizes: List[int]
+    algorithms: List[str]
+    dtype: str
+    op: str
+    iters: Optional[int]
+    warmup: Optional[int]
+    baseline: bool
+
+
+def auto_iters(size: int) -> int:
+    """Enough iterations for a stable median, about 64 MiB of traffic per point."""
+    return max(5, min(200, (64 << 20) // max(size, 1)))
+
+
+class Case:
+    """Buffers of one (collective, size) point, filled so that the result has
+    a closed form: rank r holds r + 1 + (i % 7) at position i, which every
+    supported dtype represents and sums exactly for up to 8 ranks."""
+
+    def __init__(self, collective: str, size: int, dtype: torch.dtype, op: str, rank: int, world: int) -> None:
+        self.collective, self.op, self.rank, self.world = collective, op, rank, world
+        esize = torch.empty((), dtype=dtype).element_size()
+        # nccl-tests' size: the larger buffer (all_gather: the output,
+        # reduce_scatter: the input); count: its elements.
+        self.count = max(size // esize // (world if collective in ("all_gather", "reduce_scatter") else 1), 1)
+        total = self.count * (world if collective in ("all_gather", "reduce_scatter") else 1)
+        self.size_bytes = total * esize
+        self.elements = total
+        self.dtype = dtype
+        n_in = self.count * (world if collective == "reduce_scatter" else 1)
+        n_out = self.count * (world if collective == "all_gather" else 1) if collective in ("all_gather", "reduce_scatter") else 0
+        self.inp = torch.empty(n_in, dtype=dtype)
+        self.out = torch.empty(n_out, dtype=dtype)
+
+    def pattern(self, n: int, rank: int) -> torch.Tensor:
+        return (torch.arange(n, dtype=torch.int64) % 7 + rank + 1).to(self.dtype)
+
+    def fill(self) -> None:
+        self.inp.copy_(self.pattern(self.inp.numel(), self.rank))
+        self.out.fill_(-1)
+
+    def expected(self) -> torch.Tensor:
+        w = self.world
+        if self.collective == "all_gather":
+            return torch.cat([self.pattern(self.count, r) for r in range(w)])
+        if self.collective == "broadcast":
+            return self.pattern(self.count, 0)
+        n = self.inp.numel()
+        base = (torch.arange(n, dtype=torch.float64) % 7)
+        exp = {"sum": base * w + w * (w + 1) / 2, "avg": base + (w + 1) / 2,
+               "max": base + w, "min": base + 1}[self.op]
+        if self.collective == "reduce_scatter":
+            exp = exp[self.rank * self.count:(self.rank + 1) * self.count]
+        return exp.to(self.dtype)
+
+    def result(self) -> torch.Tensor:
+        return self.inp if self.collective in ("all_reduce", "broadcast") else self.out
+
+    def wrong(self) -> int:
+        return int((self.result().double() != self.expected().double()).sum().item())
+
+
+def _pycomm_call(comm: "pycomm.Communicator", case: Case, algorithm: str) -> Callable[[], None]:
+    c = case.collective
+    if c == "all_reduce":
+        return lambda: comm.all_reduce(case.inp, case.op, algorithm=algorithm)
+    if c == "reduce_scatter":
+        return lambda: comm.reduce_scatter(case.out, case.inp, case.op, algorithm=algorithm)
+    if c == "all_gather":
+        return lambda: comm.all_gather(case.out, case.inp, algorithm=algorithm)
+    return lambda: comm.broadcast(case.inp, 0, algorithm=algorithm)
+
+
+def _baseline_call(case: Case) -> Callable[[], None]:
+    """The torch.distributed equivalent; all-reduce is in place for both."""
+    c = case.collective
+    op = DIST_OPS.get(case.op, dist.ReduceOp.SUM)
+    if c == "all_reduce":
+        def run() -> None:
+            dist.all_reduce(case.inp, op)
+            if case.op == "avg":  # gloo has no AVG: sum, then divide
+                case.inp.div_(case.world)
+        return run
+    if c == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(case.out, case.inp, op)
+    if c == "all_gather":
+        return lambda: dist.all_gather_into_tensor(case.out, case.inp)
+    return lambda: dist.broadcast(case.inp, 0)
+
+
+def _time(fn: Callable[[], None], iters: int, warmup: int) -> float:
+    """Median seconds per call on this rank (each call timed alone)."""
+    for _ in range(warmup):
+        fn()
+    dist.barrier()
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def run_rank(cfg: BenchConfig, comm: "pycomm.Communicator") -> Optional[List[Dict]]:
+    """Runs the sweep on this rank; returns the rows on rank 0, None elsewhere."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = DTYPES[cfg.dtype]
+    backend = dist.get_backend()
+    rows: List[Dict] = []
+    for size in cfg.sizes:
+        case = Case(cfg.collective, size, dtype, cfg.op, rank, world)
+        iters = cfg.iters or auto_iters(case.size_bytes)
+        warmup = cfg.warmup if cfg.warmup is not None else max(2, iters // 10)
+        runs = [("pycomm", a, _pycomm_call(comm, case, a)) for a in cfg.algorithms]
+        if cfg.baseline:
+            runs.append((backend, backend, _baseline_call(case)))
+        point = []
+        for backend_name, label, fn in runs:
+            case.fill()
+            seconds = _time(fn, iters, warmup)
+            # Correctness on fresh data after the timed loop (in-place
+            # calls have reduced their buffers many times over by now).
+            case.fill()
+            fn()
+            wrong = case.wrong()
+            # The slowest rank's median is the collective's time; #wrong sums.
+            stats = torch.tensor([seconds, float(wrong)], dtype=torch.float64)
+            slowest = stats.clone()
+            dist.all_reduce(slowest[:1], dist.ReduceOp.MAX)
+            dist.all_reduce(slowest[1:], dist.ReduceOp.SUM)
+            t = slowest[0].item()
+            resolved = label
+            if backend_name == "pycomm" and label == "auto":
+                resolved = "auto:" + comm.resolve_algorithm(cfg.collective, "auto", case.inp.numel() * case.inp.element_size())
+            elif backend_name == "pycomm" and label == "direct":
+                resolved = comm.resolve_algorithm(cfg.collective, "direct", case.inp.numel() * case.inp.element_size())
+            algbw = case.size_bytes / t / 1e9
+            point.append({
+                "collective": cfg.collective, "backend": backend_name, "algorithm": label, "label": resolved,
+                "dtype": cfg.dtype, "op": cfg.op if cfg.collective in ("all_reduce", "reduce_scatter") else "none",
+                "size_bytes": case.size_bytes, "count": case.elements, "nranks": world,
+                "time_us": t * 1e6, "algbw_gbps": algbw, "busbw_gbps": algbw * busbw_factor(cfg.collective, world),
+                "wrong": int(slowest[1].item()), "iters": iters,
+            })
+        base = [p for p in point if p["backend"] != "pycomm"]
+        for p in point:
+            if p["backend"] == "pycomm" and base:
+                p["speedup_vs_baseline"] = base[0]["time_us"] / p["time_us"]
+        rows.extend(point)
+        if rank == 0:
+            from .report import format_row
+            for p in point:
+                print(format_row(p), flush=True)
+    return rows if rank == 0 else None
