@@ -34,7 +34,7 @@ std::string check_tensor(const at::Tensor& t, const char* role, Collective coll)
   }
   DType dt;
   if (!to_dtype(t.scalar_type(), &dt)) {
-    os << role << " has dtype " << t.scalar_type()
+    os << role << " has dtype torch." << c10::getDtypeNames(t.scalar_type()).first
        << ", which is not supported (use float32, float64, float16, bfloat16, int32 or int64)";
     return os.str();
   }
@@ -214,13 +214,12 @@ std::shared_ptr<Work> Communicator::submit(std::shared_ptr<Work> work, bool asyn
   return work;
 }
 
-std::shared_ptr<Work> Communicator::reject(Collective coll, const std::string& why) {
+std::shared_ptr<Work> Communicator::reject(const std::string& why) {
   // The rejected call still takes its turn, so that peers that made the same
   // mistake stay in step and peers that did not fail at once.
   auto work = std::make_shared<Work>();
   work->desc_.coll = Collective::kInvalid;
   work->desc_.algo = Algorithm::kOneShot;
-  (void)coll;
   try {
     submit(work, /*async_op=*/false);
   } catch (const CommError&) {
@@ -265,7 +264,7 @@ std::shared_ptr<Work> Communicator::all_reduce(const at::Tensor& input, const at
   if (why.empty()) to_dtype(input.scalar_type(), &dt);
   if (why.empty() && op == RedOp::kAvg && !dtype_is_floating(dt))
     why = std::string("pycomm.all_reduce: op=avg needs a floating-point tensor, got ") + dtype_name(dt);
-  if (!why.empty()) return reject(coll, why);
+  if (!why.empty()) return reject(why);
 
   auto work = std::make_shared<Work>();
   auto& d = work->desc_;
@@ -275,7 +274,15 @@ std::shared_ptr<Work> Communicator::all_reduce(const at::Tensor& input, const at
   d.count = input.numel();
   d.input = input.data_ptr();
   d.output = output.data_ptr();
-  d.algo = choose(coll, algo, strict, d.count * dtype_size(dt));
+  try {
+    try {
+    d.algo = choose(coll, algo, strict, d.count * dtype_size(dt));
+  } catch (const CommError& e) {
+    return reject(e.what());
+  }
+  } catch (const CommError& e) {
+    return reject(e.what());
+  }
   work->inputs_ = {input};
   work->outputs_ = {output};
   return submit(std::move(work), async_op);
@@ -297,7 +304,7 @@ std::shared_ptr<Work> Communicator::reduce_scatter(const at::Tensor& output, con
   if (why.empty()) to_dtype(input.scalar_type(), &dt);
   if (why.empty() && op == RedOp::kAvg && !dtype_is_floating(dt))
     why = std::string("pycomm.reduce_scatter: op=avg needs a floating-point tensor, got ") + dtype_name(dt);
-  if (!why.empty()) return reject(coll, why);
+  if (!why.empty()) return reject(why);
 
   auto work = std::make_shared<Work>();
   auto& d = work->desc_;
@@ -307,7 +314,11 @@ std::shared_ptr<Work> Communicator::reduce_scatter(const at::Tensor& output, con
   d.count = output.numel();
   d.input = input.data_ptr();
   d.output = output.data_ptr();
-  d.algo = choose(coll, algo, strict, input.numel() * dtype_size(dt));
+  try {
+    d.algo = choose(coll, algo, strict, input.numel() * dtype_size(dt));
+  } catch (const CommError& e) {
+    return reject(e.what());
+  }
   work->inputs_ = {input};
   work->outputs_ = {output};
   return submit(std::move(work), async_op);
@@ -331,7 +342,7 @@ std::shared_ptr<Work> Communicator::all_gather(const at::Tensor& output, const a
   }
   DType dt = DType::kFloat32;
   if (why.empty()) to_dtype(input.scalar_type(), &dt);
-  if (!why.empty()) return reject(coll, why);
+  if (!why.empty()) return reject(why);
 
   auto work = std::make_shared<Work>();
   auto& d = work->desc_;
@@ -340,7 +351,11 @@ std::shared_ptr<Work> Communicator::all_gather(const at::Tensor& output, const a
   d.count = input.numel();
   d.input = input.data_ptr();
   d.output = output.data_ptr();
-  d.algo = choose(coll, algo, strict, output.numel() * dtype_size(dt));
+  try {
+    d.algo = choose(coll, algo, strict, output.numel() * dtype_size(dt));
+  } catch (const CommError& e) {
+    return reject(e.what());
+  }
   work->inputs_ = {input};
   work->outputs_ = {output};
   return submit(std::move(work), async_op);
@@ -355,7 +370,7 @@ std::shared_ptr<Work> Communicator::broadcast(const at::Tensor& tensor, int src,
           std::to_string(world()) + ")";
   DType dt = DType::kFloat32;
   if (why.empty()) to_dtype(tensor.scalar_type(), &dt);
-  if (!why.empty()) return reject(coll, why);
+  if (!why.empty()) return reject(why);
 
   auto work = std::make_shared<Work>();
   auto& d = work->desc_;
@@ -365,7 +380,15 @@ std::shared_ptr<Work> Communicator::broadcast(const at::Tensor& tensor, int src,
   d.count = tensor.numel();
   d.input = tensor.data_ptr();
   d.output = tensor.data_ptr();
-  d.algo = choose(coll, algo, strict, d.count * dtype_size(dt));
+  try {
+    try {
+    d.algo = choose(coll, algo, strict, d.count * dtype_size(dt));
+  } catch (const CommError& e) {
+    return reject(e.what());
+  }
+  } catch (const CommError& e) {
+    return reject(e.what());
+  }
   work->inputs_ = {};
   work->outputs_ = {tensor};
   return submit(std::move(work), async_op);

@@ -83,6 +83,10 @@ class Communicator {
                                   bool async_op);
   std::shared_ptr<Work> barrier(bool async_op);
 
+  // Rejects a call made with bad arguments: it still takes its turn in the
+  // sequence (so every rank raises, none hangs), then throws CommError(why).
+  [[noreturn]] std::shared_ptr<Work> reject(const std::string& why);
+
   // The concrete algorithm a call of `bytes` per rank would run.
   Algorithm resolve(Collective coll, Algorithm algo, size_t bytes) const;
 
@@ -98,7 +102,6 @@ class Communicator {
 
  private:
   std::shared_ptr<Work> submit(std::shared_ptr<Work> work, bool async_op);
-  std::shared_ptr<Work> reject(Collective coll, const std::string& why);
   void execute(Work& work);
   void progress_loop();
   Algorithm choose(Collective coll, Algorithm algo, bool strict, size_t bytes) const;

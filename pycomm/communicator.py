@@ -40,11 +40,11 @@ DEFAULT_ROUND_BYTES = 1 << 20
 Op = Union[str, "dist.ReduceOp", "dist.ReduceOp.RedOpType"]
 
 
-def _op_id(op: Op) -> int:
+def _op_id(op: Op) -> Optional[int]:
     try:
         return _OPS[op if not isinstance(op, str) else op.lower()]
     except (KeyError, TypeError):
-        raise CommError(f"pycomm: unsupported reduce op {op!r}; use sum, avg, max or min") from None
+        return None
 
 
 def _host_key() -> str:
@@ -219,12 +219,18 @@ class Communicator:
     def _algorithm(self, algorithm: str, coll: int) -> Tuple[int, bool]:
         if algorithm == "auto":
             return self._default_algo[coll]
-        try:
-            return ALGORITHMS[algorithm], True
-        except KeyError:
-            raise CommError(
-                f"pycomm: unknown algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}"
-            ) from None
+        algo = ALGORITHMS.get(algorithm)
+        if algo is None:
+            self._c.reject(f"pycomm.{COLLECTIVE_NAMES[coll]}: unknown algorithm {algorithm!r}; "
+                           f"use one of {', '.join(ALGORITHMS)}")
+        return algo, True
+
+    def _op(self, op: Op, coll: int) -> int:
+        op_id = _op_id(op)
+        if op_id is None:
+            self._c.reject(f"pycomm.{COLLECTIVE_NAMES[coll]}: unsupported reduce op {op!r}; "
+                           "use sum, avg, max, min or the matching dist.ReduceOp")
+        return op_id
 
     # -------------------------------------------------------------- collectives
 
@@ -248,7 +254,8 @@ class Communicator:
             out = torch.empty_like(x); comm.all_reduce(x, output=out, algorithm="ring")
         """
         algo, strict = self._algorithm(algorithm, ALL_REDUCE)
-        work = self._c.all_reduce(tensor, tensor if output is None else output, _op_id(op), algo, strict, async_op)
+        op_id = self._op(op, ALL_REDUCE)
+        work = self._c.all_reduce(tensor, tensor if output is None else output, op_id, algo, strict, async_op)
         return work if async_op else None
 
     def reduce_scatter(
@@ -271,7 +278,8 @@ class Communicator:
         if not isinstance(input, torch.Tensor):
             input = torch.cat([t.reshape(-1) for t in input])
         algo, strict = self._algorithm(algorithm, REDUCE_SCATTER)
-        work = self._c.reduce_scatter(output, input, _op_id(op), algo, strict, async_op)
+        op_id = self._op(op, REDUCE_SCATTER)
+        work = self._c.reduce_scatter(output, input, op_id, algo, strict, async_op)
         return work if async_op else None
 
     def all_gather(
@@ -296,9 +304,9 @@ class Communicator:
             work = self._c.all_gather(output, input, algo, strict, async_op)
             return work if async_op else None
         if async_op:
-            raise CommError("pycomm.all_gather: pass one flat output tensor for async_op=True")
+            self._c.reject("pycomm.all_gather: pass one flat output tensor for async_op=True")
         if len(output) != self.world_size:
-            raise CommError(f"pycomm.all_gather: output list has {len(output)} tensors, expected {self.world_size}")
+            self._c.reject(f"pycomm.all_gather: output list has {len(output)} tensors, expected {self.world_size}")
         flat = torch.empty(self.world_size * input.numel(), dtype=input.dtype, device=input.device)
         self._c.all_gather(flat, input, algo, strict, False)
         for r, t in enumerate(output):

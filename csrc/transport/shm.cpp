@@ -568,7 +568,7 @@ namespace {
 std::string describe(const HeaderSlot& h) {
   std::ostringstream os;
   const auto coll = static_cast<Collective>(h.coll);
-  if (coll == Collective::kInvalid) return "a call it rejected as invalid (see the error on that rank)";
+  if (coll == Collective::kInvalid) return "something it rejected as invalid (see the error on that rank)";
   os << collective_name(coll);
   if (coll == Collective::kBarrier) return os.str();
   os << "(count=" << h.count << ", dtype=" << dtype_name(static_cast<DType>(h.dtype));

@@ -1,0 +1,121 @@
+"""Worker-side API scenarios (run inside harness workers)."""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+import pycomm
+from harness import make_comm, worker_store
+
+
+def async_and_futures(rank: int, world: int, name: str) -> dict:
+    comm = make_comm(rank, world, name, timeout=30)
+    out = {}
+    # Many async ops of different kinds and sizes in flight, then a sync op:
+    # all complete in issue order with the right values.
+    tensors = [torch.full((n,), float(rank + 1)) for n in (1, 1000, 100_000, 5, 70_000)]
+    works = [comm.all_reduce(t, async_op=True, algorithm=a) for t, a in zip(tensors, ["ring", "tree", "direct", "auto", "ring"])]
+    g = torch.empty(world * 3)
+    works.append(comm.all_gather(g, torch.full((3,), float(rank)), async_op=True))
+    b = torch.full((10,), float(rank))
+    comm.broadcast(b, src=world - 1)  # synchronous, queued behind the async ones
+    out["sync_after_async"] = bool((b == world - 1).all())
+    for w in works:
+        assert w.wait() is True
+    s = world * (world + 1) / 2
+    out["async_values"] = all(bool((t == s).all()) for t in tensors)
+    out["gather"] = g.tolist() == [float(r) for r in range(world) for _ in range(3)]
+    out["completed"] = all(w.is_completed() and w.is_success() and w.exception() is None for w in works)
+    out["seq_increasing"] = [w.seq for w in works] == sorted(w.seq for w in works)
+    # get_future(): a torch.futures.Future holding [output], usable with then().
+    t = torch.full((64,), float(rank))
+    work = comm.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
+    fut = work.get_future()
+    chained = fut.then(lambda f: f.value()[0] * 2)
+    # The same future type torch.distributed's Work.get_future() returns (and
+    # DDP comm hooks hand back): torch.futures.Future is its Python subclass.
+    out["future_type"] = isinstance(fut, torch._C.Future) and type(fut) is type(
+        torch.futures.collect_all([]))
+    out["future_value"] = bool((fut.wait()[0] == world - 1).all())
+    out["then_value"] = bool((chained.wait() == 2 * (world - 1)).all())
+    out["future_is_output"] = fut.value()[0].data_ptr() == t.data_ptr()
+    out["algorithm_name"] = comm.all_reduce(torch.ones(3), algorithm="tree", async_op=True).algorithm
+    # Lists, dist.ReduceOp, out of place.
+    lst = [torch.empty(2) for _ in range(world)]
+    comm.all_gather(lst, torch.full((2,), float(rank)))
+    out["gather_list"] = [x.tolist() for x in lst] == [[float(r)] * 2 for r in range(world)]
+    rs = torch.empty(2)
+    comm.reduce_scatter(rs, [torch.full((2,), float(r)) for r in range(world)], op=dist.ReduceOp.SUM)
+    out["reduce_scatter_list"] = rs.tolist() == [float(rank * world)] * 2
+    x = torch.arange(5.0)
+    y = torch.empty(5)
+    comm.all_reduce(x, op="avg", output=y)
+    out["out_of_place"] = x.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0] and y.tolist() == x.tolist()
+    comm.barrier()
+    comm.close()
+    try:
+        comm.all_reduce(torch.ones(1))
+        out["closed_raises"] = False
+    except pycomm.CommError as e:
+        out["closed_raises"] = "shut down" in str(e)
+    return out
+
+
+def world_of_one(rank: int, name: str) -> bool:
+    comm = make_comm(0, 1, name)
+    x = torch.randn(100)
+    y = torch.empty(100)
+    comm.all_reduce(x, output=y)
+    g = torch.empty(100)
+    comm.all_gather(g, x)
+    r = torch.empty(100)
+    comm.reduce_scatter(r, x, op="avg")
+    comm.barrier()
+    ok = torch.equal(x, y) and torch.equal(g, x) and torch.equal(r, x)
+    comm.close()
+    return ok
+
+
+def default_group(rank: int, world: int, name: str) -> dict:
+    """pycomm.init() bootstraps from torch.distributed's default group."""
+    store = dist.PrefixStore(name, worker_store())
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        comm = pycomm.init()
+        t = torch.full((10,), float(rank))
+        pycomm.all_reduce(t)
+        g = torch.empty(world)
+        pycomm.all_gather(g, torch.tensor([float(rank)]))
+        pycomm.barrier()
+        res = {"sum": t.tolist() == [float(sum(range(world)))] * 10, "gather": g.tolist() == [float(r) for r in range(world)],
+               "same_default": pycomm.get_default() is comm, "rank": comm.rank, "world": comm.world_size}
+        pycomm.destroy()
+        # A second communicator on the same group gets its own key space.
+        with pycomm.Communicator() as c2:
+            u = torch.ones(3)
+            c2.all_reduce(u)
+            res["second"] = u.tolist() == [float(world)] * 3
+    finally:
+        dist.destroy_process_group()
+    return res
+
+
+def env_algorithm(rank: int, world: int, name: str) -> dict:
+    os.environ["PYCOMM_ALGO"] = "tree"
+    try:
+        comm = make_comm(rank, world, name)
+    finally:
+        del os.environ["PYCOMM_ALGO"]
+    res = {
+        "all_reduce": comm.all_reduce(torch.ones(10), async_op=True).algorithm,
+        # No tree schedule for all_gather: the preference falls back to auto.
+        "all_gather": comm.all_gather(torch.empty(world), torch.ones(1), async_op=True).algorithm,
+        "explicit": comm.all_reduce(torch.ones(10), algorithm="ring", async_op=True).algorithm,
+    }
+    comm.barrier()
+    comm.close()
+    return res

@@ -1,0 +1,116 @@
+"""Worker-side error scenarios (run inside harness workers)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import List, Optional
+
+import torch
+
+import pycomm
+from harness import make_comm
+
+
+def _outcome(fn) -> Optional[str]:
+    """None if fn() succeeded, else 'CommError: <message>' / '<Type>: ...'."""
+    try:
+        fn()
+        return None
+    except pycomm.CommError as e:
+        return f"CommError: {e}"
+    except Exception as e:  # noqa: BLE001 - reported to the test as text
+        return f"{type(e).__name__}: {e}"
+
+
+def bad_inputs(rank: int, world: int, name: str) -> List[tuple]:
+    """Every rank makes the same mistake; each must raise CommError and leave
+    the communicator usable (checked by a correct all_reduce after each)."""
+    comm = make_comm(rank, world, name, timeout=20)
+    n = 33
+    good = torch.ones(n)
+    cases = {
+        "non-contiguous": lambda: comm.all_reduce(torch.ones(n, 2).t()),
+        "uint8": lambda: comm.all_reduce(torch.ones(n, dtype=torch.uint8)),
+        "complex": lambda: comm.all_reduce(torch.ones(n, dtype=torch.complex64)),
+        "bool": lambda: comm.broadcast(torch.ones(n, dtype=torch.bool)),
+        "meta device": lambda: comm.all_reduce(torch.empty(n, device="meta")),
+        "output size": lambda: comm.all_reduce(good.clone(), output=torch.empty(n + 1)),
+        "output dtype": lambda: comm.all_reduce(good.clone(), output=torch.empty(n, dtype=torch.float64)),
+        "partial overlap": lambda: (lambda b: comm.all_reduce(b[:n], output=b[1:n + 1]))(torch.ones(2 * n)),
+        "avg on int": lambda: comm.all_reduce(torch.ones(n, dtype=torch.int32), op="avg"),
+        "unknown op": lambda: comm.all_reduce(good.clone(), op="prod"),
+        "unknown algorithm": lambda: comm.all_reduce(good.clone(), algorithm="butterfly"),
+        "tree for all_gather": lambda: comm.all_gather(torch.empty(n * world), good, algorithm="tree"),
+        "reduce_scatter sizes": lambda: comm.reduce_scatter(torch.empty(n), torch.ones(n * world + 1)),
+        "all_gather sizes": lambda: comm.all_gather(torch.empty(n * world - 1), good),
+        "broadcast src": lambda: comm.broadcast(good.clone(), src=world),
+        "async list all_gather": lambda: comm.all_gather([torch.empty(n)] * world, good, async_op=True),
+    }
+    out = []
+    for label, fn in cases.items():
+        err = _outcome(fn)
+        x = torch.full((n,), float(rank + 1))
+        comm.all_reduce(x)
+        usable = bool((x == world * (world + 1) / 2).all())
+        out.append((label, err, usable))
+    comm.close()
+    return out
+
+
+def mismatch(rank: int, world: int, name: str, kind: str) -> List[Optional[str]]:
+    """Rank 1 disagrees with the others in `kind`; returns the outcome of that
+    call and of one more call afterwards."""
+    comm = make_comm(rank, world, name, timeout=20)
+    odd = rank == 1
+    x = torch.randn(1000)
+    calls = {
+        "count": lambda: comm.all_reduce(torch.randn(999 if odd else 1000)),
+        "dtype": lambda: comm.all_reduce(x.double() if odd else x),
+        "op": lambda: comm.all_reduce(x, op="max" if odd else "sum"),
+        "collective": lambda: comm.broadcast(x) if odd else comm.all_reduce(x),
+        "algorithm": lambda: comm.all_reduce(x, algorithm="tree" if odd else "ring"),
+        "root": lambda: comm.broadcast(x, src=1 if odd else 0),
+        "invalid on one rank": lambda: comm.all_reduce(torch.ones(10, 2).t() if odd else torch.ones(2, 10)),
+        "barrier vs all_reduce": lambda: comm.barrier() if odd else comm.all_reduce(x),
+    }
+    first = _outcome(calls[kind])
+    after = _outcome(lambda: comm.all_reduce(torch.ones(4)))
+    comm.close()
+    return [first, after]
+
+
+def late_peer(rank: int, world: int, name: str, timeout: float) -> tuple:
+    """Rank 1 arrives long after the timeout: rank 0 must give up in time."""
+    comm = make_comm(rank, world, name, timeout=timeout)
+    comm.all_reduce(torch.ones(8))
+    if rank == 1:
+        time.sleep(timeout + 1.5)
+    t0 = time.monotonic()
+    err = _outcome(lambda: comm.all_reduce(torch.ones(8)))
+    elapsed = time.monotonic() - t0
+    comm.close()
+    return err, elapsed
+
+
+def stream_until_killed(rank: int, world: int, name: str, victim: int, after: int, timeout: float) -> tuple:
+    """A stream of collectives of mixed sizes; rank `victim` SIGKILLs itself
+    after `after` of them. Survivors report their error and how long they
+    took to notice."""
+    comm = make_comm(rank, world, name, timeout=timeout)
+    sizes = [1, 1000, 100_000, 7, 300_000]
+    last_ok = time.monotonic()
+    for i in range(10_000):
+        if rank == victim and i == after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x = torch.randn(sizes[i % len(sizes)])
+        try:
+            comm.all_reduce(x, algorithm=["ring", "tree", "direct"][i % 3])
+        except pycomm.CommError as e:
+            return str(e), time.monotonic() - last_ok, i
+        last_ok = time.monotonic()
+    return None, 0.0, -1
+
+
+def shm_entries(rank: int) -> List[str]:
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("pycomm."))

@@ -1,0 +1,37 @@
+"""The Python API: Work and torch futures, issue order, list forms,
+dist.ReduceOp, world size 1, bootstrap from torch.distributed, PYCOMM_ALGO."""
+import pytest
+
+from api_cases import async_and_futures, default_group, env_algorithm, world_of_one
+from harness import RankPool
+
+WORLD = 3
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = RankPool(WORLD)
+    yield p
+    p.close()
+
+
+def test_async_work_futures_and_order(pool):
+    for rank, res in enumerate(pool.run(async_and_futures, WORLD, pool.new_name())):
+        failed = {k: v for k, v in res.items() if v is not True and k != "algorithm_name"}
+        assert not failed, f"rank {rank}: {failed}"
+        assert res["algorithm_name"] == "tree"
+
+
+def test_world_size_one(pool):
+    assert pool.run(world_of_one, pool.new_name(), world=1) == [True]
+
+
+def test_bootstrap_from_default_group(pool):
+    for rank, res in enumerate(pool.run(default_group, WORLD, pool.new_name())):
+        assert res.pop("rank") == rank and res.pop("world") == WORLD
+        assert all(res.values()), res
+
+
+def test_env_algorithm_is_a_preference(pool):
+    for res in pool.run(env_algorithm, WORLD, pool.new_name()):
+        assert res == {"all_reduce": "tree", "all_gather": "direct(two-shot)", "explicit": "ring"}

@@ -1,0 +1,63 @@
+"""pycomm-bench end to end: the table, JSON rows, the plot, torchrun, bad options."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+KEYS = {"collective", "backend", "algorithm", "dtype", "size_bytes", "nranks", "time_us", "algbw_gbps",
+        "busbw_gbps", "wrong"}
+
+
+def bench(*args, launcher=(sys.executable, "-m", "pycomm.bench"), timeout=300):
+    return subprocess.run([*launcher, *args], capture_output=True, text=True, env=ENV, timeout=timeout)
+
+
+def test_sweep_table_json_and_plot(tmp_path):
+    out, png = tmp_path / "rows.json", tmp_path / "plot.png"
+    r = bench("--nproc", "2", "-b", "1K", "-e", "256K", "-f", "16", "--json", str(out), "--plot", str(png))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "size(B)" in r.stdout and "busbw(GB/s)" in r.stdout and "#wrong" in r.stdout
+    rows = json.loads(out.read_text())
+    sizes = sorted({row["size_bytes"] for row in rows})
+    assert sizes == [1024, 16384, 262144]
+    for size in sizes:
+        labels = {row["algorithm"] for row in rows if row["size_bytes"] == size}
+        assert labels == {"ring", "tree", "direct", "auto", "gloo"}, labels
+    for row in rows:
+        assert KEYS <= set(row), set(row)
+        assert row["wrong"] == 0 and row["nranks"] == 2 and row["time_us"] > 0
+        # nccl-tests' all-reduce factor 2(n-1)/n is 1 for two ranks.
+        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"])
+        if row["backend"] == "pycomm":
+            assert row["speedup_vs_baseline"] > 0
+    assert png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_gather", "broadcast"])
+def test_other_collectives_under_torchrun(collective, tmp_path):
+    out = tmp_path / "rows.json"
+    r = bench("-c", collective, "-b", "4K", "-e", "64K", "-f", "16", "-d", "bfloat16", "--json", str(out),
+              launcher=(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                        "-m", "pycomm.bench"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())
+    assert {row["nranks"] for row in rows} == {3}
+    assert all(row["wrong"] == 0 for row in rows)
+    factor = 1.0 if collective == "broadcast" else 2 / 3
+    for row in rows:
+        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * factor)
+    assert "tree" not in {row["algorithm"] for row in rows} or collective == "broadcast"
+
+
+@pytest.mark.parametrize("args,words", [
+    (["-b", "64M", "-e", "1K"], "-b must not exceed -e"),
+    (["-a", "ring,butterfly"], "unknown algorithm"),
+    (["-d", "complex64"], "unknown dtype"),
+    (["-b", "12Q"], "bad size"),
+])
+def test_bad_options(args, words):
+    r = bench(*args)
+    assert r.returncode != 0 and words in (r.stdout + r.stderr)

@@ -1,0 +1,97 @@
+"""Errors, not hangs: bad input, ranks that disagree, a late peer and a dead
+peer all raise pycomm.CommError on every rank, with a message naming the
+cause, and nothing is left behind in /dev/shm."""
+import os
+
+import pytest
+
+from error_cases import bad_inputs, late_peer, mismatch, shm_entries, stream_until_killed
+from harness import RankPool
+
+WORLD = 3
+
+
+@pytest.fixture(scope="module")
+def pool3():
+    pool = RankPool(WORLD)
+    before = set(os.listdir("/dev/shm"))
+    yield pool
+    pool.close()
+    leaked = [f for f in set(os.listdir("/dev/shm")) - before if f.startswith("pycomm.")]
+    assert not leaked, f"shared memory left behind: {leaked}"
+
+
+EXPECTED_WORDS = {
+    "non-contiguous": "not contiguous",
+    "uint8": "dtype",
+    "complex": "dtype",
+    "bool": "dtype",
+    "meta device": "device",
+    "output size": "elements",
+    "output dtype": "dtype",
+    "partial overlap": "overlap",
+    "avg on int": "floating-point",
+    "unknown op": "unsupported reduce op",
+    "unknown algorithm": "unknown algorithm",
+    "tree for all_gather": "not available",
+    "reduce_scatter sizes": "world_size",
+    "all_gather sizes": "world_size",
+    "broadcast src": "src=",
+    "async list all_gather": "flat output",
+}
+
+
+def test_bad_input_raises_on_every_rank_and_keeps_the_communicator(pool3):
+    results = pool3.run(bad_inputs, WORLD, pool3.new_name())
+    assert [label for label, _, _ in results[0]] == list(EXPECTED_WORDS)
+    for rank, per_case in enumerate(results):
+        for label, err, usable in per_case:
+            assert err and err.startswith("CommError: "), f"rank {rank} {label}: {err}"
+            assert EXPECTED_WORDS[label] in err, f"rank {rank} {label}: unclear message {err!r}"
+            assert usable, f"rank {rank} {label}: communicator broken after a rejected call"
+
+
+@pytest.mark.parametrize("kind", ["count", "dtype", "op", "collective", "algorithm", "root",
+                                  "invalid on one rank", "barrier vs all_reduce"])
+def test_mismatch_raises_on_every_rank(pool3, kind):
+    results = pool3.run(mismatch, WORLD, pool3.new_name(), kind, timeout=60)
+    for rank, (first, after) in enumerate(results):
+        assert first and first.startswith("CommError: "), f"rank {rank}: {first}"
+        if kind == "invalid on one rank" and rank == 1:
+            assert "not contiguous" in first
+        else:
+            assert "disagree" in first or "invalid" in first, f"rank {rank}: {first}"
+        # Ranks that disagree have lost step: the communicator stays failed.
+        assert after and after.startswith("CommError: "), f"rank {rank} continued after a mismatch: {after}"
+
+
+def test_late_peer_times_out_on_time(pool3):
+    timeout = 1.5
+    results = pool3.run(late_peer, WORLD, pool3.new_name(), timeout, timeout=60)
+    err0, elapsed0 = results[0]
+    assert err0 and "timed out" in err0 and "rank 1" in err0, err0
+    assert elapsed0 < timeout + 1.0, elapsed0
+    # The late rank finds the communicator aborted instead of waiting again.
+    assert results[1][0] and "timed out" in results[1][0]
+
+
+def test_killed_rank_is_named_by_every_survivor():
+    """kill -9 one rank in the middle of a stream of collectives."""
+    before = set(os.listdir("/dev/shm"))
+    timeout = 5.0
+    for trial, (victim, after) in enumerate([(1, 37), (0, 11), (2, 58)]):
+        pool = RankPool(WORLD)
+        try:
+            out = pool.run_expect(stream_until_killed, WORLD, pool.new_name(), victim, after, timeout, timeout=120)
+        finally:
+            pool.close()
+        for rank, (status, value) in enumerate(out):
+            if rank == victim:
+                assert status == "dead", (trial, rank, status, value)
+                continue
+            assert status == "ok", (trial, rank, value)
+            err, noticed_after, _ = value
+            assert err and f"rank {victim}" in err and "died" in err, (trial, rank, err)
+            assert noticed_after < timeout + 1.0, (trial, rank, noticed_after)
+    leaked = [f for f in set(os.listdir("/dev/shm")) - before if f.startswith("pycomm.")]
+    assert not leaked, leaked
