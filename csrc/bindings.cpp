@@ -115,6 +115,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](Communicator& c, int coll, int algo, size_t bytes) {
              return std::string(algorithm_name(c.resolve(to_coll(coll), to_algo(algo), bytes)));
            })
+      .def("wait_ready", &Communicator::wait_ready, py::call_guard<py::gil_scoped_release>())
       .def("reject", &Communicator::reject, py::arg("why"), py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Communicator::shutdown, py::call_guard<py::gil_scoped_release>())
       .def("abort", &Communicator::abort, py::call_guard<py::gil_scoped_release>())

@@ -248,117 +248,97 @@ Algorithm Communicator::resolve(Collective coll, Algorithm algo, size_t bytes) c
   return choose(coll, algo, /*strict=*/false, bytes);
 }
 
+// Checks shared by every collective with an input and an output tensor:
+// each usable on its own, same dtype, and the element counts the collective
+// needs: input.numel() * out_mult == output.numel() * in_mult.
+std::string Communicator::check_io(Collective coll, const at::Tensor& input, const at::Tensor& output,
+                                   int64_t in_mult, int64_t out_mult) const {
+  std::string why = check_tensor(input, "input", coll);
+  if (why.empty()) why = check_tensor(output, "output", coll);
+  if (!why.empty()) return why;
+  const std::string name = std::string("pycomm.") + collective_name(coll) + ": ";
+  if (output.scalar_type() != input.scalar_type()) return name + "output dtype differs from input dtype";
+  if (input.numel() * out_mult != output.numel() * in_mult) {
+    std::ostringstream os;
+    os << name;
+    if (in_mult == out_mult) {
+      os << "output has " << output.numel() << " elements but input has " << input.numel();
+    } else if (in_mult > out_mult) {
+      os << "input must have world_size (" << world() << ") x output.numel() (" << output.numel()
+         << ") elements, got " << input.numel();
+    } else {
+      os << "output must have world_size (" << world() << ") x input.numel() (" << input.numel()
+         << ") elements, got " << output.numel();
+    }
+    return os.str();
+  }
+  return "";
+}
+
+std::shared_ptr<Work> Communicator::launch(CollectiveDesc desc, const at::Tensor& input, const at::Tensor& output,
+                                           Algorithm algo, bool strict, bool async_op) {
+  auto work = std::make_shared<Work>();
+  to_dtype(output.scalar_type(), &desc.dtype);
+  desc.input = input.data_ptr();
+  desc.output = output.data_ptr();
+  // The tuner sees the larger of the two buffers, like nccl-tests' size.
+  const size_t bytes = std::max(input.numel(), output.numel()) * dtype_size(desc.dtype);
+  try {
+    desc.algo = choose(desc.coll, algo, strict, bytes);
+  } catch (const CommError& e) {
+    return reject(e.what());
+  }
+  if ((desc.coll == Collective::kAllReduce || desc.coll == Collective::kReduceScatter) &&
+      desc.op == RedOp::kAvg && !dtype_is_floating(desc.dtype))
+    return reject(std::string("pycomm.") + collective_name(desc.coll) +
+                  ": op=avg needs a floating-point tensor, got " + dtype_name(desc.dtype));
+  work->desc_ = desc;
+  if (input.data_ptr() != output.data_ptr()) work->inputs_ = {input};
+  work->outputs_ = {output};
+  return submit(std::move(work), async_op);
+}
+
 std::shared_ptr<Work> Communicator::all_reduce(const at::Tensor& input, const at::Tensor& output, RedOp op,
                                                Algorithm algo, bool strict, bool async_op) {
   const Collective coll = Collective::kAllReduce;
-  std::string why = check_tensor(input, "input", coll);
-  if (why.empty()) why = check_tensor(output, "output", coll);
-  if (why.empty() && output.scalar_type() != input.scalar_type())
-    why = "pycomm.all_reduce: output dtype differs from input dtype";
-  if (why.empty() && output.numel() != input.numel())
-    why = "pycomm.all_reduce: output has " + std::to_string(output.numel()) + " elements but input has " +
-          std::to_string(input.numel());
+  std::string why = check_io(coll, input, output, 1, 1);
   if (why.empty() && output.data_ptr() != input.data_ptr() && overlaps(input, output))
     why = "pycomm.all_reduce: output partially overlaps input; pass the same tensor or a separate one";
-  DType dt = DType::kFloat32;
-  if (why.empty()) to_dtype(input.scalar_type(), &dt);
-  if (why.empty() && op == RedOp::kAvg && !dtype_is_floating(dt))
-    why = std::string("pycomm.all_reduce: op=avg needs a floating-point tensor, got ") + dtype_name(dt);
   if (!why.empty()) return reject(why);
-
-  auto work = std::make_shared<Work>();
-  auto& d = work->desc_;
+  CollectiveDesc d;
   d.coll = coll;
-  d.dtype = dt;
   d.op = op;
   d.count = input.numel();
-  d.input = input.data_ptr();
-  d.output = output.data_ptr();
-  try {
-    try {
-    d.algo = choose(coll, algo, strict, d.count * dtype_size(dt));
-  } catch (const CommError& e) {
-    return reject(e.what());
-  }
-  } catch (const CommError& e) {
-    return reject(e.what());
-  }
-  work->inputs_ = {input};
-  work->outputs_ = {output};
-  return submit(std::move(work), async_op);
+  return launch(d, input, output, algo, strict, async_op);
 }
 
 std::shared_ptr<Work> Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input, RedOp op,
                                                    Algorithm algo, bool strict, bool async_op) {
   const Collective coll = Collective::kReduceScatter;
-  std::string why = check_tensor(input, "input", coll);
-  if (why.empty()) why = check_tensor(output, "output", coll);
-  if (why.empty() && output.scalar_type() != input.scalar_type())
-    why = "pycomm.reduce_scatter: output dtype differs from input dtype";
-  if (why.empty() && input.numel() != output.numel() * world())
-    why = "pycomm.reduce_scatter: input must have world_size (" + std::to_string(world()) +
-          ") x output.numel() (" + std::to_string(output.numel()) + ") elements, got " +
-          std::to_string(input.numel());
+  std::string why = check_io(coll, input, output, world(), 1);
   if (why.empty() && overlaps(input, output)) why = "pycomm.reduce_scatter: output overlaps input";
-  DType dt = DType::kFloat32;
-  if (why.empty()) to_dtype(input.scalar_type(), &dt);
-  if (why.empty() && op == RedOp::kAvg && !dtype_is_floating(dt))
-    why = std::string("pycomm.reduce_scatter: op=avg needs a floating-point tensor, got ") + dtype_name(dt);
   if (!why.empty()) return reject(why);
-
-  auto work = std::make_shared<Work>();
-  auto& d = work->desc_;
+  CollectiveDesc d;
   d.coll = coll;
-  d.dtype = dt;
   d.op = op;
   d.count = output.numel();
-  d.input = input.data_ptr();
-  d.output = output.data_ptr();
-  try {
-    d.algo = choose(coll, algo, strict, input.numel() * dtype_size(dt));
-  } catch (const CommError& e) {
-    return reject(e.what());
-  }
-  work->inputs_ = {input};
-  work->outputs_ = {output};
-  return submit(std::move(work), async_op);
+  return launch(d, input, output, algo, strict, async_op);
 }
 
 std::shared_ptr<Work> Communicator::all_gather(const at::Tensor& output, const at::Tensor& input, Algorithm algo,
                                                bool strict, bool async_op) {
   const Collective coll = Collective::kAllGather;
-  std::string why = check_tensor(input, "input", coll);
-  if (why.empty()) why = check_tensor(output, "output", coll);
-  if (why.empty() && output.scalar_type() != input.scalar_type())
-    why = "pycomm.all_gather: output dtype differs from input dtype";
-  if (why.empty() && output.numel() != input.numel() * world())
-    why = "pycomm.all_gather: output must have world_size (" + std::to_string(world()) +
-          ") x input.numel() (" + std::to_string(input.numel()) + ") elements, got " +
-          std::to_string(output.numel());
+  std::string why = check_io(coll, input, output, 1, world());
   if (why.empty() && overlaps(input, output)) {
     // In place is allowed when the input is exactly this rank's slot.
     const char* slot = static_cast<const char*>(output.data_ptr()) + rank() * input.numel() * input.element_size();
     if (input.data_ptr() != slot) why = "pycomm.all_gather: input overlaps output but is not this rank's slot of it";
   }
-  DType dt = DType::kFloat32;
-  if (why.empty()) to_dtype(input.scalar_type(), &dt);
   if (!why.empty()) return reject(why);
-
-  auto work = std::make_shared<Work>();
-  auto& d = work->desc_;
+  CollectiveDesc d;
   d.coll = coll;
-  d.dtype = dt;
   d.count = input.numel();
-  d.input = input.data_ptr();
-  d.output = output.data_ptr();
-  try {
-    d.algo = choose(coll, algo, strict, output.numel() * dtype_size(dt));
-  } catch (const CommError& e) {
-    return reject(e.what());
-  }
-  work->inputs_ = {input};
-  work->outputs_ = {output};
-  return submit(std::move(work), async_op);
+  return launch(d, input, output, algo, strict, async_op);
 }
 
 std::shared_ptr<Work> Communicator::broadcast(const at::Tensor& tensor, int src, Algorithm algo, bool strict,
@@ -368,30 +348,12 @@ std::shared_ptr<Work> Communicator::broadcast(const at::Tensor& tensor, int src,
   if (why.empty() && (src < 0 || src >= world()))
     why = "pycomm.broadcast: src=" + std::to_string(src) + " is not a rank of this communicator (world size " +
           std::to_string(world()) + ")";
-  DType dt = DType::kFloat32;
-  if (why.empty()) to_dtype(tensor.scalar_type(), &dt);
   if (!why.empty()) return reject(why);
-
-  auto work = std::make_shared<Work>();
-  auto& d = work->desc_;
+  CollectiveDesc d;
   d.coll = coll;
-  d.dtype = dt;
   d.root = src;
   d.count = tensor.numel();
-  d.input = tensor.data_ptr();
-  d.output = tensor.data_ptr();
-  try {
-    try {
-    d.algo = choose(coll, algo, strict, d.count * dtype_size(dt));
-  } catch (const CommError& e) {
-    return reject(e.what());
-  }
-  } catch (const CommError& e) {
-    return reject(e.what());
-  }
-  work->inputs_ = {};
-  work->outputs_ = {tensor};
-  return submit(std::move(work), async_op);
+  return launch(d, tensor, tensor, algo, strict, async_op);
 }
 
 std::shared_ptr<Work> Communicator::barrier(bool async_op) {

@@ -46,7 +46,6 @@ class Work {
   uint64_t seq_ = 0;
   std::vector<at::Tensor> inputs_;   // kept alive until the op completes
   std::vector<at::Tensor> outputs_;
-  std::string invalid_reason_;       // set for kInvalid ops
   std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;
@@ -90,6 +89,9 @@ class Communicator {
   // The concrete algorithm a call of `bytes` per rank would run.
   Algorithm resolve(Collective coll, Algorithm algo, size_t bytes) const;
 
+  // Returns once every rank has joined (see ShmTransport::wait_all_attached).
+  void wait_ready() { transport_->wait_all_attached(); }
+
   // Finishes queued ops, then tells peers this rank is gone. Idempotent.
   void shutdown();
   void abort(const std::string& why);
@@ -102,6 +104,11 @@ class Communicator {
 
  private:
   std::shared_ptr<Work> submit(std::shared_ptr<Work> work, bool async_op);
+  std::string check_io(Collective coll, const at::Tensor& input, const at::Tensor& output, int64_t in_mult,
+                       int64_t out_mult) const;
+  // Resolves the algorithm and submits; `desc` has coll, op, root and count.
+  std::shared_ptr<Work> launch(CollectiveDesc desc, const at::Tensor& input, const at::Tensor& output,
+                               Algorithm algo, bool strict, bool async_op);
   void execute(Work& work);
   void progress_loop();
   Algorithm choose(Collective coll, Algorithm algo, bool strict, size_t bytes) const;

@@ -148,7 +148,7 @@ class Communicator:
         self._store = store
 
         # 1. Topology: which ranks share a host.
-        hosts = self._exchange_hosts(store, rank, world_size)
+        hosts = self._exchange_hosts(store, rank, world_size, float(timeout))
         local_ranks = [r for r in range(world_size) if hosts[r] == hosts[rank]]
         self.local_rank: int = local_ranks.index(rank)
         self.local_size: int = len(local_ranks)
@@ -163,6 +163,7 @@ class Communicator:
         #    check that we attach to this job's segment and no other.
         if rank == 0:
             store.set("token", secrets.token_hex(16))
+        _wait_keys(store, ["token"], float(timeout), "rank 0 to publish the job token")
         token = store.get("token").decode()
         name = f"/pycomm.{token}.{min(local_ranks)}"
         key = f"segment/{min(local_ranks)}"
@@ -179,12 +180,16 @@ class Communicator:
                 raise
             store.set(key, "ok")
         else:
+            _wait_keys(store, [key], float(timeout), f"rank {min(local_ranks)} to create the shared segment")
             status = store.get(key).decode()
             if status != "ok":
                 raise CommError(f"pycomm: rank {min(local_ranks)} could not create the shared segment: {status}")
             self._c = core.Communicator(rank=self.local_rank, world=self.local_size, shm_name=name,
                                         token=token, create=False, round_bytes=round_bytes,
                                         timeout=float(timeout))
+        # Return only once every local rank has mapped the segment (which is
+        # then unlinked): a fast rank must not leave before a slow one joined.
+        self._c.wait_ready()
 
         # 4. PYCOMM_ALGO is a preference: collectives it cannot run fall back
         #    to the tuner, and say so once.
@@ -202,9 +207,10 @@ class Communicator:
                                 env_algo, COLLECTIVE_NAMES[coll])
 
     @staticmethod
-    def _exchange_hosts(store: "dist.Store", rank: int, world_size: int) -> List[str]:
+    def _exchange_hosts(store: "dist.Store", rank: int, world_size: int, timeout: float) -> List[str]:
         store.set(f"host/{rank}", _host_key())
         keys = [f"host/{r}" for r in range(world_size)]
+        _wait_keys(store, keys, timeout, "every rank to join")
         values = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
         hosts = [v.decode() for v in values]
         local_size = os.environ.get("PYCOMM_LOCAL_SIZE")
@@ -363,6 +369,20 @@ class Communicator:
 
     def __repr__(self) -> str:
         return f"pycomm.Communicator(rank={self.rank}, world_size={self.world_size}, local_size={self.local_size})"
+
+
+def _wait_keys(store: "dist.Store", keys: List[str], timeout: float, what: str) -> None:
+    """Store waits are bounded by the communicator's timeout, not the Store's."""
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except Exception as e:  # the Store raises its own timeout error types
+        missing = [k for k in keys if not store.check([k])]
+        ranks = [k.rsplit("/", 1)[-1] for k in missing if k.startswith("host/")]
+        detail = f"; ranks {', '.join(ranks)} never arrived" if ranks else ""
+        raise CommError(
+            f"pycomm: bootstrap timed out after {timeout:g} s waiting for {what}{detail} "
+            "(did every rank create the communicator?)"
+        ) from e
 
 
 def _resolve_bootstrap(group, store, rank, world_size):

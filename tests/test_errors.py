@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from error_cases import bad_inputs, late_peer, mismatch, shm_entries, stream_until_killed
+from error_cases import bad_inputs, late_peer, mismatch, missing_rank, stream_until_killed
 from harness import RankPool
 
 WORLD = 3
@@ -73,6 +73,13 @@ def test_late_peer_times_out_on_time(pool3):
     assert elapsed0 < timeout + 1.0, elapsed0
     # The late rank finds the communicator aborted instead of waiting again.
     assert results[1][0] and "timed out" in results[1][0]
+
+
+def test_rank_that_never_joins_fails_the_bootstrap(pool3):
+    results = pool3.run(missing_rank, WORLD, pool3.new_name(), 1.5, timeout=60)
+    for rank, err in enumerate(results[:-1]):
+        assert err and "timed out" in err and "ranks 2 never arrived" in err, f"rank {rank}: {err}"
+    # The pool fixture checks that the failed bootstrap left no segment.
 
 
 def test_killed_rank_is_named_by_every_survivor():

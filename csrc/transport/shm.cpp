@@ -309,13 +309,16 @@ ShmTransport::ShmTransport(const ShmConfig& config)
     throw CommError("pycomm: invalid shared-memory segment name '" + name_ + "'");
   map_segment(config);
 
-  // Spinning keeps a peer's wake-up latency near zero while every rank has
-  // its own core; with more ranks than cores a spinning rank steals the core
-  // its peer needs, so there it gives the core up almost at once.
+  // While every rank has its own core, spinning costs nothing and waking a
+  // sleeping rank costs a lot (on a VM, waking an idle vCPU takes ~100 us):
+  // spin for longer than a typical step, so that two busy ranks never fall
+  // into a sleep/wake ping-pong. With more ranks than cores a spinning rank
+  // steals the core its peer needs, so there it sleeps almost at once.
   const bool oversubscribed = world_ > usable_cpus();
-  spin_iters_ = oversubscribed ? 64 : 20000;
-  yield_iters_ = oversubscribed ? 0 : 4;
-  if (const char* env = std::getenv("PYCOMM_SPIN_ITERS")) spin_iters_ = std::max(0, std::atoi(env));
+  long spin_us = oversubscribed ? 2 : 1000;
+  if (const char* env = std::getenv("PYCOMM_SPIN_US")) spin_us = std::max(0L, std::atol(env));
+  spin_ = std::chrono::microseconds(spin_us);
+  yield_iters_ = oversubscribed ? 0 : 2;
 }
 
 void ShmTransport::map_segment(const ShmConfig& config) {
@@ -395,14 +398,37 @@ void ShmTransport::map_segment(const ShmConfig& config) {
   me.pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
   // The last rank to map the segment removes its name: from then on it lives
   // only as long as some rank maps it, and a kill -9 leaves nothing behind.
-  if (header_->attached.fetch_add(1) + 1 == static_cast<uint32_t>(world_)) shm_unlink(name_.c_str());
+  if (header_->attached.fetch_add(1) + 1 == static_cast<uint32_t>(world_)) {
+    shm_unlink(name_.c_str());
+    futex_wake_all(&header_->attached);
+  }
+}
+
+void ShmTransport::wait_all_attached() {
+  // Nobody returns from construction before everybody has mapped the
+  // segment: otherwise a fast rank could finish (or fail) and leave while a
+  // slow one still needs the name to attach.
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(timeout_s_));
+  while (true) {
+    const uint32_t v = header_->attached.load(std::memory_order_acquire);
+    if (v >= static_cast<uint32_t>(world_)) return;
+    if (std::chrono::steady_clock::now() >= deadline) {
+      // Nobody else may attach to a job that failed to start.
+      shm_unlink(name_.c_str());
+      throw CommError("pycomm: only " + std::to_string(v) + " of " + std::to_string(world_) +
+                      " local ranks joined the shared memory segment within " + std::to_string(timeout_s_) +
+                      " s (did every rank create the communicator?)");
+    }
+    timespec ts{0, kFutexSleepNs};
+    futex_op(&header_->attached, FUTEX_WAIT, v, &ts);
+  }
 }
 
 ShmTransport::~ShmTransport() {
   if (!base_) return;
   shutdown();
-  // Covers a bootstrap that failed before every rank attached.
-  if (header_->attached.load() < static_cast<uint32_t>(world_)) shm_unlink(name_.c_str());
   munmap(base_, size_);
 }
 
@@ -482,10 +508,16 @@ template <typename Reached>
 void ShmTransport::wait_on(std::atomic<uint32_t>* word, int peer, const OpContext& ctx, const char* what,
                            Reached is_reached) {
   if (is_reached(word->load(std::memory_order_acquire))) return;
-  for (int i = 0; i < spin_iters_; ++i) {
+  // 1. Spin, for a time rather than a count: `pause` lasts 3 to 140 cycles
+  //    depending on the CPU.
+  const auto spin_until = std::chrono::steady_clock::now() + spin_;
+  for (int i = 1;; ++i) {
     cpu_relax();
     if (is_reached(word->load(std::memory_order_acquire))) return;
+    if (i % 64 == 0 && std::chrono::steady_clock::now() >= spin_until) break;
   }
+  // 2. Then sleep on the futex, waking at least every kFutexSleepNs to check
+  //    abort, liveness and the deadline.
   RankControl& pc = controls_[peer];
   for (int i = 0;; ++i) {
     check_abort();

@@ -56,6 +56,12 @@ class ShmTransport {
   ShmTransport(const ShmTransport&) = delete;
   ShmTransport& operator=(const ShmTransport&) = delete;
 
+  // Blocks until every local rank has mapped the segment (bounded by the
+  // timeout). Call once, after telling the other ranks the segment exists:
+  // a rank that returned earlier could finish, or fail, and leave while a
+  // slow one still needs the segment's name to attach.
+  void wait_all_attached();
+
   // Runs collective number `seq` (the same on every rank). Throws CommError.
   void run(const CollectiveDesc& desc, uint64_t seq);
 
@@ -108,7 +114,7 @@ class ShmTransport {
 
   uint64_t step_base_ = 0;   // global step counter, same on every rank
   uint64_t round_base_ = 0;  // global round counter, same on every rank
-  int spin_iters_ = 0;
+  std::chrono::steady_clock::duration spin_{};
   int yield_iters_ = 0;
   std::chrono::steady_clock::time_point next_liveness_check_{};
   std::vector<std::unique_ptr<ShmPlan>> plans_;
