@@ -6,6 +6,7 @@ under a fresh name, so cases never share keys or segments.
 """
 from __future__ import annotations
 
+import datetime
 import itertools
 import multiprocessing as mp
 import os
@@ -22,6 +23,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_STATE: dict = {}  # per worker process: its Store client
+
+
 class RankError(AssertionError):
     """A worker raised; carries every failing rank's traceback."""
 
@@ -36,7 +40,7 @@ def _worker_main(rank: int, port: int, conn) -> None:
 
     import pycomm  # noqa: F401
 
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=__import__("datetime").timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
     _STATE["store"] = store
     while True:
         msg = conn.recv()
@@ -49,7 +53,6 @@ def _worker_main(rank: int, port: int, conn) -> None:
             conn.send(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-_STATE: dict = {}
 _names = itertools.count()
 
 

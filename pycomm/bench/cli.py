@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def validate(args: argparse.Namespace) -> List[str]:
+    import torch
+
     from .runner import DTYPES
 
     if args.dtype not in DTYPES:
@@ -73,8 +75,8 @@ def validate(args: argparse.Namespace) -> List[str]:
         if a not in ALGOS:
             raise SystemExit(f"pycomm-bench: unknown algorithm {a!r} (use {', '.join(ALGOS)})")
     if args.collective in ("reduce_scatter", "all_gather") and "tree" in algos:
-        algos.remove("tree")  # no tree schedule for these; say so in the header
-    if args.op == "avg" and DTYPES[args.dtype] in (__import__("torch").int32, __import__("torch").int64):
+        algos.remove("tree")  # no tree schedule for these (the header lists what runs)
+    if args.op == "avg" and not DTYPES[args.dtype].is_floating_point:
         raise SystemExit("pycomm-bench: avg needs a floating-point dtype")
     return algos
 

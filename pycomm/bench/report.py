@@ -8,8 +8,6 @@ from typing import Dict, List, Optional
 # link must carry for the collective, so that busbw is comparable to the
 # hardware's bandwidth whatever the rank count.
 def busbw_factor(collective: str, nranks: int) -> float:
-    if nranks <= 1:
-        return 1.0 if collective == "broadcast" else 0.0 if collective != "all_reduce" else 0.0
     return {
         "all_reduce": 2.0 * (nranks - 1) / nranks,
         "reduce_scatter": (nranks - 1) / nranks,
