@@ -275,9 +275,15 @@ std::string Communicator::check_io(Collective coll, const at::Tensor& input, con
   return "";
 }
 
-std::shared_ptr<Work> Communicator::launch(CollectiveDesc desc, const at::Tensor& input, const at::Tensor& output,
-                                           Algorithm algo, bool strict, bool async_op) {
+std::shared_ptr<Work> Communicator::launch(Collective coll, RedOp op, int root, uint64_t count,
+                                           const at::Tensor& input, const at::Tensor& output, Algorithm algo,
+                                           bool strict, bool async_op) {
   auto work = std::make_shared<Work>();
+  CollectiveDesc desc;
+  desc.coll = coll;
+  desc.op = op;
+  desc.root = root;
+  desc.count = count;
   to_dtype(output.scalar_type(), &desc.dtype);
   desc.input = input.data_ptr();
   desc.output = output.data_ptr();
@@ -305,11 +311,7 @@ std::shared_ptr<Work> Communicator::all_reduce(const at::Tensor& input, const at
   if (why.empty() && output.data_ptr() != input.data_ptr() && overlaps(input, output))
     why = "pycomm.all_reduce: output partially overlaps input; pass the same tensor or a separate one";
   if (!why.empty()) return reject(why);
-  CollectiveDesc d;
-  d.coll = coll;
-  d.op = op;
-  d.count = input.numel();
-  return launch(d, input, output, algo, strict, async_op);
+  return launch(coll, op, 0, input.numel(), input, output, algo, strict, async_op);
 }
 
 std::shared_ptr<Work> Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input, RedOp op,
@@ -318,11 +320,7 @@ std::shared_ptr<Work> Communicator::reduce_scatter(const at::Tensor& output, con
   std::string why = check_io(coll, input, output, world(), 1);
   if (why.empty() && overlaps(input, output)) why = "pycomm.reduce_scatter: output overlaps input";
   if (!why.empty()) return reject(why);
-  CollectiveDesc d;
-  d.coll = coll;
-  d.op = op;
-  d.count = output.numel();
-  return launch(d, input, output, algo, strict, async_op);
+  return launch(coll, op, 0, output.numel(), input, output, algo, strict, async_op);
 }
 
 std::shared_ptr<Work> Communicator::all_gather(const at::Tensor& output, const at::Tensor& input, Algorithm algo,
@@ -335,10 +333,7 @@ std::shared_ptr<Work> Communicator::all_gather(const at::Tensor& output, const a
     if (input.data_ptr() != slot) why = "pycomm.all_gather: input overlaps output but is not this rank's slot of it";
   }
   if (!why.empty()) return reject(why);
-  CollectiveDesc d;
-  d.coll = coll;
-  d.count = input.numel();
-  return launch(d, input, output, algo, strict, async_op);
+  return launch(coll, RedOp::kSum, 0, input.numel(), input, output, algo, strict, async_op);
 }
 
 std::shared_ptr<Work> Communicator::broadcast(const at::Tensor& tensor, int src, Algorithm algo, bool strict,
@@ -349,11 +344,7 @@ std::shared_ptr<Work> Communicator::broadcast(const at::Tensor& tensor, int src,
     why = "pycomm.broadcast: src=" + std::to_string(src) + " is not a rank of this communicator (world size " +
           std::to_string(world()) + ")";
   if (!why.empty()) return reject(why);
-  CollectiveDesc d;
-  d.coll = coll;
-  d.root = src;
-  d.count = tensor.numel();
-  return launch(d, tensor, tensor, algo, strict, async_op);
+  return launch(coll, RedOp::kSum, src, tensor.numel(), tensor, tensor, algo, strict, async_op);
 }
 
 std::shared_ptr<Work> Communicator::barrier(bool async_op) {

@@ -106,9 +106,10 @@ class Communicator {
   std::shared_ptr<Work> submit(std::shared_ptr<Work> work, bool async_op);
   std::string check_io(Collective coll, const at::Tensor& input, const at::Tensor& output, int64_t in_mult,
                        int64_t out_mult) const;
-  // Resolves the algorithm and submits; `desc` has coll, op, root and count.
-  std::shared_ptr<Work> launch(CollectiveDesc desc, const at::Tensor& input, const at::Tensor& output,
-                               Algorithm algo, bool strict, bool async_op);
+  // Describes the call (count as in CollectiveDesc), resolves the algorithm
+  // and submits; op and root matter only where the collective has them.
+  std::shared_ptr<Work> launch(Collective coll, RedOp op, int root, uint64_t count, const at::Tensor& input,
+                               const at::Tensor& output, Algorithm algo, bool strict, bool async_op);
   void execute(Work& work);
   void progress_loop();
   Algorithm choose(Collective coll, Algorithm algo, bool strict, size_t bytes) const;
