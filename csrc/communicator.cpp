@@ -278,7 +278,6 @@ std::string Communicator::check_io(Collective coll, const at::Tensor& input, con
 std::shared_ptr<Work> Communicator::launch(Collective coll, RedOp op, int root, uint64_t count,
                                            const at::Tensor& input, const at::Tensor& output, Algorithm algo,
                                            bool strict, bool async_op) {
-  auto work = std::make_shared<Work>();
   CollectiveDesc desc;
   desc.coll = coll;
   desc.op = op;
@@ -298,6 +297,7 @@ std::shared_ptr<Work> Communicator::launch(Collective coll, RedOp op, int root, 
       desc.op == RedOp::kAvg && !dtype_is_floating(desc.dtype))
     return reject(std::string("pycomm.") + collective_name(desc.coll) +
                   ": op=avg needs a floating-point tensor, got " + dtype_name(desc.dtype));
+  auto work = std::make_shared<Work>();
   work->desc_ = desc;
   if (input.data_ptr() != output.data_ptr()) work->inputs_ = {input};
   work->outputs_ = {output};

@@ -68,19 +68,20 @@ def _host_key() -> str:
 def _parse_round_bytes(value: Optional[int]) -> int:
     if value is None:
         env = os.environ.get("PYCOMM_SHM_ROUND_BYTES")
-        value = _parse_size(env) if env else DEFAULT_ROUND_BYTES
+        value = parse_size(env) if env else DEFAULT_ROUND_BYTES
     value = max(64 * 1024, int(value) // 4096 * 4096)
     return value
 
 
-def _parse_size(text: str) -> int:
-    text = text.strip().upper()
+def parse_size(text: str) -> int:
+    """Bytes from '4096', '64K', '1M', '2G' or '64MB'; ValueError if it is none of those."""
+    t = text.strip().upper().rstrip("B")
     mult = 1
     for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
-        if text.endswith(suffix):
-            text, mult = text[:-1], m
+        if t.endswith(suffix):
+            t, mult = t[:-1], m
             break
-    return int(float(text) * mult)
+    return int(float(t) * mult)
 
 
 _instances_per_group: Dict[str, int] = {}
@@ -145,7 +146,6 @@ class Communicator:
             timeout = timeout.total_seconds()
         self.rank: int = rank
         self.world_size: int = world_size
-        self._store = store
 
         # 1. Topology: which ranks share a host.
         hosts = self._exchange_hosts(store, rank, world_size, float(timeout))

@@ -99,31 +99,20 @@ class RankPool:
         return f"{prefix}{next(_names)}"
 
     def run(self, fn: Callable, *args: Any, world: Optional[int] = None, timeout: float = 300,
-            ranks_ok_to_die: bool = False, **kwargs: Any) -> List[Any]:
-        world = self.nprocs if world is None else world
-        for r in range(world):
-            self.conns[r].send((fn, args, kwargs))
-        results, errors = [], []
-        for r in range(world):
-            if not self.conns[r].poll(timeout):
-                raise RankError(f"rank {r} did not answer within {timeout} s (hang?)")
-            try:
-                status, value = self.conns[r].recv()
-            except EOFError:
-                if ranks_ok_to_die:
-                    results.append(None)
-                    continue
-                raise RankError(f"rank {r} died") from None
-            if status == "err":
-                errors.append(f"--- rank {r}:\n{value}")
-            results.append(value)
+            **kwargs: Any) -> List[Any]:
+        """Results in rank order; raises RankError if any rank raised or died."""
+        out = self.run_expect(fn, *args, world=world, timeout=timeout, **kwargs)
+        dead = [r for r, (status, _) in enumerate(out) if status == "dead"]
+        if dead:
+            raise RankError(f"rank(s) {dead} died")
+        errors = [f"--- rank {r}:\n{value}" for r, (status, value) in enumerate(out) if status == "err"]
         if errors:
             raise RankError("\n".join(errors))
-        return results
+        return [value for _, value in out]
 
     def run_expect(self, fn: Callable, *args: Any, world: Optional[int] = None, timeout: float = 300,
                    **kwargs: Any) -> List[tuple]:
-        """Like run, but returns (status, value) per rank instead of raising."""
+        """(status, value) per rank: ("ok", result), ("err", traceback) or ("dead", None)."""
         world = self.nprocs if world is None else world
         for r in range(world):
             self.conns[r].send((fn, args, kwargs))

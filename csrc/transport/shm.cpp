@@ -96,6 +96,11 @@ uint64_t pid_namespace_id() {
   return static_cast<uint64_t>(st.st_ino);
 }
 
+std::chrono::steady_clock::time_point deadline_after(double seconds) {
+  return std::chrono::steady_clock::now() +
+         std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(seconds));
+}
+
 int usable_cpus() {
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
@@ -412,9 +417,7 @@ void ShmTransport::wait_all_attached() {
   // Nobody returns from construction before everybody has mapped the
   // segment: otherwise a fast rank could finish (or fail) and leave while a
   // slow one still needs the name to attach.
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(timeout_s_));
+  const auto deadline = deadline_after(timeout_s_);
   while (true) {
     const uint32_t v = header_->attached.load(std::memory_order_acquire);
     if (v >= static_cast<uint32_t>(world_)) return;
@@ -520,8 +523,8 @@ void ShmTransport::wait_on(std::atomic<uint32_t>* word, int peer, const OpContex
     if (is_reached(word->load(std::memory_order_acquire))) return;
     if (i % 64 == 0 && std::chrono::steady_clock::now() >= spin_until) break;
   }
-  // 2. Then sleep on the futex, waking at least every kFutexSleepNs to check
-  //    abort, liveness and the deadline.
+  // 2. Then yield a few times, then sleep on the futex, waking at least every
+  //    kFutexSleepNs to check abort, liveness and the deadline.
   RankControl& pc = controls_[peer];
   for (int i = 0;; ++i) {
     check_abort();
@@ -647,9 +650,7 @@ void ShmTransport::run(const CollectiveDesc& desc, uint64_t seq) {
   OpContext ctx;
   ctx.coll = desc.coll;
   ctx.seq = seq;
-  ctx.deadline = std::chrono::steady_clock::now() +
-                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                     std::chrono::duration<double>(timeout_s_));
+  ctx.deadline = deadline_after(timeout_s_);
   publish_header(desc, seq);
   std::vector<bool> checked(world_, false);
   checked[rank_] = true;

@@ -11,6 +11,7 @@ import socket
 import sys
 from typing import List, Optional
 
+from ..communicator import parse_size as parse_bytes
 from .report import HEADER, format_size, plot, summary, write_json
 
 COLLECTIVES = ["all_reduce", "reduce_scatter", "all_gather", "broadcast"]
@@ -18,14 +19,8 @@ ALGOS = ["ring", "tree", "direct", "auto"]
 
 
 def parse_size(text: str) -> int:
-    t = text.strip().upper().rstrip("B")
-    mult = 1
-    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
-        if t.endswith(suffix):
-            t, mult = t[:-1], m
-            break
     try:
-        value = int(float(t) * mult)
+        value = parse_bytes(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"bad size {text!r} (use e.g. 8, 1K, 64M)") from None
     if value <= 0:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import pycomm
 
-from .report import busbw_factor
+from .report import busbw_factor, format_row
 
 DTYPES = {
     "float32": torch.float32, "float": torch.float32, "float64": torch.float64, "double": torch.float64,
@@ -55,7 +55,7 @@ class Case:
         self.elements = total
         self.dtype = dtype
         n_in = self.count * (world if collective == "reduce_scatter" else 1)
-        n_out = self.count * (world if collective == "all_gather" else 1) if collective in ("all_gather", "reduce_scatter") else 0
+        n_out = {"all_gather": self.count * world, "reduce_scatter": self.count}.get(collective, 0)
         self.inp = torch.empty(n_in, dtype=dtype)
         self.out = torch.empty(n_out, dtype=dtype)
 
@@ -151,23 +151,23 @@ def run_rank(cfg: BenchConfig, comm: "pycomm.Communicator") -> Optional[List[Dic
             fn()
             wrong = case.wrong()
             # The slowest rank's median is the collective's time; #wrong sums.
-            stats = torch.tensor([seconds, float(wrong)], dtype=torch.float64)
-            slowest = stats.clone()
-            dist.all_reduce(slowest[:1], dist.ReduceOp.MAX)
-            dist.all_reduce(slowest[1:], dist.ReduceOp.SUM)
-            t = slowest[0].item()
+            slowest = torch.tensor([seconds], dtype=torch.float64)
+            wrong_total = torch.tensor([wrong], dtype=torch.int64)
+            dist.all_reduce(slowest, dist.ReduceOp.MAX)
+            dist.all_reduce(wrong_total, dist.ReduceOp.SUM)
+            t = slowest.item()
             resolved = label
-            if backend_name == "pycomm" and label == "auto":
-                resolved = "auto:" + comm.resolve_algorithm(cfg.collective, "auto", case.inp.numel() * case.inp.element_size())
-            elif backend_name == "pycomm" and label == "direct":
-                resolved = comm.resolve_algorithm(cfg.collective, "direct", case.inp.numel() * case.inp.element_size())
+            if backend_name == "pycomm" and label in ("auto", "direct"):
+                # The tuner sizes a call by its larger buffer, as nccl-tests does.
+                chosen = comm.resolve_algorithm(cfg.collective, label, case.size_bytes)
+                resolved = f"auto:{chosen}" if label == "auto" else chosen
             algbw = case.size_bytes / t / 1e9
             point.append({
                 "collective": cfg.collective, "backend": backend_name, "algorithm": label, "label": resolved,
                 "dtype": cfg.dtype, "op": cfg.op if cfg.collective in ("all_reduce", "reduce_scatter") else "none",
                 "size_bytes": case.size_bytes, "count": case.elements, "nranks": world,
                 "time_us": t * 1e6, "algbw_gbps": algbw, "busbw_gbps": algbw * busbw_factor(cfg.collective, world),
-                "wrong": int(slowest[1].item()), "iters": iters,
+                "wrong": int(wrong_total.item()), "iters": iters,
             })
         base = [p for p in point if p["backend"] != "pycomm"]
         for p in point:
@@ -175,7 +175,6 @@ def run_rank(cfg: BenchConfig, comm: "pycomm.Communicator") -> Optional[List[Dic
                 p["speedup_vs_baseline"] = base[0]["time_us"] / p["time_us"]
         rows.extend(point)
         if rank == 0:
-            from .report import format_row
             for p in point:
                 print(format_row(p), flush=True)
     return rows if rank == 0 else None
