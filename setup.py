@@ -31,14 +31,17 @@ def _sources(pattern: str) -> list:
 
 cpp_sources = _sources("csrc/**/*.cpp")
 cuda_sources = _sources("csrc/kernels/cuda/*.cu")
-cxx_flags = ["-O3", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
+# No contraction into fused multiply-adds: the default and AVX2 clones of a
+# kernel, and its CUDA twin, must round identically, so that ranks on
+# different CPUs (or a GPU) compute the same bits.
+cxx_flags = ["-O3", "-fvisibility=hidden", "-Wall", "-Wno-unused-function", "-ffp-contract=off"]
 
 if _want_cuda():
     ext = cpp_extension.CUDAExtension(
         "pycomm._C",
         cpp_sources + cuda_sources,
         define_macros=[("PYCOMM_WITH_CUDA", "1")],
-        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--expt-relaxed-constexpr", "--fmad=false"]},
     )
 else:
     ext = cpp_extension.CppExtension("pycomm._C", cpp_sources, extra_compile_args={"cxx": cxx_flags})

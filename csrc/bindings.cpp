@@ -34,7 +34,7 @@ RedOp to_op(int op) {
   return static_cast<RedOp>(op);
 }
 Collective to_coll(int c) {
-  if (c < 0 || c > static_cast<int>(Collective::kInvalid)) throw CommError("pycomm: unknown collective id");
+  if (c < 0 || c > static_cast<int>(Collective::kAllToAll)) throw CommError("pycomm: unknown collective id");
   return static_cast<Collective>(c);
 }
 
@@ -75,6 +75,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](Work& w) { return std::make_shared<torch::jit::PythonFutureWrapper>(w.get_future()); },
            "A torch.futures.Future holding [output tensors], completed by the progress engine.")
       .def_property_readonly("seq", &Work::seq)
+      .def_property_readonly("bytes_sent", [](Work& w) { return w.stats().bytes_sent; },
+                             "Bytes this rank handed to its peers (compressed all-reduce; 0 otherwise).")
+      .def_property_readonly("bytes_uncompressed", [](Work& w) { return w.stats().bytes_uncompressed; },
+                             "Bytes the uncompressed all-reduce would have sent from this rank.")
       .def_property_readonly("algorithm", [](Work& w) { return std::string(algorithm_name(w.algorithm())); });
 
   py::class_<Communicator, std::unique_ptr<Communicator, GilFreeDelete>>(m, "Communicator")
@@ -110,6 +114,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return c.broadcast(t, src, to_algo(algo), strict, async_op);
            },
            py::call_guard<py::gil_scoped_release>())
+      .def("all_to_all",
+           [](Communicator& c, const at::Tensor& out, const at::Tensor& in, bool async_op) {
+             return c.all_to_all(out, in, async_op);
+           },
+           py::call_guard<py::gil_scoped_release>())
+      .def("all_reduce_compressed",
+           [](Communicator& c, const at::Tensor& in, const at::Tensor& out, int op, int kind, int block,
+              bool stochastic, uint64_t seed, double ratio, bool exact, double tolerance, double sample_fraction,
+              std::optional<at::Tensor> worker_residual, std::optional<at::Tensor> server_residual, bool async_op) {
+             Codec codec;
+             if (kind < 1 || kind > static_cast<int>(CodecKind::kTopK)) throw CommError("pycomm: unknown codec id");
+             codec.kind = static_cast<CodecKind>(kind);
+             codec.block = block;
+             codec.stochastic = stochastic;
+             codec.seed = seed;
+             codec.ratio = ratio;
+             codec.exact = exact;
+             codec.tolerance = tolerance;
+             codec.sample_fraction = sample_fraction;
+             return c.all_reduce_compressed(in, out, to_op(op), codec, worker_residual.value_or(at::Tensor()),
+                                            server_residual.value_or(at::Tensor()), async_op);
+           },
+           py::arg("input"), py::arg("output"), py::arg("op"), py::arg("kind"), py::arg("block"),
+           py::arg("stochastic"), py::arg("seed"), py::arg("ratio"), py::arg("exact"), py::arg("tolerance"),
+           py::arg("sample_fraction"), py::arg("worker_residual"), py::arg("server_residual"), py::arg("async_op"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("compressed_shard_elems", &Communicator::compressed_shard_elems, py::arg("numel"), py::arg("block"))
       .def("barrier", &Communicator::barrier, py::arg("async_op"), py::call_guard<py::gil_scoped_release>())
       .def("resolve",
            [](Communicator& c, int coll, int algo, size_t bytes) {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "algorithms/schedule.h"
 #include "common.h"
@@ -18,8 +19,15 @@ struct CollectiveDesc {
   // reduce_scatter: elements of the output shard (input has world * count).
   // all_gather: elements of the input shard (output has world * count).
   uint64_t count = 0;
+  // Part of a composite operation (a compressed all-reduce): which codec and
+  // step, so ranks that disagree on them fail like any other mismatch.
+  // 0 for plain collectives; see compression/codec.h.
+  uint32_t tag = 0;
   const void* input = nullptr;
   void* output = nullptr;
 };
+
+// "codec=int8(block=256), step=all_to_all" for a non-zero tag (error messages).
+std::string describe_tag(uint32_t tag);
 
 }  // namespace pycomm

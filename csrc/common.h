@@ -10,7 +10,7 @@
 #if defined(__CUDACC__)
 #define PYCOMM_HOST_DEVICE __host__ __device__ __forceinline__
 #else
-#define PYCOMM_HOST_DEVICE inline
+#define PYCOMM_HOST_DEVICE inline __attribute__((always_inline))
 #endif
 
 namespace pycomm {
@@ -24,8 +24,10 @@ enum class DType : uint8_t {
   kBFloat16 = 3,
   kInt32 = 4,
   kInt64 = 5,
+  // Raw bytes: compressed payloads travel as uint8; sums wrap like torch's.
+  kUInt8 = 6,
 };
-constexpr int kNumDTypes = 6;
+constexpr int kNumDTypes = 7;
 
 enum class RedOp : uint8_t { kSum = 0, kAvg = 1, kMax = 2, kMin = 3 };
 
@@ -37,12 +39,13 @@ inline size_t dtype_size(DType t) {
     case DType::kBFloat16: return 2;
     case DType::kInt32: return 4;
     case DType::kInt64: return 8;
+    case DType::kUInt8: return 1;
   }
   return 0;
 }
 
 inline bool dtype_is_floating(DType t) {
-  return t != DType::kInt32 && t != DType::kInt64;
+  return t != DType::kInt32 && t != DType::kInt64 && t != DType::kUInt8;
 }
 
 const char* dtype_name(DType t);

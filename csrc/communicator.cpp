@@ -1,8 +1,11 @@
 #include "communicator.h"
 
+#include <climits>
 #include <sstream>
 
 #include "algorithms/algorithms.h"
+#include "compression/quantized_allreduce.h"
+#include "compression/sparse_allreduce.h"
 
 namespace pycomm {
 
@@ -16,6 +19,7 @@ bool to_dtype(at::ScalarType t, DType* out) {
     case at::kBFloat16: *out = DType::kBFloat16; return true;
     case at::kInt: *out = DType::kInt32; return true;
     case at::kLong: *out = DType::kInt64; return true;
+    case at::kByte: *out = DType::kUInt8; return true;
     default: return false;
   }
 }
@@ -35,7 +39,7 @@ std::string check_tensor(const at::Tensor& t, const char* role, Collective coll)
   DType dt;
   if (!to_dtype(t.scalar_type(), &dt)) {
     os << role << " has dtype torch." << c10::getDtypeNames(t.scalar_type()).first
-       << ", which is not supported (use float32, float64, float16, bfloat16, int32 or int64)";
+       << ", which is not supported (use float32, float64, float16, bfloat16, int32, int64 or uint8)";
     return os.str();
   }
   if (!t.is_contiguous()) {
@@ -81,6 +85,7 @@ void Work::finish(std::exception_ptr error) {
     }
   }
   inputs_.clear();
+  body_ = nullptr;
 }
 
 bool Work::wait(double timeout_s) {
@@ -186,7 +191,11 @@ void Communicator::progress_loop() {
 void Communicator::execute(Work& work) {
   std::exception_ptr error;
   try {
-    transport_->run(work.desc_, work.seq_);
+    if (work.body_) {
+      work.body_(work.seq_);
+    } else {
+      transport_->run(work.desc_, work.seq_);
+    }
   } catch (...) {
     error = std::current_exception();
   }
@@ -196,7 +205,8 @@ void Communicator::execute(Work& work) {
 std::shared_ptr<Work> Communicator::submit(std::shared_ptr<Work> work, bool async_op) {
   std::unique_lock<std::mutex> lk(mu_);
   if (stop_) throw CommError("pycomm: the communicator has been shut down");
-  work->seq_ = next_seq_++;
+  work->seq_ = next_seq_;
+  next_seq_ += work->seq_span_;
   if (!async_op && queue_.empty() && !busy_) {
     busy_ = true;
     lk.unlock();
@@ -235,7 +245,9 @@ Algorithm Communicator::choose(Collective coll, Algorithm algo, bool strict, siz
         std::ostringstream os;
         os << "pycomm." << collective_name(coll) << ": algorithm '" << algorithm_name(algo)
            << "' is not available for " << collective_name(coll) << "; use "
-           << (coll == Collective::kBroadcast ? "ring, tree, direct or auto" : "ring, direct or auto");
+           << (coll == Collective::kBroadcast   ? "ring, tree, direct or auto"
+               : coll == Collective::kAllToAll ? "direct or auto"
+                                               : "ring, direct or auto");
         throw CommError(os.str());
       }
       algo = Algorithm::kAuto;
@@ -345,6 +357,96 @@ std::shared_ptr<Work> Communicator::broadcast(const at::Tensor& tensor, int src,
           std::to_string(world()) + ")";
   if (!why.empty()) return reject(why);
   return launch(coll, RedOp::kSum, src, tensor.numel(), tensor, tensor, algo, strict, async_op);
+}
+
+std::shared_ptr<Work> Communicator::all_to_all(const at::Tensor& output, const at::Tensor& input, bool async_op) {
+  const Collective coll = Collective::kAllToAll;
+  std::string why = check_io(coll, input, output, 1, 1);
+  if (why.empty() && input.numel() % world() != 0)
+    why = "pycomm.all_to_all: input has " + std::to_string(input.numel()) +
+          " elements, which does not split evenly into world_size (" + std::to_string(world()) + ") blocks";
+  if (why.empty() && overlaps(input, output)) why = "pycomm.all_to_all: output overlaps input";
+  if (!why.empty()) return reject(why);
+  return launch(coll, RedOp::kSum, 0, input.numel() / world(), input, output, Algorithm::kAuto, false, async_op);
+}
+
+size_t Communicator::compressed_shard_elems(size_t n, int block) const {
+  return QuantizedAllReduce::shard_elems(n, world(), block);
+}
+
+std::shared_ptr<Work> Communicator::all_reduce_compressed(const at::Tensor& input, const at::Tensor& output,
+                                                          RedOp op, const Codec& codec,
+                                                          const at::Tensor& worker_residual,
+                                                          const at::Tensor& server_residual, bool async_op) {
+  const Collective coll = Collective::kAllReduce;
+  std::string why = check_io(coll, input, output, 1, 1);
+  if (why.empty() && output.data_ptr() != input.data_ptr() && overlaps(input, output))
+    why = "pycomm.all_reduce: output partially overlaps input; pass the same tensor or a separate one";
+  if (why.empty() && !(input.scalar_type() == at::kFloat || input.scalar_type() == at::kHalf ||
+                       input.scalar_type() == at::kBFloat16))
+    why = std::string("pycomm.all_reduce: compression needs a float32, float16 or bfloat16 tensor, got torch.") +
+          std::string(c10::getDtypeNames(input.scalar_type()).first);
+  if (why.empty() && op != RedOp::kSum && op != RedOp::kAvg)
+    why = std::string("pycomm.all_reduce: compression supports op=sum and op=avg, not ") + redop_name(op);
+  if (why.empty()) {
+    why = codec.check();
+    if (!why.empty()) why = "pycomm.all_reduce: " + why;
+  }
+  if (why.empty() && input.numel() > INT32_MAX && codec.kind == CodecKind::kTopK)
+    why = "pycomm.all_reduce: TopK indexes with int32; the tensor has more than 2^31-1 elements";
+  auto check_residual = [&](const at::Tensor& r, const char* name, int64_t want) {
+    if (!why.empty() || !r.defined()) return;
+    std::ostringstream os;
+    if (r.scalar_type() != at::kFloat || !r.device().is_cpu() || !r.is_contiguous()) {
+      os << "pycomm.all_reduce: the " << name << " residual must be a contiguous float32 CPU tensor";
+    } else if (r.numel() != want) {
+      os << "pycomm.all_reduce: the " << name << " residual has " << r.numel() << " elements, expected " << want;
+    } else if (overlaps(r, input) || overlaps(r, output)) {
+      os << "pycomm.all_reduce: the " << name << " residual overlaps the tensor";
+    }
+    why = os.str();
+  };
+  check_residual(worker_residual, "worker", input.numel());
+  if (codec.quantized())
+    check_residual(server_residual, "server",
+                   static_cast<int64_t>(compressed_shard_elems(input.numel(), codec.block)));
+  if (!why.empty()) return reject(why);
+
+  CompressedCall call;
+  to_dtype(input.scalar_type(), &call.dtype);
+  call.op = op;
+  call.n = static_cast<size_t>(input.numel());
+  call.input = input.data_ptr();
+  call.output = output.data_ptr();
+  call.worker_residual = worker_residual.defined() ? worker_residual.data_ptr<float>() : nullptr;
+  call.server_residual = codec.quantized() && server_residual.defined() ? server_residual.data_ptr<float>() : nullptr;
+
+  auto work = std::make_shared<Work>();
+  work->desc_.coll = coll;
+  work->desc_.algo = Algorithm::kTwoShot;
+  work->desc_.dtype = call.dtype;
+  work->desc_.op = op;
+  work->desc_.count = call.n;
+  work->inputs_ = {input};
+  if (worker_residual.defined()) work->inputs_.push_back(worker_residual);
+  if (server_residual.defined()) work->inputs_.push_back(server_residual);
+  work->outputs_ = {output};
+  // The algorithm object lives in the body: the op may run later, on the
+  // progress thread, and only then touches the workspace.
+  Transport& transport = *transport_;
+  Workspace& ws = workspace_;
+  if (codec.quantized()) {
+    auto algo = std::make_shared<QuantizedAllReduce>(transport, ws, codec, call);
+    work->stats_ = algo->stats();
+    work->seq_span_ = QuantizedAllReduce::kSeqSpan;
+    work->body_ = [algo](uint64_t seq) { algo->run(seq); };
+  } else {
+    auto algo = std::make_shared<SparseAllReduce>(transport, ws, codec, call);
+    work->stats_ = algo->stats();
+    work->seq_span_ = SparseAllReduce::kSeqSpan;
+    work->body_ = [algo](uint64_t seq) { algo->run(seq); };
+  }
+  return submit(std::move(work), async_op);
 }
 
 std::shared_ptr<Work> Communicator::barrier(bool async_op) {

@@ -13,6 +13,7 @@
 #include <condition_variable>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "collective.h"
+#include "compression/codec.h"
 #include "transport/shm.h"
 
 namespace pycomm {
@@ -37,6 +39,9 @@ class Work {
   c10::intrusive_ptr<c10::ivalue::Future> get_future();
   uint64_t seq() const { return seq_; }
   Algorithm algorithm() const { return desc_.algo; }
+  // Bytes this rank sends, and what the uncompressed collective would send
+  // (compressed all-reduce only; zeros otherwise).
+  const CompressionStats& stats() const { return stats_; }
 
  private:
   friend class Communicator;
@@ -44,6 +49,11 @@ class Work {
 
   CollectiveDesc desc_;
   uint64_t seq_ = 0;
+  // A composite op (compressed all-reduce) runs `body_` instead of one
+  // transport call, and uses sequence numbers seq_ .. seq_ + seq_span_ - 1.
+  std::function<void(uint64_t seq)> body_;
+  int seq_span_ = 1;
+  CompressionStats stats_;
   std::vector<at::Tensor> inputs_;   // kept alive until the op completes
   std::vector<at::Tensor> outputs_;
   std::mutex mu_;
@@ -80,7 +90,18 @@ class Communicator {
                                    bool strict, bool async_op);
   std::shared_ptr<Work> broadcast(const at::Tensor& tensor, int src, Algorithm algo, bool strict,
                                   bool async_op);
+  std::shared_ptr<Work> all_to_all(const at::Tensor& output, const at::Tensor& input, bool async_op);
   std::shared_ptr<Work> barrier(bool async_op);
+
+  // All-reduce (sum or avg) through a codec (Int8/Int4/TopK). The residuals
+  // (float32, may be undefined) carry error feedback between calls: worker
+  // residual has input.numel() elements, the server residual (quantizers
+  // only) compressed_shard_elems() elements.
+  std::shared_ptr<Work> all_reduce_compressed(const at::Tensor& input, const at::Tensor& output, RedOp op,
+                                              const Codec& codec, const at::Tensor& worker_residual,
+                                              const at::Tensor& server_residual, bool async_op);
+  // Elements of this rank's reduced shard in a quantized all-reduce of n.
+  size_t compressed_shard_elems(size_t n, int block) const;
 
   // Rejects a call made with bad arguments: it still takes its turn in the
   // sequence (so every rank raises, none hangs), then throws CommError(why).
@@ -115,6 +136,7 @@ class Communicator {
   Algorithm choose(Collective coll, Algorithm algo, bool strict, size_t bytes) const;
 
   std::unique_ptr<ShmTransport> transport_;
+  Workspace workspace_;  // used by composite ops, which run one at a time
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Work>> queue_;

@@ -1,7 +1,8 @@
 """pycomm: collective communication for PyTorch.
 
-Ring, tree and direct all-reduce (and reduce-scatter, all-gather, broadcast,
-barrier) among the ranks of a torch.distributed group, over shared memory.
+Ring, tree and direct all-reduce (and reduce-scatter, all-gather, all-to-all,
+broadcast, barrier) among the ranks of a torch.distributed group, over shared
+memory; compressed all-reduce (Int8, Int4, TopK with error feedback).
 
 Example::
 
@@ -12,13 +13,17 @@ Example::
     comm.all_reduce(x)                       # in place, summed over ranks
     work = comm.all_reduce(x, op="avg", async_op=True)
     work.get_future().wait()
+    comm.all_reduce(x, op="avg", compression=pycomm.Int8())
 """
+from . import compression
 from ._loader import CommError, Work, load_core
+from .compression import ErrorFeedback, Int4, Int8, TopK
 from .communicator import (
     ALGORITHMS,
     Communicator,
     all_gather,
     all_reduce,
+    all_to_all_single,
     barrier,
     broadcast,
     destroy,
@@ -33,11 +38,17 @@ __all__ = [
     "ALGORITHMS",
     "CommError",
     "Communicator",
+    "ErrorFeedback",
+    "Int4",
+    "Int8",
+    "TopK",
     "Work",
     "all_gather",
     "all_reduce",
+    "all_to_all_single",
     "barrier",
     "broadcast",
+    "compression",
     "destroy",
     "get_default",
     "init",

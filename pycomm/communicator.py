@@ -13,19 +13,20 @@ import os
 import secrets
 import socket
 import threading
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
+from . import compression as _compression
 from ._loader import CommError, Work, load_core
 
 logger = logging.getLogger("pycomm")
 
 # Ids shared with csrc/ (enum values there).
 ALGORITHMS: Dict[str, int] = {"auto": 0, "ring": 1, "tree": 2, "direct": 3}
-ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST, BARRIER = range(5)
-COLLECTIVE_NAMES = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier"]
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST, BARRIER, _INVALID, ALL_TO_ALL = range(7)
+COLLECTIVE_NAMES = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "invalid", "all_to_all"]
 _OPS: Dict[object, int] = {"sum": 0, "avg": 1, "max": 2, "min": 3}
 for _name, _id in (("SUM", 0), ("AVG", 1), ("MAX", 2), ("MIN", 3)):
     if hasattr(dist, "ReduceOp") and hasattr(dist.ReduceOp, _name):
@@ -146,6 +147,7 @@ class Communicator:
             timeout = timeout.total_seconds()
         self.rank: int = rank
         self.world_size: int = world_size
+        self._stats = {"compressed_calls": 0, "bytes_sent": 0, "bytes_uncompressed": 0}
 
         # 1. Topology: which ranks share a host.
         hosts = self._exchange_hosts(store, rank, world_size, float(timeout))
@@ -248,21 +250,77 @@ class Communicator:
         output: Optional[torch.Tensor] = None,
         algorithm: str = "auto",
         async_op: bool = False,
+        compression: Optional["_compression.Codec"] = None,
+        error_feedback: Optional["_compression.ErrorFeedback"] = None,
+        key: Optional[Hashable] = None,
     ) -> Optional[Work]:
         """Reduce ``tensor`` over all ranks; the result lands in ``output`` (default: in place).
 
         ``op`` is ``"sum"``, ``"avg"``, ``"max"``, ``"min"`` or a ``dist.ReduceOp``.
         float16/bfloat16 accumulate in float32. Every rank gets the same bits.
 
+        ``compression`` (:class:`pycomm.Int8`, :class:`pycomm.Int4`,
+        :class:`pycomm.TopK`) sends compressed data instead (sum or avg of
+        float tensors; accuracy in :mod:`pycomm.compression`). With
+        ``error_feedback`` (a :class:`pycomm.compression.ErrorFeedback`), what
+        compression dropped is carried to the next call with the same ``key``
+        (default: the tensor's storage address). The returned Work's
+        ``bytes_sent`` / ``bytes_uncompressed`` and :attr:`stats` tell what it saved.
+
         Example::
 
             comm.all_reduce(grad, op="avg")
             out = torch.empty_like(x); comm.all_reduce(x, output=out, algorithm="ring")
+            comm.all_reduce(grad, op="avg", compression=pycomm.Int8(), error_feedback=ef, key="bucket0")
         """
+        if compression is not None:
+            return self._all_reduce_compressed(tensor, op, output, algorithm, async_op, compression,
+                                               error_feedback, key)
+        if error_feedback is not None:
+            self._c.reject("pycomm.all_reduce: error_feedback needs compression= as well")
         algo, strict = self._algorithm(algorithm, ALL_REDUCE)
         op_id = self._op(op, ALL_REDUCE)
         work = self._c.all_reduce(tensor, tensor if output is None else output, op_id, algo, strict, async_op)
         return work if async_op else None
+
+    def _all_reduce_compressed(self, tensor, op, output, algorithm, async_op, codec, error_feedback, key):
+        op_id = self._op(op, ALL_REDUCE)
+        if algorithm not in ("auto", "direct"):
+            self._c.reject(f"pycomm.all_reduce: compression runs its own algorithm; algorithm={algorithm!r} "
+                           "cannot be combined with it (use 'auto')")
+        if not isinstance(codec, (_compression.Int8, _compression.Int4, _compression.TopK)):
+            self._c.reject(f"pycomm.all_reduce: compression={codec!r} is not a codec; use pycomm.Int8(), "
+                           "pycomm.Int4() or pycomm.TopK()")
+        quant = _compression.is_quantizer(codec)
+        worker = server = None
+        if error_feedback is not None:
+            if key is None:
+                key = tensor.data_ptr() if isinstance(tensor, torch.Tensor) else None
+            shard = self._c.compressed_shard_elems(tensor.numel(), codec.block) if quant else 0
+            worker, server = error_feedback.residuals(key, tensor, codec, shard)
+        block = codec.block if quant else 256
+        ratio = codec.ratio if not quant else 0.0
+        exact = codec.exact if not quant else False
+        tolerance = codec.tolerance if not quant else 0.0
+        fraction = codec.sample_fraction if not quant else 1.0
+        stochastic = codec.stochastic if quant else False
+        work = self._c.all_reduce_compressed(
+            tensor, tensor if output is None else output, op_id, codec.kind, int(block), bool(stochastic),
+            int(codec.seed) & (2**64 - 1), float(ratio), bool(exact), float(tolerance), float(fraction),
+            worker, server, async_op)
+        self._stats["compressed_calls"] += 1
+        self._stats["bytes_sent"] += work.bytes_sent
+        self._stats["bytes_uncompressed"] += work.bytes_uncompressed
+        return work if async_op else None
+
+    @property
+    def stats(self) -> Dict[str, int]:
+        """Totals over this communicator's compressed all-reduces: calls, bytes sent, bytes uncompressed.
+
+        Bytes are what this rank hands to its peers; "uncompressed" is what the
+        plain all-reduce would hand them (2(n-1)/n x the tensor).
+        """
+        return dict(self._stats)
 
     def reduce_scatter(
         self,
@@ -330,6 +388,21 @@ class Communicator:
         """
         algo, strict = self._algorithm(algorithm, BROADCAST)
         work = self._c.broadcast(tensor, int(src), algo, strict, async_op)
+        return work if async_op else None
+
+    def all_to_all_single(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+    ) -> Optional[Work]:
+        """Rank r sends block p of ``input`` to rank p, which stores it as block r of ``output``.
+
+        Both tensors have world_size equal blocks (torch's ``all_to_all_single``
+        without split sizes).
+
+        Example::
+
+            out = torch.empty(world * n); comm.all_to_all_single(out, torch.randn(world * n))
+        """
+        work = self._c.all_to_all(output, input, async_op)
         return work if async_op else None
 
     def barrier(self, *, async_op: bool = False) -> Optional[Work]:
@@ -458,6 +531,11 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, **kwargs) -> Optional[
 def broadcast(tensor: torch.Tensor, src: int = 0, **kwargs) -> Optional[Work]:
     """:meth:`Communicator.broadcast` on the default communicator."""
     return get_default().broadcast(tensor, src, **kwargs)
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, **kwargs) -> Optional[Work]:
+    """:meth:`Communicator.all_to_all_single` on the default communicator."""
+    return get_default().all_to_all_single(output, input, **kwargs)
 
 
 def barrier(**kwargs) -> Optional[Work]:

@@ -125,3 +125,26 @@ def test_tuner_is_deterministic_and_supports():
     assert C.tune(auto, REDUCE_SCATTER, 1 << 20, 4) in (RING, TWOSHOT)
     assert not C.algorithm_supports(TREE, ALL_GATHER)
     assert C.algorithm_supports(TREE, BROADCAST)
+
+
+ALL_TO_ALL = 6
+
+
+@pytest.mark.parametrize("world", list(range(1, 13)))
+def test_all_to_all_schedule(world):
+    """Rank r sends chunk p (its block for p) to p; p receives chunk r from r, reading r's slot for p."""
+    chunks, steps = C.schedule_shape(TWOSHOT, ALL_TO_ALL, world, 0)
+    assert chunks == world and steps == (1 if world > 1 else 0)
+    got = {(r, r): (r, r) for r in range(world)}  # own block stays (a local copy)
+    for step in range(steps):
+        ops = {r: C.schedule_ops(TWOSHOT, ALL_TO_ALL, r, world, 0, step) for r in range(world)}
+        sent = {(r, chunk): (r, chunk) for r in range(world) for kind, _, peer, chunk, _ in ops[r]
+                if kind == SEND and peer == chunk}
+        for p in range(world):
+            for kind, _, peer, chunk, sent_step in ops[p]:
+                if kind == SEND:
+                    continue
+                assert kind == RECV_COPY and chunk == peer and sent_step == step
+                got[(p, chunk)] = sent[(peer, p)]  # the peer's block addressed to p
+    assert got == {(p, r): (r, p) for p in range(world) for r in range(world)}
+    assert C.algorithm_supports(TWOSHOT, ALL_TO_ALL) and not C.algorithm_supports(RING, ALL_TO_ALL)

@@ -22,6 +22,7 @@ const char* collective_name(Collective c) {
     case Collective::kBroadcast: return "broadcast";
     case Collective::kBarrier: return "barrier";
     case Collective::kInvalid: return "invalid";
+    case Collective::kAllToAll: return "all_to_all";
   }
   return "?";
 }
@@ -68,6 +69,7 @@ bool algorithm_supports(Algorithm algo, Collective coll) {
     case Collective::kAllGather: return algo == Algorithm::kRing || algo == Algorithm::kTwoShot;
     case Collective::kBroadcast:
       return algo == Algorithm::kRing || algo == Algorithm::kTree || algo == Algorithm::kOneShot;
+    case Collective::kAllToAll: return algo == Algorithm::kTwoShot;
     case Collective::kBarrier:
     case Collective::kInvalid: return true;
   }
@@ -89,7 +91,8 @@ Algorithm tune(Algorithm requested, Collective coll, size_t bytes, int world) {
     case Collective::kAllReduce:
       return (bytes <= kOneShotMaxBytes || world <= 1) ? Algorithm::kOneShot : Algorithm::kTwoShot;
     case Collective::kReduceScatter:
-    case Collective::kAllGather: return Algorithm::kTwoShot;
+    case Collective::kAllGather:
+    case Collective::kAllToAll: return Algorithm::kTwoShot;
     case Collective::kBroadcast: return Algorithm::kOneShot;
     default: return Algorithm::kOneShot;
   }

@@ -5,6 +5,10 @@
 //   two-shot: rank r reduces shard r from everybody's input, then everybody
 //             gathers the reduced shards. Half the reads of one-shot, one
 //             extra synchronisation.
+//   all-to-all: one hop. Chunk c names the block exchanged with rank c: a
+//             rank sends input block c to rank c and receives output block q
+//             from rank q, which the executor reads from the slot rank q
+//             filled for this rank.
 #pragma once
 
 #include "schedule.h"
@@ -35,6 +39,13 @@ struct DirectSchedule {
       } else {
         out[n++] = make_recv(OpKind::kRecvCopy, 0, root, 0, 0);
       }
+      return n;
+    }
+    if (coll == Collective::kAllToAll) {
+      for (int c = 0; c < world; ++c)
+        if (c != rank) out[n++] = make_send(0, c, c);
+      for (int q = 0; q < world; ++q)
+        if (q != rank) out[n++] = make_recv(OpKind::kRecvCopy, 0, q, q, 0);
       return n;
     }
     if (coll == Collective::kAllReduce && algo == Algorithm::kOneShot) {

@@ -6,7 +6,8 @@
 // Execution model every executor implements:
 //   * A collective's data is cut into rounds; each round into num_chunks()
 //     chunks. Chunk c of an all-reduce round is the c-th slice of it; for
-//     reduce-scatter / all-gather chunk c is rank c's shard.
+//     reduce-scatter / all-gather chunk c is rank c's shard; for all-to-all
+//     it is the block exchanged with rank c (see direct.h).
 //   * Steps run in order. Within a step a rank first performs its sends, then
 //     its receives. A receive names the step at which the peer sent the data
 //     (sent_step <= the current step), which is all a transport needs to
@@ -45,6 +46,9 @@ enum class Collective : uint8_t {
   // A call one rank rejected (bad tensor, bad argument). It still takes its
   // place in the sequence so that peers fail fast instead of waiting.
   kInvalid = 5,
+  // Rank r sends block p of its input to rank p, which stores it as block r
+  // of its output (torch's all_to_all_single with equal splits).
+  kAllToAll = 6,
 };
 
 enum class OpKind : uint8_t { kSend = 0, kRecvReduce = 1, kRecvCopy = 2 };

@@ -125,6 +125,7 @@ struct HeaderSlot {
   std::atomic<uint32_t> seq;  // futex word: low bits of seq64, stored last
   uint8_t coll, algo, dtype, op;
   int32_t root;
+  uint32_t tag;
   uint64_t count;
   uint64_t seq64;
   char pad[64 - 32];
@@ -596,6 +597,7 @@ void ShmTransport::publish_header(const CollectiveDesc& d, uint64_t seq) {
   h.dtype = static_cast<uint8_t>(d.dtype);
   h.op = static_cast<uint8_t>(d.op);
   h.root = d.root;
+  h.tag = d.tag;
   h.count = d.count;
   h.seq64 = seq;
   h.seq.store(static_cast<uint32_t>(seq), std::memory_order_seq_cst);
@@ -614,6 +616,7 @@ std::string describe(const HeaderSlot& h) {
   if (coll == Collective::kAllReduce || coll == Collective::kReduceScatter)
     os << ", op=" << redop_name(static_cast<RedOp>(h.op));
   if (coll == Collective::kBroadcast) os << ", src=" << h.root;
+  if (h.tag) os << ", " << describe_tag(h.tag);
   os << ", algorithm=" << algorithm_name(static_cast<Algorithm>(h.algo)) << ")";
   return os.str();
 }
@@ -626,7 +629,7 @@ void ShmTransport::check_header(int peer, const CollectiveDesc& d, uint64_t seq,
   wait_on(&h.seq, peer, ctx, "it to enter this collective", [target](uint32_t v) { return reached(v, target); });
   const HeaderSlot& mine = controls_[rank_].headers[seq % kHeaderSlots];
   const bool same = h.seq64 == seq && h.coll == mine.coll && h.algo == mine.algo && h.dtype == mine.dtype &&
-                    h.op == mine.op && h.root == mine.root && h.count == mine.count;
+                    h.op == mine.op && h.root == mine.root && h.tag == mine.tag && h.count == mine.count;
   if (same) return;
   std::ostringstream os;
   os << "pycomm: ranks disagree on collective #" << seq << ": rank " << rank_ << " called " << describe(mine)
@@ -666,8 +669,9 @@ void ShmTransport::execute(const CollectiveDesc& d, const OpContext& ctx, std::v
                            uint64_t seq) {
   if (d.count == 0 || d.coll == Collective::kBarrier || d.coll == Collective::kInvalid) return;
   const size_t es = dtype_size(d.dtype);
-  const bool sharded = d.coll == Collective::kReduceScatter || d.coll == Collective::kAllGather;
-  const size_t out_count = d.coll == Collective::kAllGather ? d.count * world_ : d.count;
+  const bool a2a = d.coll == Collective::kAllToAll;
+  const bool sharded = d.coll == Collective::kReduceScatter || d.coll == Collective::kAllGather || a2a;
+  const size_t out_count = (d.coll == Collective::kAllGather || a2a) ? d.count * world_ : d.count;
   const auto* in = static_cast<const char*>(d.input);
   auto* out = static_cast<char*>(d.output);
 
@@ -697,7 +701,10 @@ void ShmTransport::execute(const CollectiveDesc& d, const OpContext& ctx, std::v
         for (int c = 0; c < K; ++c) {
           chunk_len[c] = rem;
           const size_t shard_off = (static_cast<size_t>(c) * d.count + first) * es;
-          if (d.coll == Collective::kReduceScatter) {
+          if (a2a) {
+            chunk_in[c] = in + shard_off;
+            chunk_out[c] = out + shard_off;
+          } else if (d.coll == Collective::kReduceScatter) {
             chunk_in[c] = in + shard_off;
             chunk_out[c] = c == rank_ ? out + first * es : nullptr;
           } else {
@@ -749,7 +756,8 @@ void ShmTransport::execute(const CollectiveDesc& d, const OpContext& ctx, std::v
               check_header(src.peer, d, seq, ctx);
               checked[src.peer] = true;
             }
-            srcs.push_back(mailbox(src.peer, R, src.phase) + c * chunk_max * es);
+            // All-to-all: the peer filled one slot per reader, ours is ours.
+            srcs.push_back(mailbox(src.peer, R, src.phase) + (a2a ? rank_ : c) * chunk_max * es);
           }
           char* fwd = grp.fwd_phase >= 0 ? mailbox(rank_, R, grp.fwd_phase) + c * chunk_max * es : nullptr;
           char* dst0 = grp.to_output ? chunk_out[c] : fwd;

@@ -21,6 +21,7 @@
 
 #include "../algorithms/algorithms.h"
 #include "../collective.h"
+#include "transport.h"
 
 namespace pycomm {
 
@@ -49,10 +50,10 @@ struct OpContext {
 // lives, which copies a fused reduce makes unnecessary).
 struct ShmPlan;
 
-class ShmTransport {
+class ShmTransport : public Transport {
  public:
   explicit ShmTransport(const ShmConfig& config);
-  ~ShmTransport();
+  ~ShmTransport() override;
   ShmTransport(const ShmTransport&) = delete;
   ShmTransport& operator=(const ShmTransport&) = delete;
 
@@ -63,7 +64,7 @@ class ShmTransport {
   void wait_all_attached();
 
   // Runs collective number `seq` (the same on every rank). Throws CommError.
-  void run(const CollectiveDesc& desc, uint64_t seq);
+  void run(const CollectiveDesc& desc, uint64_t seq) override;
 
   // Tells peers this rank is leaving: their waits on it fail fast instead of
   // timing out.
@@ -73,8 +74,8 @@ class ShmTransport {
 
   bool aborted() const;
   std::string abort_message() const;
-  int rank() const { return rank_; }
-  int world() const { return world_; }
+  int rank() const override { return rank_; }
+  int world() const override { return world_; }
   size_t round_bytes() const { return round_bytes_; }
   double timeout() const { return timeout_s_; }
   void set_timeout(double seconds) { timeout_s_ = seconds; }

@@ -6,15 +6,7 @@
 
 #include "../kernels.h"
 #include "../reduce.h"
-
-// Clone the hot loops for AVX2+F16C machines: float16 conversions become
-// single instructions and float adds run 8 wide. The default clone keeps the
-// extension loadable on any x86-64 (and the attribute is skipped elsewhere).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define PYCOMM_MULTIVERSION __attribute__((target_clones("default", "arch=haswell")))
-#else
-#define PYCOMM_MULTIVERSION
-#endif
+#include "dispatch.h"
 
 namespace pycomm {
 namespace kernels {
@@ -92,6 +84,7 @@ void reduce_cpu(DType dtype, RedOp op, void* out0, void* out1, const void* const
     case DType::kBFloat16: return reduce_op<BFloat16>(op, out0, out1, srcs, nsrc, count);
     case DType::kInt32: return reduce_op<int32_t>(op, out0, out1, srcs, nsrc, count);
     case DType::kInt64: return reduce_op<int64_t>(op, out0, out1, srcs, nsrc, count);
+    case DType::kUInt8: return reduce_op<uint8_t>(op, out0, out1, srcs, nsrc, count);
   }
 }
 
@@ -109,6 +102,7 @@ void divide_cpu(DType dtype, void* data, size_t count, double divisor) {
     case DType::kBFloat16: return divide_typed(static_cast<BFloat16*>(data), count, static_cast<float>(divisor));
     case DType::kInt32:
     case DType::kInt64:
+    case DType::kUInt8:
       throw CommError("pycomm: avg is only defined for floating-point dtypes");
   }
 }

@@ -1,0 +1,103 @@
+// Codecs of the compressed collectives, and what they tell the transports
+// (a header tag) and the user (bytes on the wire).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "../collective.h"
+#include "../common.h"
+
+namespace pycomm {
+
+enum class CodecKind : uint8_t { kNone = 0, kInt8 = 1, kInt4 = 2, kTopK = 3 };
+
+struct Codec {
+  CodecKind kind = CodecKind::kNone;
+  // Int8 / Int4
+  int block = 256;
+  bool stochastic = false;
+  uint64_t seed = 0;
+  // TopK
+  double ratio = 0.01;
+  bool exact = false;
+  double tolerance = 0.1;
+  double sample_fraction = 0.01;
+
+  int bits() const { return kind == CodecKind::kInt4 ? 4 : 8; }
+  bool quantized() const { return kind == CodecKind::kInt8 || kind == CodecKind::kInt4; }
+  // "" when the parameters are usable, else why not.
+  std::string check() const;
+  std::string name() const;
+};
+
+// The sub-steps of a composite operation, as they appear in header tags.
+enum class CodecStep : uint8_t { kScatter = 1, kGather = 2 };
+
+// Tag of one transport run of a compressed collective: codec, step and the
+// parameters that change the payload layout without changing its size.
+uint32_t codec_tag(const Codec& codec, CodecStep step);
+
+// Bytes this rank hands to its peers in one compressed all-reduce, and what
+// the uncompressed all-reduce would hand them (2(n-1)/n x the tensor).
+struct CompressionStats {
+  uint64_t bytes_sent = 0;
+  uint64_t bytes_uncompressed = 0;
+};
+
+// Scratch memory of a communicator's composite operations: grows to the
+// largest request and is reused, so steady-state calls touch no fresh pages
+// (first-touch page faults cost as much as the compression itself). Only the
+// thread that runs the communicator's ops uses it, one op at a time.
+class Workspace {
+ public:
+  // At least `bytes`, 64-byte aligned; valid until the next get().
+  uint8_t* get(size_t bytes);
+
+ private:
+  struct Free {
+    void operator()(uint8_t* p) const;
+  };
+  std::unique_ptr<uint8_t, Free> data_;
+  size_t size_ = 0;
+};
+
+// Carves 64-byte aligned sub-buffers out of one workspace request.
+class Carver {
+ public:
+  static size_t align(size_t bytes) { return (bytes + 63) / 64 * 64; }
+  explicit Carver(uint8_t* base) : base_(base) {}
+  uint8_t* take(size_t bytes) {
+    uint8_t* p = base_ + used_;
+    used_ += align(bytes);
+    return p;
+  }
+
+ private:
+  uint8_t* base_;
+  size_t used_ = 0;
+};
+
+}  // namespace pycomm
+
+namespace pycomm {
+
+// One compressed all-reduce as the composite algorithms see it: raw
+// pointers, no torch.
+struct CompressedCall {
+  DType dtype = DType::kFloat32;  // of input and output
+  RedOp op = RedOp::kSum;         // sum or avg
+  size_t n = 0;
+  const void* input = nullptr;
+  void* output = nullptr;         // may equal input
+  float* worker_residual = nullptr;  // n floats: error feedback of this rank's contribution
+  float* server_residual = nullptr;  // shard floats: error feedback of the reduced shard
+};
+
+// Stream key of stochastic rounding for one quantization of one call: fresh
+// per call (seq is the same on every rank) and per rank, so rounding errors
+// of different ranks are independent and average out.
+uint64_t rounding_seed(uint64_t user_seed, uint64_t seq, int rank, int which);
+
+}  // namespace pycomm

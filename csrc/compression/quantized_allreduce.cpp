@@ -1,0 +1,113 @@
+#include "quantized_allreduce.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "../kernels/kernels.h"
+#include "../kernels/quant.h"
+
+namespace pycomm {
+
+size_t QuantizedAllReduce::shard_elems(size_t n, int world, int block) {
+  const size_t per = (n + world - 1) / world;
+  return (per + block - 1) / block * block;
+}
+
+QuantizedAllReduce::QuantizedAllReduce(Transport& transport, Workspace& workspace, const Codec& codec,
+                                       const CompressedCall& call)
+    : transport_(transport),
+      workspace_(workspace),
+      codec_(codec),
+      call_(call),
+      rank_(transport.rank()),
+      world_(transport.world()) {
+  shard_ = shard_elems(call.n, world_, codec.block);
+  slot_ = Carver::align(kernels::quant_payload_bytes(shard_, codec.bits(), codec.block));
+}
+
+size_t QuantizedAllReduce::shard_len(int q) const {
+  const size_t lo = std::min(call_.n, q * shard_);
+  return std::min(call_.n, lo + shard_) - lo;
+}
+
+CompressionStats QuantizedAllReduce::stats() const {
+  CompressionStats s;
+  // Each step hands world-1 slots to peers (the all-to-all one per peer, the
+  // all-gather the same slot to each).
+  s.bytes_sent = 2ull * (world_ - 1) * slot_;
+  s.bytes_uncompressed = world_ > 1 ? 2ull * (world_ - 1) * call_.n * dtype_size(call_.dtype) / world_ : 0;
+  return s;
+}
+
+void QuantizedAllReduce::run(uint64_t seq) {
+  const int bits = codec_.bits();
+  const size_t es = dtype_size(call_.dtype);
+  Carver carve(workspace_.get(3 * world_ * slot_ + slot_ + 3 * 64));
+  uint8_t* send = carve.take(world_ * slot_);
+  uint8_t* recv = carve.take(world_ * slot_);
+  uint8_t* mine = carve.take(slot_);
+  uint8_t* gathered = carve.take(world_ * slot_);
+
+  // 1. Quantize every shard of (input + worker residual), one slot per
+  //    destination rank; the worker residual keeps what rounding lost.
+  kernels::QuantSpec spec{bits, codec_.block, codec_.stochastic, rounding_seed(codec_.seed, seq, rank_, 0)};
+  const auto* in = static_cast<const char*>(call_.input);
+  for (int q = 0; q < world_; ++q) {
+    const size_t off = q * shard_;
+    const size_t len = shard_len(q);
+    kernels::quantize_cpu(spec, call_.dtype, in + off * es, call_.worker_residual ? call_.worker_residual + off : nullptr,
+                          len, send + q * slot_, off);
+    // Unused tail of the slot: deterministic bytes on the wire.
+    const size_t used = kernels::quant_payload_bytes(len, bits, codec_.block);
+    std::fill(send + q * slot_ + used, send + (q + 1) * slot_, 0);
+  }
+
+  // 2. Exchange: slot q goes to rank q; we receive every rank's version of
+  //    our shard.
+  CollectiveDesc a2a;
+  a2a.coll = Collective::kAllToAll;
+  a2a.algo = Algorithm::kTwoShot;
+  a2a.dtype = DType::kUInt8;
+  a2a.op = call_.op;
+  a2a.count = slot_;
+  a2a.tag = codec_tag(codec_, CodecStep::kScatter);
+  a2a.input = send;
+  a2a.output = recv;
+  transport_.run(a2a, seq);
+
+  // 3. Reduce our shard in float32 (rank order: deterministic), average if
+  //    asked, and requantize it with the server residual, in one pass.
+  std::vector<const uint8_t*> srcs(world_);
+  for (int q = 0; q < world_; ++q) srcs[q] = recv + q * slot_;
+  kernels::DequantReduce red;
+  red.bits = bits;
+  red.block = codec_.block;
+  red.srcs = srcs.data();
+  red.nsrc = world_;
+  red.n = shard_len(rank_);
+  red.post_scale = call_.op == RedOp::kAvg ? 1.0f / static_cast<float>(world_) : 1.0f;
+  red.out_payload = mine;
+  red.requant = kernels::QuantSpec{bits, codec_.block, codec_.stochastic, rounding_seed(codec_.seed, seq, rank_, 1)};
+  red.residual = call_.server_residual;
+  red.index_base = rank_ * shard_;
+  kernels::dequant_reduce_cpu(red);
+  const size_t used = kernels::quant_payload_bytes(red.n, bits, codec_.block);
+  std::fill(mine + used, mine + slot_, 0);
+
+  // 4. Gather every rank's reduced shard.
+  CollectiveDesc ag = a2a;
+  ag.coll = Collective::kAllGather;
+  ag.tag = codec_tag(codec_, CodecStep::kGather);
+  ag.input = mine;
+  ag.output = gathered;
+  transport_.run(ag, seq + 1);
+
+  // 5. Every rank, this one included, decodes the same bytes: identical
+  //    results everywhere.
+  auto* out = static_cast<char*>(call_.output);
+  for (int q = 0; q < world_; ++q)
+    kernels::dequantize_cpu(bits, codec_.block, gathered + q * slot_, shard_len(q), call_.dtype,
+                            out + q * shard_ * es, false);
+}
+
+}  // namespace pycomm

@@ -1,0 +1,351 @@
+// CPU blockwise quantization kernels: quantize (+ error feedback),
+// dequantize(-accumulate) and the fused dequantize-reduce-requantize.
+//
+// Each quantization block is staged once in float32 in an L1-resident
+// scratch buffer, so the input and the residual stream through memory once
+// per call whatever the block size. Blocks without NaN/Inf (the common case)
+// take branch-free loops the compiler vectorises; a block that holds one
+// takes the scalar path of quant.h, which encodes it exactly.
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "../kernels.h"
+#include "../quant.h"
+#include "dispatch.h"
+
+namespace pycomm {
+namespace kernels {
+namespace {
+
+// 1.5 * 2^23: (v + k) - k rounds |v| < 2^22 to the nearest integer, ties to
+// even (exactly rintf, which the CUDA kernels use), in two adds that
+// vectorise in every clone.
+constexpr float kRoundMagic = 12582912.0f;
+
+struct Scratch {
+  std::vector<float> xs;   // the block in full precision
+  std::vector<float> us;   // stochastic-rounding uniforms
+  std::vector<int8_t> qs;  // int4 codes before packing
+  void reserve(size_t m) {
+    if (xs.size() < m) {
+      xs.resize(m);
+      us.resize(m);
+      qs.resize(m);
+    }
+  }
+};
+
+Scratch& scratch(size_t m) {
+  thread_local Scratch s;
+  s.reserve(m);
+  return s;
+}
+
+void check_spec(int bits, int block) {
+  if (bits != 8 && bits != 4) throw CommError("pycomm: quantization bits must be 8 or 4");
+  if (block < 8 || block % 8 != 0 || block > (1 << 20))
+    throw CommError("pycomm: quantization block must be a multiple of 8 between 8 and 1048576, got " +
+                    std::to_string(block));
+}
+
+// ---- staging: input -> float32 block
+
+template <typename T>
+PYCOMM_MULTIVERSION void stage(const T* __restrict__ x, const float* __restrict__ r, float* __restrict__ xs, size_t m) {
+  if (r) {
+    for (size_t i = 0; i < m; ++i) xs[i] = load_acc(x[i]) + r[i];
+  } else {
+    for (size_t i = 0; i < m; ++i) xs[i] = load_acc(x[i]);
+  }
+}
+
+// Largest finite magnitude, and whether any value is NaN/Inf. One unsigned
+// max over the magnitude bits (they order like the floats) vectorises; only
+// a block that turns out to hold NaN/Inf pays a second, scalar pass. Plain
+// ternaries, not std::max: a multiversioned loop cannot inline default-target
+// helpers and would stay scalar.
+PYCOMM_MULTIVERSION uint32_t max_magnitude_bits(const float* xs, size_t m) {
+  uint32_t amax = 0;
+  for (size_t i = 0; i < m; ++i) {
+    const uint32_t u = float_to_bits(xs[i]) & 0x7fffffffu;
+    amax = u > amax ? u : amax;
+  }
+  return amax;
+}
+
+void block_stats(const float* xs, size_t m, float* absmax, bool* flagged) {
+  uint32_t amax = max_magnitude_bits(xs, m);
+  *flagged = amax >= 0x7f800000u;
+  if (*flagged) {
+    amax = 0;
+    for (size_t i = 0; i < m; ++i) {
+      const uint32_t u = float_to_bits(xs[i]) & 0x7fffffffu;
+      if (u < 0x7f800000u && u > amax) amax = u;
+    }
+  }
+  *absmax = bits_to_float(amax);
+}
+
+PYCOMM_MULTIVERSION void draw_uniforms(float* us, size_t m, uint64_t key, uint64_t idx0) {
+  for (size_t i = 0; i < m; ++i) us[i] = uniform01(key, idx0 + i);
+}
+
+// Finite block, fast path: codes into q (int8 per element), residual update.
+// Two loops, not a branch inside one: each vectorises on its own.
+PYCOMM_MULTIVERSION void codes_nearest(const float* __restrict__ xs, size_t m, const BlockQuant b,
+                                       int8_t* __restrict__ q, float* __restrict__ r) {
+  const float lim = static_cast<float>(b.qrange);
+  for (size_t i = 0; i < m; ++i) {
+    float v = (xs[i] * b.inv + kRoundMagic) - kRoundMagic;
+    v = v > lim ? lim : (v < -lim ? -lim : v);
+    q[i] = static_cast<int8_t>(static_cast<int>(v));
+    if (r) r[i] = xs[i] - v * b.scale;
+  }
+}
+
+PYCOMM_MULTIVERSION void codes_stochastic(const float* __restrict__ xs, const float* __restrict__ us, size_t m,
+                                          const BlockQuant b, int8_t* __restrict__ q, float* __restrict__ r) {
+  const float lim = static_cast<float>(b.qrange);
+  // The codes go through the uniforms' buffer: one loop without the
+  // residual branch vectorises, floor included.
+  float* __restrict__ v = const_cast<float*>(us);
+  for (size_t i = 0; i < m; ++i) {
+    float c = __builtin_floorf(xs[i] * b.inv + us[i]);
+    c = c > lim ? lim : (c < -lim ? -lim : c);
+    v[i] = c;
+  }
+  for (size_t i = 0; i < m; ++i) q[i] = static_cast<int8_t>(static_cast<int>(v[i]));
+  if (r) {
+    for (size_t i = 0; i < m; ++i) r[i] = xs[i] - v[i] * b.scale;
+  }
+}
+
+// Block with NaN/Inf: exact escape codes, scalar.
+void codes_flagged(const float* xs, const float* us, size_t m, const BlockQuant& b, int bits, int8_t* q,
+                   float* r) {
+  const float stored = stored_scale(b);
+  for (size_t i = 0; i < m; ++i) {
+    const int c = quant_code(xs[i], b, us ? us[i] : -1.f);
+    q[i] = static_cast<int8_t>(c);
+    if (r) r[i] = quant_residual(xs[i], dequant_code(c, stored, bits));
+  }
+}
+
+PYCOMM_MULTIVERSION void pack4(const int8_t* qs, size_t m, uint8_t* out) {
+  const size_t pairs = m / 2;
+  for (size_t j = 0; j < pairs; ++j)
+    out[j] = static_cast<uint8_t>(nibble_of(qs[2 * j]) | (nibble_of(qs[2 * j + 1]) << 4));
+  if (m % 2) out[pairs] = nibble_of(qs[m - 1]) | static_cast<uint8_t>(nibble_of(0) << 4);
+}
+
+// Quantizes one staged block (element `idx0` of the tensor, block number
+// `blk` of the payload) and updates its residual slice.
+void quantize_block(const QuantSpec& s, Scratch& sc, size_t m, uint64_t key, uint64_t idx0, float* scales,
+                    uint8_t* codes, size_t blk, float* r) {
+  float absmax;
+  bool flagged;
+  block_stats(sc.xs.data(), m, &absmax, &flagged);
+  const BlockQuant b = make_block_quant(absmax, flagged, s.bits);
+  scales[blk] = stored_scale(b);
+  const float* us = nullptr;
+  if (s.stochastic) {
+    draw_uniforms(sc.us.data(), m, key, idx0);
+    us = sc.us.data();
+  }
+  int8_t* q = s.bits == 8 ? reinterpret_cast<int8_t*>(codes + blk * s.block) : sc.qs.data();
+  if (flagged) {
+    codes_flagged(sc.xs.data(), us, m, b, s.bits, q, r);
+  } else if (us) {
+    codes_stochastic(sc.xs.data(), us, m, b, q, r);
+  } else {
+    codes_nearest(sc.xs.data(), m, b, q, r);
+  }
+  if (s.bits == 4) pack4(q, m, codes + blk * (s.block / 2));
+}
+
+// ---- dequantization of one block into a float accumulator
+
+PYCOMM_MULTIVERSION void dequant8_fast(const int8_t* q, size_t m, float scale, float* acc, bool add) {
+  if (add) {
+    for (size_t i = 0; i < m; ++i) acc[i] += static_cast<float>(q[i]) * scale;
+  } else {
+    for (size_t i = 0; i < m; ++i) acc[i] = static_cast<float>(q[i]) * scale;
+  }
+}
+
+PYCOMM_MULTIVERSION void dequant4_fast(const uint8_t* p, size_t m, float scale, float* acc, bool add) {
+  const size_t pairs = m / 2;
+  for (size_t j = 0; j < pairs; ++j) {
+    const float lo = static_cast<float>(code_of_nibble(p[j])) * scale;
+    const float hi = static_cast<float>(code_of_nibble(static_cast<uint8_t>(p[j] >> 4))) * scale;
+    acc[2 * j] = add ? acc[2 * j] + lo : lo;
+    acc[2 * j + 1] = add ? acc[2 * j + 1] + hi : hi;
+  }
+  if (m % 2) {
+    const float lo = static_cast<float>(code_of_nibble(p[pairs])) * scale;
+    acc[m - 1] = add ? acc[m - 1] + lo : lo;
+  }
+}
+
+// acc[0..m) (+)= D(block blk of payload).
+void dequant_block(int bits, int block, const uint8_t* payload, size_t nblocks, size_t blk, size_t m, float* acc,
+                   bool add) {
+  const float stored = reinterpret_cast<const float*>(payload)[blk];
+  const uint8_t* codes = payload + nblocks * 4;
+  if (!scale_flagged(stored)) {
+    if (bits == 8) {
+      dequant8_fast(reinterpret_cast<const int8_t*>(codes + blk * block), m, stored, acc, add);
+    } else {
+      dequant4_fast(codes + blk * (block / 2), m, stored, acc, add);
+    }
+    return;
+  }
+  for (size_t i = 0; i < m; ++i) {
+    int c;
+    if (bits == 8) {
+      c = reinterpret_cast<const int8_t*>(codes + blk * block)[i];
+    } else {
+      const uint8_t byte = codes[blk * (block / 2) + i / 2];
+      c = code_of_nibble(i % 2 ? static_cast<uint8_t>(byte >> 4) : byte);
+    }
+    const float v = dequant_code(c, stored, bits);
+    acc[i] = add ? acc[i] + v : v;
+  }
+}
+
+template <typename T>
+PYCOMM_MULTIVERSION void unstage(const float* xs, size_t m, T* out, bool add) {
+  if (add) {
+    for (size_t i = 0; i < m; ++i) out[i] = store_acc<T>(load_acc(out[i]) + xs[i]);
+  } else {
+    for (size_t i = 0; i < m; ++i) out[i] = store_acc<T>(xs[i]);
+  }
+}
+
+PYCOMM_MULTIVERSION void scale_block(float* xs, size_t m, float f) {
+  for (size_t i = 0; i < m; ++i) xs[i] *= f;
+}
+
+PYCOMM_MULTIVERSION void add_block(float* xs, const float* r, size_t m) {
+  for (size_t i = 0; i < m; ++i) xs[i] += r[i];
+}
+
+template <typename T>
+void stage_any(const void* x, size_t off, const float* r, float* xs, size_t m) {
+  stage(static_cast<const T*>(x) + off, r, xs, m);
+}
+
+}  // namespace
+
+void quantize_cpu(const QuantSpec& s, DType dtype, const void* x, float* residual, size_t n, uint8_t* payload,
+                  uint64_t index_base) {
+  check_spec(s.bits, s.block);
+  const size_t nb = quant_num_blocks(n, s.block);
+  auto* scales = reinterpret_cast<float*>(payload);
+  uint8_t* codes = payload + nb * 4;
+  const uint64_t key = mix64(s.seed);
+  Scratch& sc = scratch(s.block);
+  with_float_type(dtype, "quantize", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    for (size_t blk = 0; blk < nb; ++blk) {
+      const size_t base = blk * s.block;
+      const size_t m = std::min<size_t>(s.block, n - base);
+      float* r = residual ? residual + base : nullptr;
+      stage_any<T>(x, base, r, sc.xs.data(), m);
+      quantize_block(s, sc, m, key, index_base + base, scales, codes, blk, r);
+    }
+  });
+  // Padding bytes are part of what travels: keep them deterministic.
+  const size_t used = nb * 4 + quant_code_bytes(n, s.bits);
+  std::memset(payload + used, 0, quant_payload_bytes(n, s.bits, s.block) - used);
+}
+
+void dequantize_cpu(int bits, int block, const uint8_t* payload, size_t n, DType dtype, void* out, bool accumulate) {
+  check_spec(bits, block);
+  const size_t nb = quant_num_blocks(n, block);
+  Scratch& sc = scratch(block);
+  with_float_type(dtype, "dequantize", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* o = static_cast<T*>(out);
+    for (size_t blk = 0; blk < nb; ++blk) {
+      const size_t base = blk * block;
+      const size_t m = std::min<size_t>(block, n - base);
+      if constexpr (std::is_same_v<T, float>) {
+        // float32: straight into (or onto) the output, no staging.
+        dequant_block(bits, block, payload, nb, blk, m, o + base, accumulate);
+      } else {
+        dequant_block(bits, block, payload, nb, blk, m, sc.xs.data(), false);
+        unstage(sc.xs.data(), m, o + base, accumulate);
+      }
+    }
+  });
+}
+
+void convert_cpu(DType from, const void* src, DType to, void* dst, size_t n) {
+  Scratch& sc = scratch(kDefaultQuantBlock);
+  for (size_t base = 0; base < n; base += kDefaultQuantBlock) {
+    const size_t m = std::min<size_t>(kDefaultQuantBlock, n - base);
+    with_float_type(from, "convert", [&](auto* tag) {
+      using S = std::remove_pointer_t<decltype(tag)>;
+      stage_any<S>(src, base, nullptr, sc.xs.data(), m);
+    });
+    with_float_type(to, "convert", [&](auto* tag) {
+      using D = std::remove_pointer_t<decltype(tag)>;
+      unstage(sc.xs.data(), m, static_cast<D*>(dst) + base, false);
+    });
+  }
+}
+
+void dequant_reduce_cpu(const DequantReduce& a) {
+  check_spec(a.bits, a.block);
+  if (a.out_payload && (a.requant.bits != a.bits || a.requant.block != a.block))
+    throw CommError("pycomm: dequant_reduce requantizes with the sources' bits and block size only");
+  const size_t nb = quant_num_blocks(a.n, a.block);
+  Scratch& sc = scratch(a.block);
+  float* xs = sc.xs.data();
+  const uint64_t key = mix64(a.requant.seed);
+  auto* out_scales = reinterpret_cast<float*>(a.out_payload);
+  uint8_t* out_codes = a.out_payload ? a.out_payload + nb * 4 : nullptr;
+  for (size_t blk = 0; blk < nb; ++blk) {
+    const size_t base = blk * a.block;
+    const size_t m = std::min<size_t>(a.block, a.n - base);
+    // 1. The dense addend (a ring hop's own chunk) starts the sum ...
+    bool have = false;
+    if (a.dense) {
+      with_float_type(a.dense_dtype, "dequant_reduce", [&](auto* tag) {
+        using T = std::remove_pointer_t<decltype(tag)>;
+        stage_any<T>(a.dense, base, nullptr, xs, m);
+      });
+      have = true;
+    }
+    // 2. ... then every quantized source, in order (same bits everywhere).
+    for (int j = 0; j < a.nsrc; ++j) {
+      dequant_block(a.bits, a.block, a.srcs[j], nb, blk, m, xs, have);
+      have = true;
+    }
+    if (!have) std::fill(xs, xs + m, 0.f);
+    if (a.post_scale != 1.f) scale_block(xs, m, a.post_scale);
+    // 3. The sum, dense.
+    if (a.out) {
+      with_float_type(a.out_dtype, "dequant_reduce", [&](auto* tag) {
+        using T = std::remove_pointer_t<decltype(tag)>;
+        unstage(xs, m, static_cast<T*>(a.out) + base, false);
+      });
+    }
+    // 4. Requantized, with its own error feedback.
+    if (a.out_payload) {
+      float* r = a.residual ? a.residual + base : nullptr;
+      if (r) add_block(xs, r, m);
+      quantize_block(a.requant, sc, m, key, a.index_base + base, out_scales, out_codes, blk, r);
+    }
+  }
+  if (a.out_payload) {
+    const size_t used = nb * 4 + quant_code_bytes(a.n, a.bits);
+    std::memset(a.out_payload + used, 0, quant_payload_bytes(a.n, a.bits, a.block) - used);
+  }
+}
+
+}  // namespace kernels
+}  // namespace pycomm

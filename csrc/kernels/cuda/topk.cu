@@ -1,0 +1,303 @@
+// CUDA top-k by magnitude (with fused error feedback) and sparse scatter-add:
+// the twins of kernels/cpu/topk.cpp, same keys (quant.h), same results.
+//
+// Selection is a radix select over the 31-bit magnitude keys, one byte per
+// pass, highest first: a histogram pass, then a one-thread step that picks
+// the byte value holding the k-th largest key. On a GPU a histogram of every
+// element costs one read of the tensor, so the "sample" the CPU kernel draws
+// is the whole tensor here; the approximate mode stops refining as soon as
+// the keys at or above the chosen byte are within [k, k(1 + tolerance)], usually
+// after one or two passes. The exact mode runs all four and then keeps the
+// ties of the k-th key with the lowest indices. Kept indices come out
+// ascending from an order-preserving selection (cub::DeviceSelect).
+#include <cuda_runtime.h>
+
+#include <cub/device/device_select.cuh>
+#include <thrust/iterator/counting_iterator.h>
+#include <string>
+#include <type_traits>
+
+#include "../kernels_cuda.h"
+#include "../quant.h"
+
+namespace pycomm {
+namespace kernels {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kBins = 256;
+
+struct SelectState {
+  uint32_t prefix;     // key bits fixed so far
+  uint32_t mask;       // which bits those are
+  uint32_t k_left;     // entries still to take at or below the current prefix
+  uint32_t above;      // entries with a key above the current prefix range
+  uint32_t done;       // approximate mode settled on a threshold
+  uint32_t threshold;  // keep key >= threshold (approx) or key > threshold (exact) ...
+  int32_t tie_cutoff;  // ... plus key == threshold with index <= tie_cutoff (exact)
+  uint32_t pad;
+};
+
+template <typename T>
+__device__ __forceinline__ uint32_t key_at(const T* x, size_t i) {
+  return topk_key(load_acc(x[i]));
+}
+
+__global__ void fold_kernel_f32(const float* x, float* r, size_t n) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    r[i] += x[i];
+}
+
+template <typename T>
+__global__ void fold_kernel(const T* x, float* r, size_t n) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    r[i] += load_acc(x[i]);
+}
+
+template <typename T>
+__global__ void histogram_kernel(const T* x, size_t n, const SelectState* st, int shift, uint32_t* hist) {
+  if (st->done) return;
+  __shared__ uint32_t local[kBins];
+  for (int b = threadIdx.x; b < kBins; b += blockDim.x) local[b] = 0;
+  __syncthreads();
+  const uint32_t prefix = st->prefix, mask = st->mask;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const uint32_t key = key_at(x, i);
+    if ((key & mask) == prefix) atomicAdd(&local[(key >> shift) & 0xffu], 1u);
+  }
+  __syncthreads();
+  for (int b = threadIdx.x; b < kBins; b += blockDim.x)
+    if (local[b]) atomicAdd(&hist[b], local[b]);
+}
+
+// One thread: pick the byte value that holds the k-th largest key.
+__global__ void choose_kernel(SelectState* st, const uint32_t* hist, int shift, bool last, bool exact, uint32_t lo_ok,
+                              uint32_t hi_ok) {
+  if (st->done) return;
+  uint32_t above = 0;
+  int b = kBins - 1;
+  for (; b > 0; --b) {
+    if (above + hist[b] >= st->k_left) break;
+    above += hist[b];
+  }
+  st->above += above;
+  st->k_left -= above;
+  st->prefix |= static_cast<uint32_t>(b) << shift;
+  st->mask |= 0xffu << shift;
+  const uint32_t at_or_above = st->above + hist[b];
+  if (!exact && at_or_above >= lo_ok && at_or_above <= hi_ok) {
+    st->done = 1;
+    st->threshold = st->prefix;  // every key whose fixed bits are >= prefix
+    st->tie_cutoff = -1;
+  } else if (last) {
+    st->threshold = st->prefix;  // the exact k-th key; k_left of its ties go
+  }
+}
+
+template <typename T>
+struct IsTie {
+  const T* x;
+  const SelectState* st;
+  __device__ bool operator()(int32_t i) const { return !st->done && key_at(x, i) == st->threshold; }
+};
+
+template <typename T>
+struct IsKept {
+  const T* x;
+  const SelectState* st;
+  __device__ bool operator()(int32_t i) const {
+    const uint32_t key = key_at(x, i);
+    if (st->done) return key >= st->threshold;
+    return key > st->threshold || (key == st->threshold && i <= st->tie_cutoff);
+  }
+};
+
+__global__ void tie_cutoff_kernel(SelectState* st, const int32_t* ties, const int* num_ties) {
+  if (st->done) return;
+  const uint32_t need = st->k_left;
+  st->tie_cutoff = need == 0 ? -1 : (need <= static_cast<uint32_t>(*num_ties) ? ties[need - 1] : INT32_MAX);
+}
+
+template <typename T>
+__global__ void gather_kernel(const T* x, const float* eff, float* residual, const int32_t* idx, const int* count,
+                              size_t cap, T* values, int32_t* indices) {
+  const size_t c = min(static_cast<size_t>(*count), cap);
+  for (size_t j = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; j < c;
+       j += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const int32_t i = idx[j];
+    const float v = eff ? eff[i] : load_acc(x[i]);
+    const T stored = store_acc<T>(v);
+    values[j] = stored;
+    indices[j] = i;
+    if (residual) {
+      const float sent = load_acc(stored);
+      residual[i] = is_finite_f(v) && is_finite_f(sent) ? v - sent : 0.f;
+    }
+  }
+}
+
+template <typename V, typename D>
+__global__ void scatter_kernel(const V* values, const int32_t* indices, size_t count, D* dense, size_t n, int* bad) {
+  for (size_t j = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; j < count;
+       j += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const int32_t i = indices[j];
+    if (i < 0 || static_cast<size_t>(i) >= n) {
+      if (bad) atomicAdd(bad, 1);
+      continue;
+    }
+    if constexpr (std::is_same_v<D, float>) {
+      atomicAdd(&dense[i], load_acc(values[j]));
+    } else {
+      // 16-bit dense: atomics on the 32-bit word holding the element.
+      auto* word = reinterpret_cast<unsigned int*>(reinterpret_cast<uintptr_t>(&dense[i]) & ~uintptr_t(3));
+      const bool high = (reinterpret_cast<uintptr_t>(&dense[i]) & 2) != 0;
+      unsigned int old = *word, assumed;
+      do {
+        assumed = old;
+        D cur;
+        cur.bits = static_cast<uint16_t>(high ? (assumed >> 16) : (assumed & 0xffffu));
+        const D upd = store_acc<D>(load_acc(cur) + load_acc(values[j]));
+        const unsigned int nw = high ? ((assumed & 0xffffu) | (static_cast<unsigned int>(upd.bits) << 16))
+                                     : ((assumed & 0xffff0000u) | upd.bits);
+        old = atomicCAS(word, assumed, nw);
+      } while (old != assumed);
+    }
+  }
+}
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw CommError(std::string("pycomm: CUDA ") + what + ": " + cudaGetErrorString(e));
+}
+
+unsigned grid_for(size_t items) {
+  const size_t g = (items + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(g < 1 ? 1 : (g > 65535 * 16 ? 65535 * 16 : g));
+}
+
+template <typename F>
+void with_float_type(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32: f(static_cast<float*>(nullptr)); return;
+    case DType::kFloat16: f(static_cast<Half*>(nullptr)); return;
+    case DType::kBFloat16: f(static_cast<BFloat16*>(nullptr)); return;
+    default: throw CommError(std::string("pycomm: CUDA top-k takes float32, float16 or bfloat16, got ") +
+                             dtype_name(dtype));
+  }
+}
+
+// Workspace: state | histogram | 2 counters | n tie/kept indices | cub temp.
+struct Layout {
+  size_t state = 0, hist, counters, idx, temp, total;
+  explicit Layout(size_t n, size_t temp_bytes) {
+    hist = 64;
+    counters = hist + kBins * 4;
+    idx = counters + 64;
+    temp = (idx + n * 4 + 255) / 256 * 256;
+    total = temp + temp_bytes;
+  }
+};
+
+size_t select_temp_bytes(size_t n) {
+  size_t bytes = 0;
+  thrust::counting_iterator<int32_t> it(0);
+  IsKept<float> pred{nullptr, nullptr};
+  cub::DeviceSelect::If(nullptr, bytes, it, static_cast<int32_t*>(nullptr), static_cast<int*>(nullptr),
+                        static_cast<int>(n), pred);
+  return bytes;
+}
+
+}  // namespace
+
+size_t topk_cuda_workspace_bytes(size_t n) { return Layout(n, select_temp_bytes(n)).total; }
+
+size_t topk_cuda(const TopK& s, DType dtype, const void* x, float* residual, size_t n, size_t cap, void* values,
+                 int32_t* indices, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (n > static_cast<size_t>(INT32_MAX)) throw CommError("pycomm: top-k indexes with int32");
+  const size_t temp_bytes = select_temp_bytes(n);
+  const Layout lay(n, temp_bytes);
+  if (workspace_bytes < lay.total) throw CommError("pycomm: topk_cuda workspace too small");
+  auto* base = static_cast<uint8_t*>(workspace);
+  auto* st = reinterpret_cast<SelectState*>(base + lay.state);
+  auto* hist = reinterpret_cast<uint32_t*>(base + lay.hist);
+  auto* counters = reinterpret_cast<int*>(base + lay.counters);
+  auto* idx = reinterpret_cast<int32_t*>(base + lay.idx);
+  void* temp = base + lay.temp;
+  const size_t k = s.k < n ? s.k : n;
+  const uint32_t lo_ok = static_cast<uint32_t>(k);  // as on the CPU: a superset of the exact top-k
+  const uint32_t hi_ok = static_cast<uint32_t>(k * (1.0 + s.tolerance));
+  size_t kept = 0;
+  with_float_type(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* xt = static_cast<const T*>(x);
+    // 0. Error feedback: the residual becomes x + residual and is selected from.
+    if (residual) {
+      if constexpr (std::is_same_v<T, float>) {
+        fold_kernel_f32<<<grid_for(n), kThreads, 0, stream>>>(xt, residual, n);
+      } else {
+        fold_kernel<T><<<grid_for(n), kThreads, 0, stream>>>(xt, residual, n);
+      }
+    }
+    if (k == 0) return;
+    auto run = [&](auto* eff) {
+      using E = std::remove_cv_t<std::remove_pointer_t<decltype(eff)>>;
+      SelectState init{0, 0, static_cast<uint32_t>(k), 0, k >= n ? 1u : 0u, 0, -1, 0};
+      check(cudaMemcpyAsync(st, &init, sizeof init, cudaMemcpyHostToDevice, stream), "topk state");
+      // 1. Radix select, highest byte first (the key has 31 bits).
+      const int shifts[4] = {23, 15, 7, 0};
+      for (int p = 0; p < 4; ++p) {
+        check(cudaMemsetAsync(hist, 0, kBins * 4, stream), "topk histogram");
+        histogram_kernel<E><<<grid_for(n), kThreads, 0, stream>>>(eff, n, st, shifts[p], hist);
+        choose_kernel<<<1, 1, 0, stream>>>(st, hist, shifts[p], p == 3, s.exact, lo_ok, hi_ok);
+      }
+      // 2. Unless the approximate mode settled: the lowest-index ties of
+      //    the k-th key complete the k (the predicate is free when settled).
+      thrust::counting_iterator<int32_t> it(0);
+      {
+        size_t tb = temp_bytes;
+        check(cub::DeviceSelect::If(temp, tb, it, idx, counters, static_cast<int>(n), IsTie<E>{eff, st}, stream),
+              "topk ties");
+        tie_cutoff_kernel<<<1, 1, 0, stream>>>(st, idx, counters);
+      }
+      // 3. Everything kept, in index order, then values and residuals.
+      size_t tb = temp_bytes;
+      check(cub::DeviceSelect::If(temp, tb, it, idx, counters + 1, static_cast<int>(n), IsKept<E>{eff, st}, stream),
+            "topk select");
+      gather_kernel<T><<<grid_for(cap), kThreads, 0, stream>>>(xt, residual, residual, idx, counters + 1, cap,
+                                                               static_cast<T*>(values), indices);
+      int count = 0;
+      check(cudaMemcpyAsync(&count, counters + 1, sizeof count, cudaMemcpyDeviceToHost, stream), "topk count");
+      check(cudaStreamSynchronize(stream), "topk");
+      kept = static_cast<size_t>(count);
+    };
+    if (residual) {
+      run(static_cast<const float*>(residual));
+    } else {
+      run(xt);
+    }
+  });
+  check(cudaGetLastError(), "topk");
+  if (kept > cap)
+    throw CommError("pycomm: top-k kept " + std::to_string(kept) + " values but the output holds " +
+                    std::to_string(cap));
+  return kept;
+}
+
+void scatter_add_cuda(DType val_dtype, const void* values, const int32_t* indices, size_t count, DType dense_dtype,
+                      void* dense, size_t n, int* bad, cudaStream_t stream) {
+  if (count == 0) return;
+  with_float_type(val_dtype, [&](auto* vtag) {
+    using V = std::remove_pointer_t<decltype(vtag)>;
+    with_float_type(dense_dtype, [&](auto* dtag) {
+      using D = std::remove_pointer_t<decltype(dtag)>;
+      scatter_kernel<V, D><<<grid_for(count), kThreads, 0, stream>>>(static_cast<const V*>(values), indices, count,
+                                                                      static_cast<D*>(dense), n, bad);
+    });
+  });
+  check(cudaGetLastError(), "scatter_add");
+}
+
+}  // namespace kernels
+}  // namespace pycomm

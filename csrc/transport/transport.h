@@ -1,0 +1,22 @@
+// What every transport offers the communicator and the composite operations
+// built on it: run one collective, the same on every rank, in sequence order.
+// Shared memory implements it today; a wrapped ProcessGroup and CUDA IPC
+// implement the same interface.
+#pragma once
+
+#include <cstdint>
+
+#include "../collective.h"
+
+namespace pycomm {
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  // Runs collective number `seq` (the same on every rank). Throws CommError.
+  virtual void run(const CollectiveDesc& desc, uint64_t seq) = 0;
+  virtual int rank() const = 0;
+  virtual int world() const = 0;
+};
+
+}  // namespace pycomm
