@@ -31,7 +31,7 @@ def bad_inputs(rank: int, world: int, name: str) -> List[tuple]:
     good = torch.ones(n)
     cases = {
         "non-contiguous": lambda: comm.all_reduce(torch.ones(n, 2).t()),
-        "uint8": lambda: comm.all_reduce(torch.ones(n, dtype=torch.uint8)),
+        "int8": lambda: comm.all_reduce(torch.ones(n, dtype=torch.int8)),
         "complex": lambda: comm.all_reduce(torch.ones(n, dtype=torch.complex64)),
         "bool": lambda: comm.broadcast(torch.ones(n, dtype=torch.bool)),
         "meta device": lambda: comm.all_reduce(torch.empty(n, device="meta")),

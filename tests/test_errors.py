@@ -23,7 +23,7 @@ def pool3():
 
 EXPECTED_WORDS = {
     "non-contiguous": "not contiguous",
-    "uint8": "dtype",
+    "int8": "dtype",
     "complex": "dtype",
     "bool": "dtype",
     "meta device": "device",
