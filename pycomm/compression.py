@@ -22,10 +22,13 @@ tests/test_compressed_collectives.py):
   float32 rounding; stochastic rounding is unbiased.
 * NaN and +-Inf come back exactly as NaN and +-Inf (escape codes), never as a
   finite number; they leave a zero residual.
-* compressed all-reduce, round-to-nearest: every element of the result is
-  within ``(world + 1) / 2`` input-scales plus half an output scale of the
-  exact float64 result; in relative terms (Frobenius norm) about 1% for int8
-  and 15-20% for int4 on Gaussian data. Every rank gets the same bits.
+* compressed all-reduce, round-to-nearest: every element is within half a
+  scale of each rank's contribution (times 1/world for avg) plus half a scale
+  of the reduced value's block, of the exact float64 result (stochastic
+  rounding: a full scale each). Measured relative (Frobenius) error on
+  Gaussian data: ~1% for Int8, ~18% for Int4 (benchmarks/RESULTS.md). TopK
+  returns exactly the sum of what the ranks selected. Every rank gets the
+  same bits.
 
 Example::
 
