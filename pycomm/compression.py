@@ -53,7 +53,13 @@ _KIND_INT8, _KIND_INT4, _KIND_TOPK = 1, 2, 3
 
 
 @dataclass(frozen=True)
-class Int8:
+class _Quantizer:
+    block: int = 256
+    stochastic: bool = False
+    seed: int = 0
+
+
+class Int8(_Quantizer):
     """Blockwise int8 quantization: 4x fewer bytes than float32 (+ 4 bytes per block).
 
     Example::
@@ -61,26 +67,17 @@ class Int8:
         comm.all_reduce(t, compression=pycomm.Int8(block=256, stochastic=False))
     """
 
-    block: int = 256
-    stochastic: bool = False
-    seed: int = 0
-
     bits = 8
     kind = _KIND_INT8
 
 
-@dataclass(frozen=True)
-class Int4:
+class Int4(_Quantizer):
     """Blockwise int4 quantization (two values per byte): 8x fewer bytes than float32.
 
     Example::
 
         comm.all_reduce(t, compression=pycomm.Int4(block=128))
     """
-
-    block: int = 256
-    stochastic: bool = False
-    seed: int = 0
 
     bits = 4
     kind = _KIND_INT4
@@ -113,7 +110,7 @@ Codec = Union[Int8, Int4, TopK]
 
 
 def is_quantizer(codec: object) -> bool:
-    return isinstance(codec, (Int8, Int4))
+    return isinstance(codec, _Quantizer)
 
 
 class _Residuals(NamedTuple):

@@ -46,6 +46,11 @@ struct CompressionStats {
   uint64_t bytes_uncompressed = 0;
 };
 
+// What a plain all-reduce of n elements hands to peers from one rank.
+inline uint64_t plain_allreduce_bytes(size_t n, DType dtype, int world) {
+  return world > 1 ? 2ull * (world - 1) * n * dtype_size(dtype) / world : 0;
+}
+
 // Scratch memory of a communicator's composite operations: grows to the
 // largest request and is reused, so steady-state calls touch no fresh pages
 // (first-touch page faults cost as much as the compression itself). Only the

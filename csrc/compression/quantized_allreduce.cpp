@@ -35,7 +35,7 @@ CompressionStats QuantizedAllReduce::stats() const {
   // Each step hands world-1 slots to peers (the all-to-all one per peer, the
   // all-gather the same slot to each).
   s.bytes_sent = 2ull * (world_ - 1) * slot_;
-  s.bytes_uncompressed = world_ > 1 ? 2ull * (world_ - 1) * call_.n * dtype_size(call_.dtype) / world_ : 0;
+  s.bytes_uncompressed = plain_allreduce_bytes(call_.n, call_.dtype, world_);
   return s;
 }
 

@@ -30,7 +30,7 @@ SparseAllReduce::SparseAllReduce(Transport& transport, Workspace& workspace, con
 CompressionStats SparseAllReduce::stats() const {
   CompressionStats s;
   s.bytes_sent = static_cast<uint64_t>(world_ - 1) * slot_;
-  s.bytes_uncompressed = world_ > 1 ? 2ull * (world_ - 1) * call_.n * dtype_size(call_.dtype) / world_ : 0;
+  s.bytes_uncompressed = plain_allreduce_bytes(call_.n, call_.dtype, world_);
   return s;
 }
 

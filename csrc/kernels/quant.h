@@ -156,6 +156,13 @@ PYCOMM_HOST_DEVICE float uniform01(uint64_t key, uint64_t index) {
 
 // ------------------------------------------------------------------- top-k
 
+// Residual left after sending `v` as `sent` (v rounded to the wire dtype):
+// NaN/Inf travel as they are, and a value that overflowed the dtype leaves
+// nothing behind rather than an infinite residual.
+PYCOMM_HOST_DEVICE float sent_residual(float v, float sent) {
+  return is_finite_f(v) && is_finite_f(sent) ? v - sent : 0.f;
+}
+
 // Ordering key of |x| as an unsigned integer: for non-negative floats the bit
 // pattern orders like the value, and NaN patterns sort above +Inf, so a NaN
 // is always selected (like torch.topk, which ranks NaN largest).

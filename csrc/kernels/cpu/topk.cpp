@@ -198,12 +198,7 @@ size_t topk_typed(const TopK& s, const T* x, float* residual, size_t n, size_t c
     const T stored = store_acc<T>(v);
     values[j] = stored;
     indices[j] = i;
-    if (residual) {
-      // What was sent leaves the residual; NaN/Inf (sent as they are) or a
-      // value that overflowed the dtype leave nothing behind.
-      const float sent = load_acc(stored);
-      residual[i] = is_finite_f(v) && is_finite_f(sent) ? v - sent : 0.f;
-    }
+    if (residual) residual[i] = sent_residual(v, load_acc(stored));
   }
   return count;
 }

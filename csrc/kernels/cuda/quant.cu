@@ -12,12 +12,15 @@
 
 #include "../kernels_cuda.h"
 #include "../quant.h"
+#include "common.cuh"
 
 namespace pycomm {
 namespace kernels {
 namespace {
 
-constexpr int kThreads = 256;
+using cuda_detail::check;
+using cuda_detail::grid_for;
+using cuda_detail::kThreads;
 
 template <typename T> __device__ __forceinline__ float load_f(const T* p, size_t i) { return load_acc(p[i]); }
 
@@ -160,26 +163,8 @@ __global__ void store_sum_kernel(SumValue<T> sum, size_t n, O* out) {
     out[i] = store_acc<O>(sum(i / sum.block, i % sum.block, i));
 }
 
-void check_launch(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) throw CommError(std::string("pycomm: CUDA ") + what + ": " + cudaGetErrorString(e));
-}
 
-unsigned grid_for(size_t items) {
-  const size_t g = (items + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(g < 1 ? 1 : (g > 65535 * 16 ? 65535 * 16 : g));
-}
 
-template <typename F>
-void with_float_type(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kFloat32: f(static_cast<float*>(nullptr)); return;
-    case DType::kFloat16: f(static_cast<Half*>(nullptr)); return;
-    case DType::kBFloat16: f(static_cast<BFloat16*>(nullptr)); return;
-    default: throw CommError(std::string("pycomm: CUDA compression kernels take float32, float16 or bfloat16, got ") +
-                             dtype_name(dtype));
-  }
-}
 
 }  // namespace
 
@@ -187,24 +172,24 @@ void quantize_cuda(const QuantSpec& s, DType dtype, const void* x, float* residu
                    uint64_t index_base, cudaStream_t stream) {
   const size_t nb = quant_num_blocks(n, s.block);
   if (nb == 0) return;
-  with_float_type(dtype, [&](auto* tag) {
+  cuda_detail::with_float_type(dtype, "quantize", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     InputValue<T> v{static_cast<const T*>(x), residual};
     quantize_kernel<<<grid_for(nb * kThreads), kThreads, 0, stream>>>(v, n, s.bits, s.block, s.stochastic,
                                                                       mix64(s.seed), index_base, payload, residual);
   });
-  check_launch("quantize");
+  check(cudaGetLastError(), "quantize");
 }
 
 void dequantize_cuda(int bits, int block, const uint8_t* payload, size_t n, DType dtype, void* out, bool accumulate,
                      cudaStream_t stream) {
   if (n == 0) return;
-  with_float_type(dtype, [&](auto* tag) {
+  cuda_detail::with_float_type(dtype, "dequantize", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     dequantize_kernel<T><<<grid_for(n), kThreads, 0, stream>>>(payload, n, bits, block, static_cast<T*>(out),
                                                                 accumulate);
   });
-  check_launch("dequantize");
+  check(cudaGetLastError(), "dequantize");
 }
 
 void dequant_reduce_cuda(const DequantReduce& a, cudaStream_t stream) {
@@ -215,11 +200,11 @@ void dequant_reduce_cuda(const DequantReduce& a, cudaStream_t stream) {
   for (int k = 0; k < a.nsrc; ++k) src.p[k] = a.srcs[k];
   src.n = a.nsrc;
   const size_t nb = quant_num_blocks(a.n, a.block);
-  with_float_type(a.dense ? a.dense_dtype : DType::kFloat32, [&](auto* tag) {
+  cuda_detail::with_float_type(a.dense ? a.dense_dtype : DType::kFloat32, "dequant_reduce", [&](auto* tag) {
     using D = std::remove_pointer_t<decltype(tag)>;
     SumValue<D> sum{src, static_cast<const D*>(a.dense), a.post_scale, nullptr, nb, a.bits, a.block};
     if (a.out) {
-      with_float_type(a.out_dtype, [&](auto* otag) {
+      cuda_detail::with_float_type(a.out_dtype, "dequant_reduce", [&](auto* otag) {
         using O = std::remove_pointer_t<decltype(otag)>;
         store_sum_kernel<D, O><<<grid_for(a.n), kThreads, 0, stream>>>(sum, a.n, static_cast<O*>(a.out));
       });
@@ -231,7 +216,7 @@ void dequant_reduce_cuda(const DequantReduce& a, cudaStream_t stream) {
           a.residual);
     }
   });
-  check_launch("dequant_reduce");
+  check(cudaGetLastError(), "dequant_reduce");
 }
 
 }  // namespace kernels

@@ -19,12 +19,15 @@
 
 #include "../kernels_cuda.h"
 #include "../quant.h"
+#include "common.cuh"
 
 namespace pycomm {
 namespace kernels {
 namespace {
 
-constexpr int kThreads = 256;
+using cuda_detail::check;
+using cuda_detail::grid_for;
+using cuda_detail::kThreads;
 constexpr int kBins = 256;
 
 struct SelectState {
@@ -132,10 +135,7 @@ __global__ void gather_kernel(const T* x, const float* eff, float* residual, con
     const T stored = store_acc<T>(v);
     values[j] = stored;
     indices[j] = i;
-    if (residual) {
-      const float sent = load_acc(stored);
-      residual[i] = is_finite_f(v) && is_finite_f(sent) ? v - sent : 0.f;
-    }
+    if (residual) residual[i] = sent_residual(v, load_acc(stored));
   }
 }
 
@@ -168,25 +168,8 @@ __global__ void scatter_kernel(const V* values, const int32_t* indices, size_t c
   }
 }
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw CommError(std::string("pycomm: CUDA ") + what + ": " + cudaGetErrorString(e));
-}
 
-unsigned grid_for(size_t items) {
-  const size_t g = (items + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(g < 1 ? 1 : (g > 65535 * 16 ? 65535 * 16 : g));
-}
 
-template <typename F>
-void with_float_type(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kFloat32: f(static_cast<float*>(nullptr)); return;
-    case DType::kFloat16: f(static_cast<Half*>(nullptr)); return;
-    case DType::kBFloat16: f(static_cast<BFloat16*>(nullptr)); return;
-    default: throw CommError(std::string("pycomm: CUDA top-k takes float32, float16 or bfloat16, got ") +
-                             dtype_name(dtype));
-  }
-}
 
 // Workspace: state | histogram | 2 counters | n tie/kept indices | cub temp.
 struct Layout {
@@ -229,7 +212,7 @@ size_t topk_cuda(const TopK& s, DType dtype, const void* x, float* residual, siz
   const uint32_t lo_ok = static_cast<uint32_t>(k);  // as on the CPU: a superset of the exact top-k
   const uint32_t hi_ok = static_cast<uint32_t>(k * (1.0 + s.tolerance));
   size_t kept = 0;
-  with_float_type(dtype, [&](auto* tag) {
+  cuda_detail::with_float_type(dtype, "topk", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* xt = static_cast<const T*>(x);
     // 0. Error feedback: the residual becomes x + residual and is selected from.
@@ -288,9 +271,9 @@ size_t topk_cuda(const TopK& s, DType dtype, const void* x, float* residual, siz
 void scatter_add_cuda(DType val_dtype, const void* values, const int32_t* indices, size_t count, DType dense_dtype,
                       void* dense, size_t n, int* bad, cudaStream_t stream) {
   if (count == 0) return;
-  with_float_type(val_dtype, [&](auto* vtag) {
+  cuda_detail::with_float_type(val_dtype, "scatter_add", [&](auto* vtag) {
     using V = std::remove_pointer_t<decltype(vtag)>;
-    with_float_type(dense_dtype, [&](auto* dtag) {
+    cuda_detail::with_float_type(dense_dtype, "scatter_add", [&](auto* dtag) {
       using D = std::remove_pointer_t<decltype(dtag)>;
       scatter_kernel<V, D><<<grid_for(count), kThreads, 0, stream>>>(static_cast<const V*>(values), indices, count,
                                                                       static_cast<D*>(dense), n, bad);
