@@ -487,29 +487,27 @@ void ShmTransport::fail(const std::string& why) {
   throw CommError(abort_message().empty() ? why : abort_message());
 }
 
-void ShmTransport::check_peers_alive(const OpContext& ctx) {
-  const uint64_t my_ns = controls_[rank_].pidns;
-  for (int q = 0; q < world_; ++q) {
-    if (q == rank_) continue;
-    RankControl& pc = controls_[q];
-    const int pid = pc.pid.load(std::memory_order_acquire);
-    if (pid == 0) continue;  // not attached yet: only the timeout applies
-    std::ostringstream os;
-    if (pc.exited.load()) {
-      os << "pycomm: rank " << q << " shut down its communicator while rank " << rank_ << " was in "
-         << collective_name(ctx.coll) << " #" << ctx.seq;
-      fail(os.str());
-    }
-    if (pc.pidns != my_ns) continue;  // its pid means nothing here
-    char state = 0;
-    uint64_t starttime = 0;
-    const bool found = read_proc_stat(pid, &state, &starttime);
-    if (!found || state == 'Z' || state == 'X' || starttime != pc.starttime) {
-      os << "pycomm: rank " << q << " (pid " << pid << ") died; detected by rank " << rank_ << " during "
-         << collective_name(ctx.coll) << " #" << ctx.seq;
-      fail(os.str());
-    }
+// Why `q` will never post again ("" while it is alive or not yet attached).
+std::string ShmTransport::peer_gone(int q, const OpContext& ctx) {
+  RankControl& pc = controls_[q];
+  const int pid = pc.pid.load(std::memory_order_acquire);
+  if (pid == 0) return "";  // not attached yet: only the timeout applies
+  std::ostringstream os;
+  if (pc.exited.load()) {
+    os << "pycomm: rank " << q << " shut down its communicator while rank " << rank_ << " was in "
+       << collective_name(ctx.coll) << " #" << ctx.seq;
+    return os.str();
   }
+  if (pc.pidns != controls_[rank_].pidns) return "";  // its pid means nothing here
+  char state = 0;
+  uint64_t starttime = 0;
+  const bool found = read_proc_stat(pid, &state, &starttime);
+  if (!found || state == 'Z' || state == 'X' || starttime != pc.starttime) {
+    os << "pycomm: rank " << q << " (pid " << pid << ") died; detected by rank " << rank_ << " during "
+       << collective_name(ctx.coll) << " #" << ctx.seq;
+    return os.str();
+  }
+  return "";
 }
 
 template <typename Reached>
@@ -531,7 +529,15 @@ void ShmTransport::wait_on(std::atomic<uint32_t>* word, int peer, const OpContex
     check_abort();
     const auto now = std::chrono::steady_clock::now();
     if (now >= next_liveness_check_) {
-      check_peers_alive(ctx);
+      // Only the awaited peer matters: a peer that finished this collective
+      // and left needs nothing from us, and one that died while others wait
+      // on it is reported by them (abort reaches us through check_abort).
+      // It may also have posted just before leaving: look once more.
+      const std::string gone = peer_gone(peer, ctx);
+      if (!gone.empty()) {
+        if (is_reached(word->load(std::memory_order_seq_cst))) return;
+        fail(gone);
+      }
       next_liveness_check_ = now + kLivenessPeriod;
     }
     if (now >= ctx.deadline) {

@@ -94,7 +94,7 @@ class ShmTransport : public Transport {
   void wait_on(std::atomic<uint32_t>* word, int peer, const OpContext& ctx, const char* what,
                Reached reached);
   void check_abort() const;
-  void check_peers_alive(const OpContext& ctx);
+  std::string peer_gone(int peer, const OpContext& ctx);
   [[noreturn]] void fail(const std::string& why);
   const ShmPlan& plan_for(const Schedule& schedule);
   char* mailbox(int rank, uint64_t round, int phase) const;
