@@ -316,12 +316,19 @@ std::shared_ptr<Work> Communicator::launch(Collective coll, RedOp op, int root, 
   return submit(std::move(work), async_op);
 }
 
+// All-reduce takes the same tensor (in place) or a separate one of the same
+// size, plain or compressed.
+std::string Communicator::check_all_reduce_io(const at::Tensor& input, const at::Tensor& output) const {
+  std::string why = check_io(Collective::kAllReduce, input, output, 1, 1);
+  if (why.empty() && output.data_ptr() != input.data_ptr() && overlaps(input, output))
+    why = "pycomm.all_reduce: output partially overlaps input; pass the same tensor or a separate one";
+  return why;
+}
+
 std::shared_ptr<Work> Communicator::all_reduce(const at::Tensor& input, const at::Tensor& output, RedOp op,
                                                Algorithm algo, bool strict, bool async_op) {
   const Collective coll = Collective::kAllReduce;
-  std::string why = check_io(coll, input, output, 1, 1);
-  if (why.empty() && output.data_ptr() != input.data_ptr() && overlaps(input, output))
-    why = "pycomm.all_reduce: output partially overlaps input; pass the same tensor or a separate one";
+  std::string why = check_all_reduce_io(input, output);
   if (!why.empty()) return reject(why);
   return launch(coll, op, 0, input.numel(), input, output, algo, strict, async_op);
 }
@@ -379,9 +386,7 @@ std::shared_ptr<Work> Communicator::all_reduce_compressed(const at::Tensor& inpu
                                                           const at::Tensor& worker_residual,
                                                           const at::Tensor& server_residual, bool async_op) {
   const Collective coll = Collective::kAllReduce;
-  std::string why = check_io(coll, input, output, 1, 1);
-  if (why.empty() && output.data_ptr() != input.data_ptr() && overlaps(input, output))
-    why = "pycomm.all_reduce: output partially overlaps input; pass the same tensor or a separate one";
+  std::string why = check_all_reduce_io(input, output);
   if (why.empty() && !(input.scalar_type() == at::kFloat || input.scalar_type() == at::kHalf ||
                        input.scalar_type() == at::kBFloat16))
     why = std::string("pycomm.all_reduce: compression needs a float32, float16 or bfloat16 tensor, got torch.") +

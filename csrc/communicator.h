@@ -127,6 +127,7 @@ class Communicator {
   std::shared_ptr<Work> submit(std::shared_ptr<Work> work, bool async_op);
   std::string check_io(Collective coll, const at::Tensor& input, const at::Tensor& output, int64_t in_mult,
                        int64_t out_mult) const;
+  std::string check_all_reduce_io(const at::Tensor& input, const at::Tensor& output) const;
   // Describes the call (count as in CollectiveDesc), resolves the algorithm
   // and submits; op and root matter only where the collective has them.
   std::shared_ptr<Work> launch(Collective coll, RedOp op, int root, uint64_t count, const at::Tensor& input,

@@ -137,7 +137,7 @@ std::tuple<at::Tensor, int64_t, int64_t> topk(const at::Tensor& x, int64_t k, bo
   TORCH_CHECK(tolerance >= 0 && tolerance < 1, "pycomm.topk: tolerance must be in [0, 1), got ", tolerance);
   const size_t n = x.numel();
   const size_t kk = std::min<size_t>(k, n);
-  const size_t cap = exact ? kk : std::min(n, std::max(kk, static_cast<size_t>(kk * (1.0 + tolerance))));
+  const size_t cap = kernels::topk_capacity(kk, n, exact, tolerance);
   float* r = residual_ptr(residual, x.numel(), "topk");
   const size_t es = x.element_size();
   auto out = at::zeros({static_cast<int64_t>(kernels::topk_payload_bytes(cap, es))}, x.options().dtype(at::kByte));

@@ -298,15 +298,12 @@ class Communicator:
                 key = tensor.data_ptr() if isinstance(tensor, torch.Tensor) else None
             shard = self._c.compressed_shard_elems(tensor.numel(), codec.block) if quant else 0
             worker, server = error_feedback.residuals(key, tensor, codec, shard)
-        block = codec.block if quant else 256
-        ratio = codec.ratio if not quant else 0.0
-        exact = codec.exact if not quant else False
-        tolerance = codec.tolerance if not quant else 0.0
-        fraction = codec.sample_fraction if not quant else 1.0
-        stochastic = codec.stochastic if quant else False
+        # Fields a codec does not have keep the C++ Codec's defaults.
         work = self._c.all_reduce_compressed(
-            tensor, tensor if output is None else output, op_id, codec.kind, int(block), bool(stochastic),
-            int(codec.seed) & (2**64 - 1), float(ratio), bool(exact), float(tolerance), float(fraction),
+            tensor, tensor if output is None else output, op_id, codec.kind, int(getattr(codec, "block", 256)),
+            bool(getattr(codec, "stochastic", False)), int(codec.seed) & (2**64 - 1),
+            float(getattr(codec, "ratio", 0.01)), bool(getattr(codec, "exact", False)),
+            float(getattr(codec, "tolerance", 0.1)), float(getattr(codec, "sample_fraction", 0.01)),
             worker, server, async_op)
         self._stats["compressed_calls"] += 1
         self._stats["bytes_sent"] += work.bytes_sent

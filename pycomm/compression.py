@@ -151,6 +151,11 @@ class ErrorFeedback:
         self._state[key] = (layout, res)
         return res
 
+    def get(self, key: Hashable) -> Optional[_Residuals]:
+        """The residuals kept for ``key`` (worker, server), or None if it has none yet."""
+        entry = self._state.get(key)
+        return None if entry is None else entry[1]
+
     def reset(self, key: Optional[Hashable] = None) -> None:
         """Forget one key's residuals, or all of them."""
         if key is None:

@@ -34,8 +34,7 @@ def run_cases(rank: int, world: int, name: str, cases: List[tuple]) -> List[dict
             ef = pycomm.compression.ErrorFeedback()
             work = comm.all_reduce(x, op=op, compression=codec, error_feedback=ef, key="t", async_op=True)
             work.wait()
-            res = ef.residuals("t", x, codec, comm._c.compressed_shard_elems(n, codec.block)
-                               if pycomm.compression.is_quantizer(codec) else 0)
+            res = ef.get("t")
             sent = make_input(seed, rank, n, dtype).float() - res.worker  # input + 0 - residual
             out.append({"out": x.clone(), "sent": sent, "bytes_sent": work.bytes_sent,
                         "bytes_uncompressed": work.bytes_uncompressed, "digest": digest(x)})
@@ -55,8 +54,8 @@ def run_error_feedback(rank: int, world: int, name: str, codec_name: str, n: int
             x = make_input(1000 + t, rank, n, torch.float32)
             comm.all_reduce(x, op="avg", compression=codec, error_feedback=ef, key=("grad", 0))
             total += x.double()
-        shard = comm._c.compressed_shard_elems(n, codec.block) if pycomm.compression.is_quantizer(codec) else 0
-        res = ef.residuals(("grad", 0), x, codec, shard)
+        res = ef.get(("grad", 0))
+        shard = 0 if res.server is None else res.server.numel()
         return {"total": total, "worker": res.worker.clone(),
                 "server": None if res.server is None else res.server.clone(), "shard": shard,
                 "stats": comm.stats}

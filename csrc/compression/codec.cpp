@@ -50,6 +50,20 @@ uint32_t codec_tag(const Codec& c, CodecStep step) {
          (static_cast<uint32_t>(flag) << 23) | (block & 0x7fffffu);
 }
 
+CollectiveDesc payload_step(Collective coll, const Codec& codec, CodecStep step, RedOp op, size_t bytes,
+                            const void* input, void* output) {
+  CollectiveDesc d;
+  d.coll = coll;
+  d.algo = Algorithm::kTwoShot;
+  d.dtype = DType::kUInt8;
+  d.op = op;  // so ranks that disagree on sum vs avg fail like any mismatch
+  d.count = bytes;
+  d.tag = codec_tag(codec, step);
+  d.input = input;
+  d.output = output;
+  return d;
+}
+
 std::string describe_tag(uint32_t tag) {
   if (!(tag >> 31)) return "";
   Codec c;

@@ -39,6 +39,11 @@ enum class CodecStep : uint8_t { kScatter = 1, kGather = 2 };
 // parameters that change the payload layout without changing its size.
 uint32_t codec_tag(const Codec& codec, CodecStep step);
 
+// One byte-payload step of a compressed collective (all-to-all or
+// all-gather of `bytes` per rank), tagged with the codec and step.
+CollectiveDesc payload_step(Collective coll, const Codec& codec, CodecStep step, RedOp op, size_t bytes,
+                            const void* input, void* output);
+
 // Bytes this rank hands to its peers in one compressed all-reduce, and what
 // the uncompressed all-reduce would hand them (2(n-1)/n x the tensor).
 struct CompressionStats {

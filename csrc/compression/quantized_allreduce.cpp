@@ -30,6 +30,13 @@ size_t QuantizedAllReduce::shard_len(int q) const {
   return std::min(call_.n, lo + shard_) - lo;
 }
 
+// The padding after a payload of `len` elements travels too: keep its bytes
+// deterministic.
+void QuantizedAllReduce::clear_slot_tail(uint8_t* slot, size_t len) const {
+  const size_t used = kernels::quant_payload_bytes(len, codec_.bits(), codec_.block);
+  std::fill(slot + used, slot + slot_, 0);
+}
+
 CompressionStats QuantizedAllReduce::stats() const {
   CompressionStats s;
   // Each step hands world-1 slots to peers (the all-to-all one per peer, the
@@ -57,23 +64,12 @@ void QuantizedAllReduce::run(uint64_t seq) {
     const size_t len = shard_len(q);
     kernels::quantize_cpu(spec, call_.dtype, in + off * es, call_.worker_residual ? call_.worker_residual + off : nullptr,
                           len, send + q * slot_, off);
-    // Unused tail of the slot: deterministic bytes on the wire.
-    const size_t used = kernels::quant_payload_bytes(len, bits, codec_.block);
-    std::fill(send + q * slot_ + used, send + (q + 1) * slot_, 0);
+    clear_slot_tail(send + q * slot_, len);
   }
 
   // 2. Exchange: slot q goes to rank q; we receive every rank's version of
   //    our shard.
-  CollectiveDesc a2a;
-  a2a.coll = Collective::kAllToAll;
-  a2a.algo = Algorithm::kTwoShot;
-  a2a.dtype = DType::kUInt8;
-  a2a.op = call_.op;
-  a2a.count = slot_;
-  a2a.tag = codec_tag(codec_, CodecStep::kScatter);
-  a2a.input = send;
-  a2a.output = recv;
-  transport_.run(a2a, seq);
+  transport_.run(payload_step(Collective::kAllToAll, codec_, CodecStep::kScatter, call_.op, slot_, send, recv), seq);
 
   // 3. Reduce our shard in float32 (rank order: deterministic), average if
   //    asked, and requantize it with the server residual, in one pass.
@@ -91,16 +87,11 @@ void QuantizedAllReduce::run(uint64_t seq) {
   red.residual = call_.server_residual;
   red.index_base = rank_ * shard_;
   kernels::dequant_reduce_cpu(red);
-  const size_t used = kernels::quant_payload_bytes(red.n, bits, codec_.block);
-  std::fill(mine + used, mine + slot_, 0);
+  clear_slot_tail(mine, red.n);
 
   // 4. Gather every rank's reduced shard.
-  CollectiveDesc ag = a2a;
-  ag.coll = Collective::kAllGather;
-  ag.tag = codec_tag(codec_, CodecStep::kGather);
-  ag.input = mine;
-  ag.output = gathered;
-  transport_.run(ag, seq + 1);
+  transport_.run(payload_step(Collective::kAllGather, codec_, CodecStep::kGather, call_.op, slot_, mine, gathered),
+                 seq + 1);
 
   // 5. Every rank, this one included, decodes the same bytes: identical
   //    results everywhere.

@@ -30,6 +30,7 @@ class QuantizedAllReduce {
 
  private:
   size_t shard_len(int q) const;
+  void clear_slot_tail(uint8_t* slot, size_t len) const;
 
   Transport& transport_;
   Workspace& workspace_;

@@ -23,7 +23,7 @@ SparseAllReduce::SparseAllReduce(Transport& transport, Workspace& workspace, con
       world_(transport.world()) {
   const size_t n = call.n;
   k_ = n == 0 ? 0 : std::min(n, std::max<size_t>(1, static_cast<size_t>(std::llround(codec.ratio * n))));
-  cap_ = codec.exact ? k_ : std::min(n, std::max(k_, static_cast<size_t>(std::floor(k_ * (1.0 + codec.tolerance)))));
+  cap_ = kernels::topk_capacity(k_, n, codec.exact, codec.tolerance);
   slot_ = Carver::align(kCountBytes + kernels::topk_payload_bytes(cap_, dtype_size(call.dtype)));
 }
 
@@ -58,16 +58,8 @@ void SparseAllReduce::run(uint64_t seq) {
   std::memcpy(mine, &count, sizeof count);
 
   // 2. Everybody gets everybody's (value, index) list.
-  CollectiveDesc ag;
-  ag.coll = Collective::kAllGather;
-  ag.algo = Algorithm::kTwoShot;
-  ag.dtype = DType::kUInt8;
-  ag.op = call_.op;
-  ag.count = slot_;
-  ag.tag = codec_tag(codec_, CodecStep::kGather);
-  ag.input = mine;
-  ag.output = gathered;
-  transport_.run(ag, seq);
+  transport_.run(payload_step(Collective::kAllGather, codec_, CodecStep::kGather, call_.op, slot_, mine, gathered),
+                 seq);
 
   // 3. Scatter-add all lists in rank order into float32, then average if
   //    asked and round once into the output dtype.

@@ -168,6 +168,15 @@ PYCOMM_HOST_DEVICE float sent_residual(float v, float sent) {
 // is always selected (like torch.topk, which ranks NaN largest).
 PYCOMM_HOST_DEVICE uint32_t topk_key(float x) { return float_to_bits(x) & 0x7fffffffu; }
 
+// Entries a top-k selection of k (<= n) may keep: exactly k, or up to
+// k(1 + tolerance) for the approximate selection.
+PYCOMM_HOST_DEVICE size_t topk_capacity(size_t k, size_t n, bool exact, double tolerance) {
+  if (exact) return k;
+  const size_t hi = static_cast<size_t>(k * (1.0 + tolerance));
+  const size_t cap = hi > k ? hi : k;
+  return cap < n ? cap : n;
+}
+
 // Top-k payload: values (input dtype) for `cap` entries, padded to 8 bytes,
 // then int32 indices for `cap` entries; entries past the kept count are
 // unused.

@@ -105,20 +105,18 @@ PYCOMM_MULTIVERSION void codes_nearest(const float* __restrict__ xs, size_t m, c
   }
 }
 
-PYCOMM_MULTIVERSION void codes_stochastic(const float* __restrict__ xs, const float* __restrict__ us, size_t m,
+// `us` holds the uniforms on entry and the codes (as floats) on return: one
+// loop without the residual branch vectorises, floor included.
+PYCOMM_MULTIVERSION void codes_stochastic(const float* __restrict__ xs, float* __restrict__ us, size_t m,
                                           const BlockQuant b, int8_t* __restrict__ q, float* __restrict__ r) {
   const float lim = static_cast<float>(b.qrange);
-  // The codes go through the uniforms' buffer: one loop without the
-  // residual branch vectorises, floor included.
-  float* __restrict__ v = const_cast<float*>(us);
   for (size_t i = 0; i < m; ++i) {
-    float c = __builtin_floorf(xs[i] * b.inv + us[i]);
-    c = c > lim ? lim : (c < -lim ? -lim : c);
-    v[i] = c;
+    const float c = __builtin_floorf(xs[i] * b.inv + us[i]);
+    us[i] = c > lim ? lim : (c < -lim ? -lim : c);
   }
-  for (size_t i = 0; i < m; ++i) q[i] = static_cast<int8_t>(static_cast<int>(v[i]));
+  for (size_t i = 0; i < m; ++i) q[i] = static_cast<int8_t>(static_cast<int>(us[i]));
   if (r) {
-    for (size_t i = 0; i < m; ++i) r[i] = xs[i] - v[i] * b.scale;
+    for (size_t i = 0; i < m; ++i) r[i] = xs[i] - us[i] * b.scale;
   }
 }
 
@@ -149,7 +147,7 @@ void quantize_block(const QuantSpec& s, Scratch& sc, size_t m, uint64_t key, uin
   block_stats(sc.xs.data(), m, &absmax, &flagged);
   const BlockQuant b = make_block_quant(absmax, flagged, s.bits);
   scales[blk] = stored_scale(b);
-  const float* us = nullptr;
+  float* us = nullptr;
   if (s.stochastic) {
     draw_uniforms(sc.us.data(), m, key, idx0);
     us = sc.us.data();

@@ -122,7 +122,7 @@ size_t select_approx(const TopK& s, const T* x, float* residual, size_t n, std::
   // key at or above a threshold that k keys reach), so it keeps at least
   // the exact top-k's mass; the tolerance only allows extra entries.
   const size_t lo_ok = k;
-  const size_t hi_ok = std::max(k, static_cast<size_t>(std::floor(k * (1.0 + s.tolerance))));
+  const size_t hi_ok = topk_capacity(k, n, false, s.tolerance);
   // 1. Sample. At least ~64 expected hits in the sample keeps the quantile's
   //    relative error near 1/8 even for a small sample fraction.
   const double ratio = static_cast<double>(k) / n;
@@ -166,29 +166,22 @@ size_t select_approx(const TopK& s, const T* x, float* residual, size_t n, std::
 template <typename T>
 size_t topk_typed(const TopK& s, const T* x, float* residual, size_t n, size_t cap, T* values, int32_t* indices) {
   const size_t k = std::min(s.k, n);
+  // With error feedback the residual becomes x + residual, selected from and
+  // sent from; the approximate selection folds it during its first pass.
+  const bool approx = !s.exact && k > 0 && k < n;
+  if (residual && !approx) {
+    for (size_t i = 0; i < n; ++i) residual[i] += load_acc(x[i]);
+  }
   std::vector<int32_t> idx;
   size_t count = 0;
-  const float* eff = nullptr;
   if (k == n) {
     idx.resize(n);
     std::iota(idx.begin(), idx.end(), 0);
     count = n;
   } else if (k > 0) {
-    if (s.exact) {
-      if (residual) {
-        for (size_t i = 0; i < n; ++i) residual[i] += load_acc(x[i]);
-      }
-      count = select_exact(x, residual, n, k, idx);
-    } else {
-      count = select_approx(s, x, residual, n, idx);
-    }
+    count = approx ? select_approx(s, x, residual, n, idx) : select_exact(x, residual, n, k, idx);
   }
-  // select_* fold x into the residual when there is one (k == 0 or k == n
-  // did not): from here on residual holds x + residual.
-  if (residual && (k == 0 || k == n)) {
-    for (size_t i = 0; i < n; ++i) residual[i] += load_acc(x[i]);
-  }
-  eff = residual;
+  const float* eff = residual;
   if (count > cap)
     throw CommError("pycomm: top-k kept " + std::to_string(count) + " values but the output holds " +
                     std::to_string(cap));

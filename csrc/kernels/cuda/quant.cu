@@ -172,7 +172,7 @@ void quantize_cuda(const QuantSpec& s, DType dtype, const void* x, float* residu
                    uint64_t index_base, cudaStream_t stream) {
   const size_t nb = quant_num_blocks(n, s.block);
   if (nb == 0) return;
-  cuda_detail::with_float_type(dtype, "quantize", [&](auto* tag) {
+  with_float_type(dtype, "CUDA quantize", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     InputValue<T> v{static_cast<const T*>(x), residual};
     quantize_kernel<<<grid_for(nb * kThreads), kThreads, 0, stream>>>(v, n, s.bits, s.block, s.stochastic,
@@ -184,7 +184,7 @@ void quantize_cuda(const QuantSpec& s, DType dtype, const void* x, float* residu
 void dequantize_cuda(int bits, int block, const uint8_t* payload, size_t n, DType dtype, void* out, bool accumulate,
                      cudaStream_t stream) {
   if (n == 0) return;
-  cuda_detail::with_float_type(dtype, "dequantize", [&](auto* tag) {
+  with_float_type(dtype, "CUDA dequantize", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     dequantize_kernel<T><<<grid_for(n), kThreads, 0, stream>>>(payload, n, bits, block, static_cast<T*>(out),
                                                                 accumulate);
@@ -200,11 +200,11 @@ void dequant_reduce_cuda(const DequantReduce& a, cudaStream_t stream) {
   for (int k = 0; k < a.nsrc; ++k) src.p[k] = a.srcs[k];
   src.n = a.nsrc;
   const size_t nb = quant_num_blocks(a.n, a.block);
-  cuda_detail::with_float_type(a.dense ? a.dense_dtype : DType::kFloat32, "dequant_reduce", [&](auto* tag) {
+  with_float_type(a.dense ? a.dense_dtype : DType::kFloat32, "CUDA dequant_reduce", [&](auto* tag) {
     using D = std::remove_pointer_t<decltype(tag)>;
     SumValue<D> sum{src, static_cast<const D*>(a.dense), a.post_scale, nullptr, nb, a.bits, a.block};
     if (a.out) {
-      cuda_detail::with_float_type(a.out_dtype, "dequant_reduce", [&](auto* otag) {
+      with_float_type(a.out_dtype, "CUDA dequant_reduce", [&](auto* otag) {
         using O = std::remove_pointer_t<decltype(otag)>;
         store_sum_kernel<D, O><<<grid_for(a.n), kThreads, 0, stream>>>(sum, a.n, static_cast<O*>(a.out));
       });

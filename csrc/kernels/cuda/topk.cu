@@ -210,9 +210,9 @@ size_t topk_cuda(const TopK& s, DType dtype, const void* x, float* residual, siz
   void* temp = base + lay.temp;
   const size_t k = s.k < n ? s.k : n;
   const uint32_t lo_ok = static_cast<uint32_t>(k);  // as on the CPU: a superset of the exact top-k
-  const uint32_t hi_ok = static_cast<uint32_t>(k * (1.0 + s.tolerance));
+  const uint32_t hi_ok = static_cast<uint32_t>(topk_capacity(k, n, false, s.tolerance));
   size_t kept = 0;
-  cuda_detail::with_float_type(dtype, "topk", [&](auto* tag) {
+  with_float_type(dtype, "CUDA topk", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* xt = static_cast<const T*>(x);
     // 0. Error feedback: the residual becomes x + residual and is selected from.
@@ -271,9 +271,9 @@ size_t topk_cuda(const TopK& s, DType dtype, const void* x, float* residual, siz
 void scatter_add_cuda(DType val_dtype, const void* values, const int32_t* indices, size_t count, DType dense_dtype,
                       void* dense, size_t n, int* bad, cudaStream_t stream) {
   if (count == 0) return;
-  cuda_detail::with_float_type(val_dtype, "scatter_add", [&](auto* vtag) {
+  with_float_type(val_dtype, "CUDA scatter_add", [&](auto* vtag) {
     using V = std::remove_pointer_t<decltype(vtag)>;
-    cuda_detail::with_float_type(dense_dtype, "scatter_add", [&](auto* dtag) {
+    with_float_type(dense_dtype, "CUDA scatter_add", [&](auto* dtag) {
       using D = std::remove_pointer_t<decltype(dtag)>;
       scatter_kernel<V, D><<<grid_for(count), kThreads, 0, stream>>>(static_cast<const V*>(values), indices, count,
                                                                       static_cast<D*>(dense), n, bad);
