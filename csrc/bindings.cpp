@@ -1,5 +1,6 @@
 // The only file that talks to Python. Enums cross as small ints; the Python
 // package (pycomm/communicator.py) owns the names.
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/extension.h>
 
@@ -26,7 +27,7 @@ struct GilFreeDelete {
 };
 
 Algorithm to_algo(int a) {
-  if (a < 0 || a > static_cast<int>(Algorithm::kTwoShot)) throw CommError("pycomm: unknown algorithm id");
+  if (a < 0 || a > static_cast<int>(Algorithm::kHier)) throw CommError("pycomm: unknown algorithm id");
   return static_cast<Algorithm>(a);
 }
 RedOp to_op(int op) {
@@ -82,20 +83,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("algorithm", [](Work& w) { return std::string(algorithm_name(w.algorithm())); });
 
   py::class_<Communicator, std::unique_ptr<Communicator, GilFreeDelete>>(m, "Communicator")
-      .def(py::init([](int rank, int world, const std::string& name, const std::string& token, bool create,
-                       size_t round_bytes, double timeout) {
+      .def(py::init([](int rank, int world, double timeout, bool use_shm, int local_rank, int local_size,
+                       const std::string& name, const std::string& token, bool create, size_t round_bytes, int host,
+                       std::vector<std::vector<int>> host_ranks,
+                       std::optional<c10::intrusive_ptr<c10d::Backend>> backend, size_t pg_round_bytes,
+                       int pg_window) {
              CommunicatorOptions o;
              o.rank = rank;
              o.world = world;
+             o.timeout_s = timeout;
+             o.use_shm = use_shm;
+             o.local_rank = local_rank;
+             o.local_size = local_size;
              o.shm_name = name;
              o.token = token;
              o.create = create;
              o.round_bytes = round_bytes;
-             o.timeout_s = timeout;
+             o.host = host;
+             o.host_ranks = std::move(host_ranks);
+             if (backend) o.backend = *backend;
+             o.pg_round_bytes = pg_round_bytes;
+             o.pg_window = pg_window;
              return std::unique_ptr<Communicator, GilFreeDelete>(new Communicator(o));
            }),
-           py::arg("rank"), py::arg("world"), py::arg("shm_name"), py::arg("token"), py::arg("create"),
-           py::arg("round_bytes"), py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
+           py::arg("rank"), py::arg("world"), py::arg("timeout"), py::arg("use_shm") = true,
+           py::arg("local_rank") = 0, py::arg("local_size") = 1, py::arg("shm_name") = "", py::arg("token") = "",
+           py::arg("create") = false, py::arg("round_bytes") = 1 << 20, py::arg("host") = 0,
+           py::arg("host_ranks") = std::vector<std::vector<int>>{}, py::arg("backend") = py::none(),
+           py::arg("pg_round_bytes") = 2 << 20, py::arg("pg_window") = 4, py::call_guard<py::gil_scoped_release>())
       .def("all_reduce",
            [](Communicator& c, const at::Tensor& in, const at::Tensor& out, int op, int algo, bool strict,
               bool async_op) { return c.all_reduce(in, out, to_op(op), to_algo(algo), strict, async_op); },
@@ -144,7 +159,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("barrier", &Communicator::barrier, py::arg("async_op"), py::call_guard<py::gil_scoped_release>())
       .def("resolve",
            [](Communicator& c, int coll, int algo, size_t bytes) {
-             return std::string(algorithm_name(c.resolve(to_coll(coll), to_algo(algo), bytes)));
+             return c.resolve(to_coll(coll), to_algo(algo), bytes);
            })
       .def("wait_ready", &Communicator::wait_ready, py::call_guard<py::gil_scoped_release>())
       .def("reject", &Communicator::reject, py::arg("why"), py::call_guard<py::gil_scoped_release>())
@@ -153,6 +168,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("world", &Communicator::world)
       .def_property_readonly("round_bytes", &Communicator::round_bytes)
+      .def_property_readonly("transport", &Communicator::transport_name)
       .def_property("timeout", &Communicator::timeout, &Communicator::set_timeout);
 
   m.def("schedule_ops", &schedule_ops, py::arg("algorithm"), py::arg("collective"), py::arg("rank"),
@@ -164,6 +180,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("algorithm_supports", [](int algo, int coll) { return algorithm_supports(to_algo(algo), to_coll(coll)); });
   m.def("tune", [](int algo, int coll, size_t bytes, int world) {
     return static_cast<int>(tune(to_algo(algo), to_coll(coll), bytes, world));
+  });
+  m.def("tune_multihost", [](int algo, int coll, size_t bytes, int hosts, int local_size) {
+    const Resolved r = tune_multihost(to_algo(algo), to_coll(coll), bytes, hosts, local_size);
+    return std::make_pair(std::string(algorithm_name(r.algo)), std::string(algorithm_name(r.inter)));
   });
 #ifdef PYCOMM_WITH_CUDA
   m.attr("has_cuda") = true;

@@ -11,7 +11,9 @@ namespace pycomm {
 
 struct CollectiveDesc {
   Collective coll = Collective::kBarrier;
-  Algorithm algo = Algorithm::kOneShot;  // resolved, never kAuto/kDirect
+  Algorithm algo = Algorithm::kOneShot;  // resolved, never kAuto/kDirect/kHier
+  // The schedule between hosts when algo is kHierShard/kHierLeader.
+  Algorithm inter = Algorithm::kAuto;
   DType dtype = DType::kFloat32;
   RedOp op = RedOp::kSum;
   int root = 0;
@@ -23,11 +25,20 @@ struct CollectiveDesc {
   // step, so ranks that disagree on them fail like any other mismatch.
   // 0 for plain collectives; see compression/codec.h.
   uint32_t tag = 0;
+  // Compare headers only, move no data: the multi-host entry check.
+  bool check_only = false;
+  // The caller already checked that every rank runs this call: a transport
+  // may skip its own header exchange (the process-group transport does).
+  bool checked = false;
   const void* input = nullptr;
   void* output = nullptr;
 };
 
 // "codec=int8(block=256), step=all_to_all" for a non-zero tag (error messages).
 std::string describe_tag(uint32_t tag);
+
+// "all_reduce(count=10, dtype=float32, op=sum, algorithm=ring)", for the
+// messages that report ranks disagreeing.
+std::string describe_call(const CollectiveDesc& d);
 
 }  // namespace pycomm

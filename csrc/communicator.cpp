@@ -139,17 +139,80 @@ c10::intrusive_ptr<c10::ivalue::Future> Work::get_future() {
 
 // ---------------------------------------------------------- Communicator
 
-Communicator::Communicator(const CommunicatorOptions& o) {
-  ShmConfig cfg;
-  cfg.name = o.shm_name;
-  cfg.token = o.token;
-  cfg.create = o.create;
-  cfg.rank = o.rank;
-  cfg.world = o.world;
-  cfg.round_bytes = o.round_bytes;
-  cfg.timeout_s = o.timeout_s;
-  transport_ = std::make_unique<ShmTransport>(cfg);
+Communicator::Communicator(const CommunicatorOptions& o)
+    : rank_(o.rank), world_(o.world), timeout_s_(o.timeout_s) {
+  if (world_ < 1 || rank_ < 0 || rank_ >= world_)
+    throw CommError("pycomm: invalid rank " + std::to_string(rank_) + " of " + std::to_string(world_));
+  hosts_ = std::max<int>(1, static_cast<int>(o.host_ranks.size()));
+  if (o.use_shm) {
+    ShmConfig cfg;
+    cfg.name = o.shm_name;
+    cfg.token = o.token;
+    cfg.create = o.create;
+    cfg.rank = o.local_rank;
+    cfg.world = o.local_size;
+    cfg.round_bytes = o.round_bytes;
+    cfg.timeout_s = o.timeout_s;
+    if (!o.host_ranks.empty()) cfg.global_ranks = o.host_ranks.at(o.host);
+    local_ = std::make_unique<ShmTransport>(cfg);
+    top_ = local_.get();
+  }
+  if (o.backend) {
+    // 1. Flat: every rank, in communicator order.
+    PgConfig flat;
+    flat.backend = o.backend;
+    for (int r = 0; r < world_; ++r) flat.members.push_back(r);
+    flat.rank = rank_;
+    flat.round_bytes = o.pg_round_bytes;
+    flat.window = o.pg_window;
+    flat.timeout_s = o.timeout_s;
+    flat.tag_space = 0;
+    flat_ = std::make_unique<PgTransport>(flat);
+    top_ = flat_.get();
+  }
+  if (local_ && flat_) {
+    // 2. Several hosts. With the same number of ranks on every host, local
+    //    rank j of every host forms a cross group (hierarchical collectives).
+    uniform_local_size_ = static_cast<int>(o.host_ranks[0].size());
+    for (const auto& h : o.host_ranks)
+      if (static_cast<int>(h.size()) != uniform_local_size_) uniform_local_size_ = 0;
+    MultiHostConfig mh;
+    mh.local = local_.get();
+    mh.flat = flat_.get();
+    mh.rank = rank_;
+    mh.world = world_;
+    mh.host = o.host;
+    mh.local_rank = o.local_rank;
+    mh.host_ranks = o.host_ranks;
+    if (uniform_local_size_ > 0) {
+      PgConfig cross;
+      cross.backend = o.backend;
+      for (const auto& h : o.host_ranks) cross.members.push_back(h[o.local_rank]);
+      cross.rank = o.host;
+      cross.round_bytes = o.pg_round_bytes;
+      cross.window = o.pg_window;
+      cross.timeout_s = o.timeout_s;
+      cross.tag_space = 1;
+      cross_ = std::make_unique<PgTransport>(cross);
+      mh.cross = cross_.get();
+    }
+    multi_ = std::make_unique<MultiHostTransport>(mh);
+    top_ = multi_.get();
+  }
+  if (!top_) throw CommError("pycomm: a communicator needs shared memory or a process group");
   progress_ = std::thread([this] { progress_loop(); });
+}
+
+void Communicator::set_timeout(double seconds) {
+  timeout_s_ = seconds;
+  if (local_) local_->set_timeout(seconds);
+  if (flat_) flat_->set_timeout(seconds);
+  if (cross_) cross_->set_timeout(seconds);
+}
+
+std::string Communicator::transport_name() const {
+  if (multi_) return "shm+process_group";
+  return local_ ? "shm" : "process_group";
 }
 
 Communicator::~Communicator() {
@@ -167,10 +230,14 @@ void Communicator::shutdown() {
   }
   cv_.notify_all();
   if (progress_.joinable()) progress_.join();
-  transport_->shutdown();
+  if (local_) local_->shutdown();
 }
 
-void Communicator::abort(const std::string& why) { transport_->abort(why); }
+void Communicator::abort(const std::string& why) {
+  if (local_) local_->abort(why);
+  if (flat_) flat_->abort(why);
+  if (cross_) cross_->abort(why);
+}
 
 void Communicator::progress_loop() {
   std::unique_lock<std::mutex> lk(mu_);
@@ -194,7 +261,7 @@ void Communicator::execute(Work& work) {
     if (work.body_) {
       work.body_(work.seq_);
     } else {
-      transport_->run(work.desc_, work.seq_);
+      top_->run(work.desc_, work.seq_);
     }
   } catch (...) {
     error = std::current_exception();
@@ -238,26 +305,39 @@ std::shared_ptr<Work> Communicator::reject(const std::string& why) {
   throw CommError(why);
 }
 
-Algorithm Communicator::choose(Collective coll, Algorithm algo, bool strict, size_t bytes) const {
-  if (algo != Algorithm::kAuto && algo != Algorithm::kDirect) {
+Algorithm Communicator::choose(Collective coll, Algorithm algo, bool strict, size_t bytes, Algorithm* inter) const {
+  if (algo != Algorithm::kAuto && algo != Algorithm::kDirect && algo != Algorithm::kHier) {
     if (!algorithm_supports(algo, coll)) {
       if (strict) {
         std::ostringstream os;
         os << "pycomm." << collective_name(coll) << ": algorithm '" << algorithm_name(algo)
            << "' is not available for " << collective_name(coll) << "; use "
-           << (coll == Collective::kBroadcast   ? "ring, tree, direct or auto"
+           << (coll == Collective::kBroadcast   ? "ring, tree, direct, hierarchical or auto"
                : coll == Collective::kAllToAll ? "direct or auto"
-                                               : "ring, direct or auto");
+                                               : "ring, direct, hierarchical or auto");
         throw CommError(os.str());
       }
       algo = Algorithm::kAuto;
     }
   }
-  return tune(algo, coll, bytes, world());
+  if (multi_) {
+    const Resolved r = tune_multihost(algo, coll, bytes, hosts_, uniform_local_size_);
+    *inter = r.inter;
+    return r.algo;
+  }
+  // One host: "hierarchical" is simply the host's own algorithm.
+  if (algo == Algorithm::kHier) algo = Algorithm::kAuto;
+  const Algorithm a = local_ ? tune(algo, coll, bytes, world()) : tune_network(algo, coll, bytes, world());
+  *inter = a;
+  return a;
 }
 
-Algorithm Communicator::resolve(Collective coll, Algorithm algo, size_t bytes) const {
-  return choose(coll, algo, /*strict=*/false, bytes);
+std::string Communicator::resolve(Collective coll, Algorithm algo, size_t bytes) const {
+  Algorithm inter;
+  const Algorithm a = choose(coll, algo, /*strict=*/false, bytes, &inter);
+  std::string name = algorithm_name(a);
+  if (a == Algorithm::kHierShard || a == Algorithm::kHierLeader) name += std::string("+") + algorithm_name(inter);
+  return name;
 }
 
 // Checks shared by every collective with an input and an output tensor:
@@ -301,7 +381,7 @@ std::shared_ptr<Work> Communicator::launch(Collective coll, RedOp op, int root, 
   // The tuner sees the larger of the two buffers, like nccl-tests' size.
   const size_t bytes = std::max(input.numel(), output.numel()) * dtype_size(desc.dtype);
   try {
-    desc.algo = choose(desc.coll, algo, strict, bytes);
+    desc.algo = choose(desc.coll, algo, strict, bytes, &desc.inter);
   } catch (const CommError& e) {
     return reject(e.what());
   }
@@ -438,7 +518,7 @@ std::shared_ptr<Work> Communicator::all_reduce_compressed(const at::Tensor& inpu
   work->outputs_ = {output};
   // The algorithm object lives in the body: the op may run later, on the
   // progress thread, and only then touches the workspace.
-  Transport& transport = *transport_;
+  Transport& transport = *top_;
   Workspace& ws = workspace_;
   if (codec.quantized()) {
     auto algo = std::make_shared<QuantizedAllReduce>(transport, ws, codec, call);

@@ -22,6 +22,8 @@
 
 #include "collective.h"
 #include "compression/codec.h"
+#include "transport/multihost.h"
+#include "transport/process_group.h"
 #include "transport/shm.h"
 
 namespace pycomm {
@@ -64,13 +66,26 @@ class Work {
 };
 
 struct CommunicatorOptions {
-  int rank = 0;
+  int rank = 0;   // in the communicator
   int world = 1;
+  double timeout_s = 300;
+  // Shared memory among this host's ranks (use_shm false: every transfer
+  // goes through the process group, even on one host).
+  bool use_shm = true;
+  int local_rank = 0;
+  int local_size = 1;
   std::string shm_name;
   std::string token;
   bool create = false;
   size_t round_bytes = 1 << 20;
-  double timeout_s = 300;
+  // Several hosts (or use_shm false): host_ranks[h] lists the ranks of host
+  // h by local rank, `host` is ours, and `backend` carries the traffic
+  // between hosts; its rank r is the communicator's rank r.
+  int host = 0;
+  std::vector<std::vector<int>> host_ranks;
+  c10::intrusive_ptr<c10d::Backend> backend;
+  size_t pg_round_bytes = 2 << 20;
+  int pg_window = 4;
 };
 
 class Communicator {
@@ -107,21 +122,26 @@ class Communicator {
   // sequence (so every rank raises, none hangs), then throws CommError(why).
   [[noreturn]] std::shared_ptr<Work> reject(const std::string& why);
 
-  // The concrete algorithm a call of `bytes` per rank would run.
-  Algorithm resolve(Collective coll, Algorithm algo, size_t bytes) const;
+  // The concrete algorithm a call of `bytes` per rank would run, e.g.
+  // "direct(two-shot)" or "hier(shard)+ring".
+  std::string resolve(Collective coll, Algorithm algo, size_t bytes) const;
 
-  // Returns once every rank has joined (see ShmTransport::wait_all_attached).
-  void wait_ready() { transport_->wait_all_attached(); }
+  // Returns once every local rank has joined (see ShmTransport::wait_all_attached).
+  void wait_ready() {
+    if (local_) local_->wait_all_attached();
+  }
 
   // Finishes queued ops, then tells peers this rank is gone. Idempotent.
   void shutdown();
   void abort(const std::string& why);
 
-  int rank() const { return transport_->rank(); }
-  int world() const { return transport_->world(); }
-  double timeout() const { return transport_->timeout(); }
-  void set_timeout(double seconds) { transport_->set_timeout(seconds); }
-  size_t round_bytes() const { return transport_->round_bytes(); }
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  double timeout() const { return timeout_s_; }
+  void set_timeout(double seconds);
+  size_t round_bytes() const { return local_ ? local_->round_bytes() : 0; }
+  // "shm", "process_group" or "shm+process_group": what carries the data.
+  std::string transport_name() const;
 
  private:
   std::shared_ptr<Work> submit(std::shared_ptr<Work> work, bool async_op);
@@ -134,9 +154,19 @@ class Communicator {
                                const at::Tensor& output, Algorithm algo, bool strict, bool async_op);
   void execute(Work& work);
   void progress_loop();
-  Algorithm choose(Collective coll, Algorithm algo, bool strict, size_t bytes) const;
+  // Resolves `algo` (and, between hosts, the inter-host schedule).
+  Algorithm choose(Collective coll, Algorithm algo, bool strict, size_t bytes, Algorithm* inter) const;
 
-  std::unique_ptr<ShmTransport> transport_;
+  int rank_ = 0;
+  int world_ = 1;
+  double timeout_s_ = 300;
+  int hosts_ = 1;
+  int uniform_local_size_ = 0;  // ranks per host, 0 if hosts differ
+  std::unique_ptr<ShmTransport> local_;
+  std::unique_ptr<PgTransport> flat_;
+  std::unique_ptr<PgTransport> cross_;
+  std::unique_ptr<MultiHostTransport> multi_;
+  Transport* top_ = nullptr;  // what collectives run on
   Workspace workspace_;  // used by composite ops, which run one at a time
   std::mutex mu_;
   std::condition_variable cv_;

@@ -3,6 +3,8 @@
 pycomm has no rendezvous of its own: ranks meet through a ``torch.distributed``
 Store (the default group's, or one you pass), agree on a random per-job token,
 find which ranks share a host, and map one shared-memory segment per host.
+Between hosts the data travels through a ``torch.distributed`` process group
+(a private Gloo group built on the same Store, or one you pass).
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from ._loader import CommError, Work, load_core
 logger = logging.getLogger("pycomm")
 
 # Ids shared with csrc/ (enum values there).
-ALGORITHMS: Dict[str, int] = {"auto": 0, "ring": 1, "tree": 2, "direct": 3}
+ALGORITHMS: Dict[str, int] = {"auto": 0, "ring": 1, "tree": 2, "direct": 3, "hierarchical": 6, "hier": 6}
+TRANSPORTS = ("auto", "shm", "pg")
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST, BARRIER, _INVALID, ALL_TO_ALL = range(7)
 COLLECTIVE_NAMES = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "invalid", "all_to_all"]
 _OPS: Dict[object, int] = {"sum": 0, "avg": 1, "max": 2, "min": 3}
@@ -37,6 +40,10 @@ DEFAULT_TIMEOUT_S = 300.0
 # 1 MiB keeps a round's chunks in the last-level cache between the writer and
 # its readers; see benchmarks/RESULTS.md for the sweep that chose it.
 DEFAULT_ROUND_BYTES = 1 << 20
+# Between hosts: one round's chunks together, and how many rounds are in
+# flight (benchmarks/RESULTS.md, "Several hosts").
+DEFAULT_PG_ROUND_BYTES = 2 << 20
+DEFAULT_PG_WINDOW = 4
 
 Op = Union[str, "dist.ReduceOp", "dist.ReduceOp.RedOpType"]
 
@@ -68,10 +75,8 @@ def _host_key() -> str:
 
 def _parse_round_bytes(value: Optional[int]) -> int:
     if value is None:
-        env = os.environ.get("PYCOMM_SHM_ROUND_BYTES")
-        value = parse_size(env) if env else DEFAULT_ROUND_BYTES
-    value = max(64 * 1024, int(value) // 4096 * 4096)
-    return value
+        value = _env_size("PYCOMM_SHM_ROUND_BYTES", DEFAULT_ROUND_BYTES)
+    return max(64 * 1024, int(value) // 4096 * 4096)
 
 
 def parse_size(text: str) -> int:
@@ -118,6 +123,26 @@ class Communicator:
         name: the communicator's key space in the Store. By default the n-th
             communicator created on a group is named after the group and n;
             pass distinct names to build several on one explicit store.
+        transport: ``"auto"`` (default, or ``PYCOMM_TRANSPORT``): shared memory
+            inside a host, a process group between hosts; ``"pg"``: every
+            transfer through the process group, even on one host;
+            ``"shm"``: shared memory only (one host).
+        local_size: treat consecutive blocks of this many ranks as hosts
+            (default: detect hosts; or ``PYCOMM_LOCAL_SIZE``), for tests and
+            for benchmarking a multi-host layout on one machine.
+        inter_host_group: the process group that carries traffic between
+            hosts (its rank r must be this communicator's rank r). Default: a
+            private Gloo group on the bootstrap Store, so pycomm's traffic
+            never interleaves with yours. Set ``GLOO_SOCKET_IFNAME`` to pick
+            its network interface, as for any Gloo group.
+
+    Several hosts::
+
+        # torchrun --nnodes=2 --nproc-per-node=4 ... on each host
+        dist.init_process_group("gloo")
+        comm = pycomm.Communicator()      # comm.num_hosts == 2, comm.local_size == 4
+        comm.all_reduce(t)                # hierarchical: shm, then between hosts, then shm
+        comm.all_reduce(t, algorithm="ring")  # one flat ring over every rank
     """
 
     def __init__(
@@ -130,6 +155,9 @@ class Communicator:
         timeout: Optional[Union[float, datetime.timedelta]] = None,
         round_bytes: Optional[int] = None,
         name: Optional[str] = None,
+        transport: Optional[str] = None,
+        local_size: Optional[int] = None,
+        inter_host_group: Optional["dist.ProcessGroup"] = None,
     ) -> None:
         core = load_core()
         store, rank, world_size, group_name = _resolve_bootstrap(group, store, rank, world_size)
@@ -149,17 +177,25 @@ class Communicator:
         self.world_size: int = world_size
         self._stats = {"compressed_calls": 0, "bytes_sent": 0, "bytes_uncompressed": 0}
 
-        # 1. Topology: which ranks share a host.
-        hosts = self._exchange_hosts(store, rank, world_size, float(timeout))
-        local_ranks = [r for r in range(world_size) if hosts[r] == hosts[rank]]
+        transport = (transport or os.environ.get("PYCOMM_TRANSPORT", "auto")).strip().lower()
+        if transport not in TRANSPORTS:
+            raise CommError(f"pycomm: transport={transport!r} is not one of {', '.join(TRANSPORTS)}")
+
+        # 1. Topology: which ranks share a host. Hosts are numbered by their
+        #    lowest rank, local ranks by rank.
+        hosts = self._exchange_hosts(store, rank, world_size, float(timeout), local_size)
+        host_keys = sorted(set(hosts), key=hosts.index)
+        host_ranks = [[r for r in range(world_size) if hosts[r] == k] for k in host_keys]
+        self.host: int = host_keys.index(hosts[rank])
+        local_ranks = host_ranks[self.host]
         self.local_rank: int = local_ranks.index(rank)
         self.local_size: int = len(local_ranks)
-        self.num_hosts: int = len(set(hosts))
-        if self.num_hosts != 1:
-            raise CommError(
-                f"pycomm: the {world_size} ranks span {self.num_hosts} hosts; this version connects "
-                "ranks of one host (shared memory) only"
-            )
+        self.num_hosts: int = len(host_keys)
+        if transport == "shm" and self.num_hosts > 1:
+            raise CommError(f"pycomm: transport='shm' cannot connect the {self.num_hosts} hosts of this job; "
+                            "use 'auto'")
+        use_shm = transport != "pg"
+        use_pg = transport == "pg" or self.num_hosts > 1
 
         # 2. One random token per job: segment names nobody can guess, and a
         #    check that we attach to this job's segment and no other.
@@ -167,16 +203,27 @@ class Communicator:
             store.set("token", secrets.token_hex(16))
         _wait_keys(store, ["token"], float(timeout), "rank 0 to publish the job token")
         token = store.get("token").decode()
-        name = f"/pycomm.{token}.{min(local_ranks)}"
+        shm_name = f"/pycomm.{token}.{min(local_ranks)}"
         key = f"segment/{min(local_ranks)}"
         round_bytes = _parse_round_bytes(round_bytes)
 
-        # 3. The host's first rank creates the segment, the others attach.
-        if self.local_rank == 0:
+        # 3. Between hosts: a process group (built before the segment, so a
+        #    rank that fails here leaves no segment behind).
+        backend = None
+        if use_pg:
+            backend = _inter_host_backend(inter_host_group, store, rank, world_size, float(timeout))
+        args = dict(rank=rank, world=world_size, timeout=float(timeout), use_shm=use_shm,
+                    local_rank=self.local_rank, local_size=self.local_size, shm_name=shm_name, token=token,
+                    round_bytes=round_bytes, host=self.host, host_ranks=host_ranks if use_pg else [],
+                    backend=backend, pg_round_bytes=_env_size("PYCOMM_PG_ROUND_BYTES", DEFAULT_PG_ROUND_BYTES),
+                    pg_window=int(os.environ.get("PYCOMM_PG_WINDOW", DEFAULT_PG_WINDOW)))
+
+        # 4. The host's first rank creates the segment, the others attach.
+        if not use_shm:
+            self._c = core.Communicator(**args)
+        elif self.local_rank == 0:
             try:
-                self._c = core.Communicator(rank=self.local_rank, world=self.local_size, shm_name=name,
-                                            token=token, create=True, round_bytes=round_bytes,
-                                            timeout=float(timeout))
+                self._c = core.Communicator(create=True, **args)
             except Exception as e:
                 store.set(key, f"error: {e}")
                 raise
@@ -186,14 +233,12 @@ class Communicator:
             status = store.get(key).decode()
             if status != "ok":
                 raise CommError(f"pycomm: rank {min(local_ranks)} could not create the shared segment: {status}")
-            self._c = core.Communicator(rank=self.local_rank, world=self.local_size, shm_name=name,
-                                        token=token, create=False, round_bytes=round_bytes,
-                                        timeout=float(timeout))
+            self._c = core.Communicator(create=False, **args)
         # Return only once every local rank has mapped the segment (which is
         # then unlinked): a fast rank must not leave before a slow one joined.
         self._c.wait_ready()
 
-        # 4. PYCOMM_ALGO is a preference: collectives it cannot run fall back
+        # 5. PYCOMM_ALGO is a preference: collectives it cannot run fall back
         #    to the tuner, and say so once.
         self._default_algo: List[Tuple[int, bool]] = [(0, False)] * 5
         env_algo = os.environ.get("PYCOMM_ALGO", "").strip().lower()
@@ -202,25 +247,27 @@ class Communicator:
                 raise CommError(f"pycomm: PYCOMM_ALGO={env_algo!r} is not one of {', '.join(ALGORITHMS)}")
             for coll in (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST):
                 algo_id = ALGORITHMS[env_algo]
-                if env_algo == "direct" or core.algorithm_supports(algo_id, coll):
+                if env_algo in ("direct", "hierarchical", "hier") or core.algorithm_supports(algo_id, coll):
                     self._default_algo[coll] = (algo_id, False)
                 elif rank == 0:
                     logger.info("pycomm: PYCOMM_ALGO=%s does not apply to %s; using the tuner's choice",
                                 env_algo, COLLECTIVE_NAMES[coll])
 
     @staticmethod
-    def _exchange_hosts(store: "dist.Store", rank: int, world_size: int, timeout: float) -> List[str]:
+    def _exchange_hosts(store: "dist.Store", rank: int, world_size: int, timeout: float,
+                        local_size: Optional[int]) -> List[str]:
         store.set(f"host/{rank}", _host_key())
         keys = [f"host/{r}" for r in range(world_size)]
         _wait_keys(store, keys, timeout, "every rank to join")
         values = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
         hosts = [v.decode() for v in values]
-        local_size = os.environ.get("PYCOMM_LOCAL_SIZE")
-        if local_size:
+        if local_size is None and os.environ.get("PYCOMM_LOCAL_SIZE"):
+            local_size = int(os.environ["PYCOMM_LOCAL_SIZE"])
+        if local_size is not None:
             # Tests and benchmarks: pretend consecutive blocks of ranks are hosts.
             n = int(local_size)
             if n <= 0 or world_size % n:
-                raise CommError(f"pycomm: PYCOMM_LOCAL_SIZE={n} must divide the world size {world_size}")
+                raise CommError(f"pycomm: local_size={n} must divide the world size {world_size}")
             hosts = [f"{h}#block{r // n}" for r, h in enumerate(hosts)]
         return hosts
 
@@ -437,8 +484,14 @@ class Communicator:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def transport(self) -> str:
+        """What carries the data: "shm", "process_group" or "shm+process_group"."""
+        return self._c.transport
+
     def __repr__(self) -> str:
-        return f"pycomm.Communicator(rank={self.rank}, world_size={self.world_size}, local_size={self.local_size})"
+        return (f"pycomm.Communicator(rank={self.rank}, world_size={self.world_size}, hosts={self.num_hosts}, "
+                f"local_size={self.local_size}, transport={self.transport!r})")
 
 
 def _wait_keys(store: "dist.Store", keys: List[str], timeout: float, what: str) -> None:
@@ -453,6 +506,32 @@ def _wait_keys(store: "dist.Store", keys: List[str], timeout: float, what: str) 
             f"pycomm: bootstrap timed out after {timeout:g} s waiting for {what}{detail} "
             "(did every rank create the communicator?)"
         ) from e
+
+
+def _env_size(name: str, default: int) -> int:
+    env = os.environ.get(name)
+    return parse_size(env) if env else default
+
+
+def _inter_host_backend(group: Optional["dist.ProcessGroup"], store: "dist.Store", rank: int, world_size: int,
+                        timeout: float):
+    """The C++ backend object that will carry traffic between hosts."""
+    if group is not None:
+        if group.size() != world_size or group.rank() != rank:
+            raise CommError(f"pycomm: inter_host_group has rank {group.rank()} of {group.size()}, but this "
+                            f"communicator has rank {rank} of {world_size}; they must match")
+        try:
+            return group._get_backend(torch.device("cpu"))
+        except Exception as e:
+            raise CommError(f"pycomm: inter_host_group has no CPU backend ({e}); pass a gloo group") from e
+    # A private Gloo group: its own connections and tags, so pycomm's traffic
+    # never interleaves with the caller's collectives on other groups.
+    try:
+        return dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size,
+                                     datetime.timedelta(seconds=timeout))
+    except Exception as e:
+        raise CommError(f"pycomm: could not connect the ranks through Gloo ({e}); between hosts set "
+                        "GLOO_SOCKET_IFNAME to the interface the hosts share") from e
 
 
 def _resolve_bootstrap(group, store, rank, world_size):

@@ -1,5 +1,9 @@
 #include "algorithms.h"
 
+#include <sstream>
+
+#include "../collective.h"
+
 namespace pycomm {
 
 const char* algorithm_name(Algorithm a) {
@@ -10,6 +14,9 @@ const char* algorithm_name(Algorithm a) {
     case Algorithm::kDirect: return "direct";
     case Algorithm::kOneShot: return "direct(one-shot)";
     case Algorithm::kTwoShot: return "direct(two-shot)";
+    case Algorithm::kHier: return "hierarchical";
+    case Algorithm::kHierShard: return "hier(shard)";
+    case Algorithm::kHierLeader: return "hier(leader)";
   }
   return "?";
 }
@@ -25,6 +32,22 @@ const char* collective_name(Collective c) {
     case Collective::kAllToAll: return "all_to_all";
   }
   return "?";
+}
+
+std::string describe_call(const CollectiveDesc& d) {
+  if (d.coll == Collective::kInvalid) return "something it rejected as invalid (see the error on that rank)";
+  std::ostringstream os;
+  os << collective_name(d.coll);
+  if (d.coll == Collective::kBarrier) return os.str();
+  os << "(count=" << d.count << ", dtype=" << dtype_name(d.dtype);
+  if (d.coll == Collective::kAllReduce || d.coll == Collective::kReduceScatter) os << ", op=" << redop_name(d.op);
+  if (d.coll == Collective::kBroadcast) os << ", src=" << d.root;
+  if (d.tag) os << ", " << describe_tag(d.tag);
+  os << ", algorithm=" << algorithm_name(d.algo);
+  if (d.algo == Algorithm::kHierShard || d.algo == Algorithm::kHierLeader)
+    os << " between hosts " << algorithm_name(d.inter);
+  os << ")";
+  return os.str();
 }
 
 int Schedule::num_chunks() const {
@@ -64,7 +87,8 @@ void Schedule::ops(int rank, int step, std::vector<ScheduleOp>& out) const {
 
 bool algorithm_supports(Algorithm algo, Collective coll) {
   switch (coll) {
-    case Collective::kAllReduce: return algo != Algorithm::kAuto && algo != Algorithm::kDirect;
+    case Collective::kAllReduce:
+      return algo != Algorithm::kAuto && algo != Algorithm::kDirect && algo != Algorithm::kHier;
     case Collective::kReduceScatter:
     case Collective::kAllGather: return algo == Algorithm::kRing || algo == Algorithm::kTwoShot;
     case Collective::kBroadcast:
@@ -96,6 +120,59 @@ Algorithm tune(Algorithm requested, Collective coll, size_t bytes, int world) {
     case Collective::kBroadcast: return Algorithm::kOneShot;
     default: return Algorithm::kOneShot;
   }
+}
+
+// Between hosts every hop costs a network round trip, so the thresholds
+// differ from shared memory's (benchmarks/RESULTS.md, "Several hosts"):
+// one-shot while one message is small; then two-shot, which is
+// bandwidth-optimal like the ring but takes 2 hops instead of 2(n-1),
+// while a rank can keep n-1 peers busy at once; the ring beyond that.
+constexpr size_t kNetOneShotMaxBytes = 64 * 1024;
+constexpr int kNetTwoShotMaxWorld = 8;
+// Below this a hierarchical all-reduce sends the whole tensor through one
+// leader per host: splitting a tiny tensor into per-rank shards only
+// multiplies the messages.
+constexpr size_t kHierLeaderMaxBytes = 16 * 1024;
+
+Algorithm tune_network(Algorithm requested, Collective coll, size_t bytes, int world) {
+  if (coll == Collective::kBarrier || coll == Collective::kInvalid) return Algorithm::kOneShot;
+  const bool direct = requested == Algorithm::kDirect || requested == Algorithm::kAuto;
+  if (!direct) return requested;
+  const bool small = bytes <= kNetOneShotMaxBytes || world <= 1;
+  const bool wide = world > kNetTwoShotMaxWorld && requested == Algorithm::kAuto;
+  switch (coll) {
+    case Collective::kAllReduce:
+      return small ? Algorithm::kOneShot : wide ? Algorithm::kRing : Algorithm::kTwoShot;
+    case Collective::kReduceScatter:
+    case Collective::kAllGather: return wide ? Algorithm::kRing : Algorithm::kTwoShot;
+    case Collective::kAllToAll: return Algorithm::kTwoShot;
+    case Collective::kBroadcast:
+      return (small || requested == Algorithm::kDirect) ? Algorithm::kOneShot : Algorithm::kRing;
+    default: return Algorithm::kOneShot;
+  }
+}
+
+Resolved tune_multihost(Algorithm requested, Collective coll, size_t bytes, int hosts, int local_size) {
+  const int world = hosts * std::max(local_size, 1);
+  const bool hier_coll = coll == Collective::kAllReduce || coll == Collective::kReduceScatter ||
+                         coll == Collective::kAllGather || coll == Collective::kBroadcast;
+  // local_size 0: hosts have different numbers of ranks; only flat runs.
+  const bool hier_ok = hier_coll && local_size > 0 && hosts > 1;
+  const bool want_hier =
+      hier_ok && (requested == Algorithm::kHier || (requested == Algorithm::kAuto && local_size > 1));
+  if (!want_hier) {
+    const Algorithm flat = tune_network(requested == Algorithm::kHier ? Algorithm::kAuto : requested, coll,
+                                        bytes, world);
+    return {flat, flat};
+  }
+  if (coll == Collective::kAllReduce && (bytes <= kHierLeaderMaxBytes || local_size == 1))
+    return {Algorithm::kHierLeader, tune_network(Algorithm::kAuto, coll, bytes, hosts)};
+  // The inter-host part of a sharded all-reduce moves 1/local_size of the
+  // tensor; reduce-scatter and all-gather move one block per host.
+  const size_t inter_bytes = coll == Collective::kAllReduce ? bytes / local_size
+                             : coll == Collective::kBroadcast ? bytes
+                                                              : bytes / local_size;
+  return {Algorithm::kHierShard, tune_network(Algorithm::kAuto, coll, inter_bytes, hosts)};
 }
 
 }  // namespace pycomm

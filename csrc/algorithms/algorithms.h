@@ -2,6 +2,7 @@
 // is one new header beside this one and one case in each switch below.
 #pragma once
 
+#include <algorithm>
 #include <vector>
 
 #include "direct.h"
@@ -33,5 +34,18 @@ bool algorithm_supports(Algorithm algo, Collective coll);
 // `world` ranks of one host. Deterministic in its arguments, so every rank
 // resolves the same way.
 Algorithm tune(Algorithm requested, Collective coll, size_t bytes, int world);
+
+// The same between hosts (over a process group), where a hop costs a
+// network round trip instead of a cache-line handshake.
+Algorithm tune_network(Algorithm requested, Collective coll, size_t bytes, int world);
+
+// Several hosts of `local_size` ranks each (0: hosts differ in size):
+// flat over the process group, or hierarchical, and the schedule between
+// hosts. `requested` is kAuto, kHier or a flat algorithm.
+struct Resolved {
+  Algorithm algo;
+  Algorithm inter;
+};
+Resolved tune_multihost(Algorithm requested, Collective coll, size_t bytes, int hosts, int local_size);
 
 }  // namespace pycomm

@@ -35,6 +35,11 @@ enum class Algorithm : uint8_t {
   kDirect = 3,   // user-facing; resolved to one of the two below
   kOneShot = 4,  // direct: every rank reads every input (small messages)
   kTwoShot = 5,  // direct: reduce-scatter then all-gather, each one hop
+  // Several hosts: reduce inside each host over shared memory, across hosts
+  // over the process-group transport, then share the result inside the host.
+  kHier = 6,        // user-facing; resolved to one of the two below
+  kHierShard = 7,   // every local rank runs the inter-host part on its shard
+  kHierLeader = 8,  // one leader per host runs it on the whole tensor
 };
 
 enum class Collective : uint8_t {

@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "../kernels/kernels.h"
+#include "layout.h"
 
 namespace pycomm {
 
@@ -31,9 +32,6 @@ constexpr size_t kPage = 4096;
 // two ranks are ever more than one collective apart: two slots would do,
 // four leave slack.
 constexpr int kHeaderSlots = 4;
-// Chunk boundaries fall on cache lines so that two ranks never write the
-// same line of a mailbox.
-constexpr size_t kChunkAlignBytes = 64;
 // A sleeping waiter re-checks abort, timeout and peer liveness this often
 // even if nobody wakes it.
 constexpr long kFutexSleepNs = 5 * 1000 * 1000;
@@ -121,14 +119,19 @@ struct SegmentHeader {
   char abort_msg[2048];
 };
 
+// `op64` counts this transport's operations (the same on every local rank);
+// `seq` is the communicator's number of the user call it serves, which
+// several operations may share (a hierarchical or compressed collective).
 struct HeaderSlot {
-  std::atomic<uint32_t> seq;  // futex word: low bits of seq64, stored last
-  uint8_t coll, algo, dtype, op;
+  std::atomic<uint32_t> op;  // futex word: low bits of op64, stored last
+  uint8_t coll, algo, dtype, redop;
   int32_t root;
   uint32_t tag;
   uint64_t count;
-  uint64_t seq64;
-  char pad[64 - 32];
+  uint64_t op64;
+  uint64_t seq;
+  uint8_t inter, check_only;
+  char pad[64 - 42];
 };
 static_assert(sizeof(HeaderSlot) == 64, "one header per cache line");
 
@@ -185,13 +188,6 @@ struct ShmPlan {
 
 namespace {
 
-bool has_output(Collective coll, int chunk, int rank) {
-  return coll != Collective::kReduceScatter || chunk == rank;
-}
-bool has_input(Collective coll, int chunk, int rank) {
-  return coll != Collective::kAllGather || chunk == rank;
-}
-
 // Works out, once per (schedule, rank), where every chunk's latest value
 // lives at each step, so that the executor (a) reduces straight into the
 // mailbox region a value is sent from next and (b) copies a chunk into a
@@ -238,7 +234,7 @@ std::unique_ptr<ShmPlan> build_plan(const Schedule& s, int rank) {
   std::vector<std::array<bool, kNumPhases>> in_mailbox(K, {false, false});
   std::vector<std::array<bool, kNumPhases>> written(K, {false, false});
   std::vector<bool> received(K, false);
-  for (int c = 0; c < K; ++c) loc[c] = has_input(s.coll, c, rank) ? Loc::kInput : Loc::kNone;
+  for (int c = 0; c < K; ++c) loc[c] = chunk_has_input(s.coll, c, rank) ? Loc::kInput : Loc::kNone;
 
   auto note_write = [&](int c, int phase) {
     // A region written twice in one round could be overwritten while a
@@ -281,7 +277,7 @@ std::unique_ptr<ShmPlan> build_plan(const Schedule& s, int rank) {
         g.srcs.push_back({v[i].peer, v[i].phase, loc[c], static_cast<uint32_t>(v[i].sent_step)});
       }
       g.fwd_phase = next_send_phase(c, t);
-      g.to_output = has_output(s.coll, c, rank) && (is_last_recv(c, t) || g.fwd_phase < 0);
+      g.to_output = chunk_has_output(s.coll, c, rank) && (is_last_recv(c, t) || g.fwd_phase < 0);
       if (!g.to_output && g.fwd_phase < 0) throw internal("a received chunk is neither kept nor sent");
       if (g.fwd_phase >= 0) note_write(c, g.fwd_phase);
       loc[c] = g.to_output ? Loc::kOutput : mailbox_loc(g.fwd_phase);
@@ -292,8 +288,8 @@ std::unique_ptr<ShmPlan> build_plan(const Schedule& s, int rank) {
     }
   }
   for (int c = 0; c < K; ++c) {
-    if (!has_output(s.coll, c, rank) || received[c]) continue;
-    if (!has_input(s.coll, c, rank)) throw internal("an output chunk is never received");
+    if (!chunk_has_output(s.coll, c, rank) || received[c]) continue;
+    if (!chunk_has_input(s.coll, c, rank)) throw internal("an output chunk is never received");
     plan->final_copies.push_back(c);
   }
   return plan;
@@ -306,13 +302,16 @@ ShmTransport::ShmTransport(const ShmConfig& config)
       rank_(config.rank),
       world_(config.world),
       round_bytes_(config.round_bytes),
-      timeout_s_(config.timeout_s) {
+      timeout_s_(config.timeout_s),
+      names_(config.global_ranks) {
   if (world_ < 1 || rank_ < 0 || rank_ >= world_)
     throw CommError("pycomm: invalid shared-memory rank " + std::to_string(rank_) + " of " + std::to_string(world_));
   if (round_bytes_ < 64 * 1024 || round_bytes_ % kPage != 0)
     throw CommError("pycomm: shared-memory round size must be a multiple of 4096 and at least 64 KiB");
   if (name_.empty() || name_[0] != '/' || name_.find('/', 1) != std::string::npos)
     throw CommError("pycomm: invalid shared-memory segment name '" + name_ + "'");
+  if (!names_.empty() && static_cast<int>(names_.size()) != world_)
+    throw CommError("pycomm: shared-memory transport given names for the wrong number of ranks");
   map_segment(config);
 
   // While every rank has its own core, spinning costs nothing and waking a
@@ -473,7 +472,7 @@ void ShmTransport::abort(const std::string& why) {
   for (int q = 0; q < world_; ++q) {
     futex_wake_all(&controls_[q].step_flag);
     futex_wake_all(&controls_[q].round_done);
-    for (auto& slot : controls_[q].headers) futex_wake_all(&slot.seq);
+    for (auto& slot : controls_[q].headers) futex_wake_all(&slot.op);
   }
 }
 
@@ -494,7 +493,7 @@ std::string ShmTransport::peer_gone(int q, const OpContext& ctx) {
   if (pid == 0) return "";  // not attached yet: only the timeout applies
   std::ostringstream os;
   if (pc.exited.load()) {
-    os << "pycomm: rank " << q << " shut down its communicator while rank " << rank_ << " was in "
+    os << "pycomm: rank " << name(q) << " shut down its communicator while rank " << name(rank_) << " was in "
        << collective_name(ctx.coll) << " #" << ctx.seq;
     return os.str();
   }
@@ -503,7 +502,7 @@ std::string ShmTransport::peer_gone(int q, const OpContext& ctx) {
   uint64_t starttime = 0;
   const bool found = read_proc_stat(pid, &state, &starttime);
   if (!found || state == 'Z' || state == 'X' || starttime != pc.starttime) {
-    os << "pycomm: rank " << q << " (pid " << pid << ") died; detected by rank " << rank_ << " during "
+    os << "pycomm: rank " << name(q) << " (pid " << pid << ") died; detected by rank " << name(rank_) << " during "
        << collective_name(ctx.coll) << " #" << ctx.seq;
     return os.str();
   }
@@ -541,12 +540,13 @@ void ShmTransport::wait_on(std::atomic<uint32_t>* word, int peer, const OpContex
       next_liveness_check_ = now + kLivenessPeriod;
     }
     if (now >= ctx.deadline) {
-      uint64_t peer_seq = 0;
-      for (const auto& slot : pc.headers) peer_seq = std::max(peer_seq, slot.seq64);
+      const HeaderSlot* last = &pc.headers[0];
+      for (const auto& slot : pc.headers)
+        if (slot.op64 > last->op64) last = &slot;
       std::ostringstream os;
       os << "pycomm: " << collective_name(ctx.coll) << " #" << ctx.seq << " timed out after " << timeout_s_
-         << " s on rank " << rank_ << " waiting for rank " << peer << " (" << what << "); rank " << peer
-         << " last entered collective #" << peer_seq;
+         << " s on rank " << name(rank_) << " waiting for rank " << name(peer) << " (" << what << "); rank "
+         << name(peer) << " last entered collective #" << last->seq;
       fail(os.str());
     }
     if (i < yield_iters_) {
@@ -595,51 +595,55 @@ void ShmTransport::wait_round_free(uint64_t round, const OpContext& ctx) {
   }
 }
 
-void ShmTransport::publish_header(const CollectiveDesc& d, uint64_t seq) {
+void ShmTransport::publish_header(const CollectiveDesc& d, uint64_t seq, uint64_t op) {
   RankControl& me = controls_[rank_];
-  HeaderSlot& h = me.headers[seq % kHeaderSlots];
+  HeaderSlot& h = me.headers[op % kHeaderSlots];
   h.coll = static_cast<uint8_t>(d.coll);
   h.algo = static_cast<uint8_t>(d.algo);
+  h.inter = static_cast<uint8_t>(d.inter);
   h.dtype = static_cast<uint8_t>(d.dtype);
-  h.op = static_cast<uint8_t>(d.op);
+  h.redop = static_cast<uint8_t>(d.op);
   h.root = d.root;
   h.tag = d.tag;
   h.count = d.count;
-  h.seq64 = seq;
-  h.seq.store(static_cast<uint32_t>(seq), std::memory_order_seq_cst);
-  if (me.waiters.load(std::memory_order_seq_cst) > 0) futex_wake_all(&h.seq);
+  h.check_only = d.check_only;
+  h.seq = seq;
+  h.op64 = op;
+  h.op.store(static_cast<uint32_t>(op), std::memory_order_seq_cst);
+  if (me.waiters.load(std::memory_order_seq_cst) > 0) futex_wake_all(&h.op);
 }
 
 namespace {
 
 std::string describe(const HeaderSlot& h) {
-  std::ostringstream os;
-  const auto coll = static_cast<Collective>(h.coll);
-  if (coll == Collective::kInvalid) return "something it rejected as invalid (see the error on that rank)";
-  os << collective_name(coll);
-  if (coll == Collective::kBarrier) return os.str();
-  os << "(count=" << h.count << ", dtype=" << dtype_name(static_cast<DType>(h.dtype));
-  if (coll == Collective::kAllReduce || coll == Collective::kReduceScatter)
-    os << ", op=" << redop_name(static_cast<RedOp>(h.op));
-  if (coll == Collective::kBroadcast) os << ", src=" << h.root;
-  if (h.tag) os << ", " << describe_tag(h.tag);
-  os << ", algorithm=" << algorithm_name(static_cast<Algorithm>(h.algo)) << ")";
-  return os.str();
+  CollectiveDesc d;
+  d.coll = static_cast<Collective>(h.coll);
+  d.algo = static_cast<Algorithm>(h.algo);
+  d.inter = static_cast<Algorithm>(h.inter);
+  d.dtype = static_cast<DType>(h.dtype);
+  d.op = static_cast<RedOp>(h.redop);
+  d.root = h.root;
+  d.tag = h.tag;
+  d.count = h.count;
+  return describe_call(d);
 }
 
 }  // namespace
 
 void ShmTransport::check_header(int peer, const CollectiveDesc& d, uint64_t seq, const OpContext& ctx) {
-  HeaderSlot& h = controls_[peer].headers[seq % kHeaderSlots];
-  const uint32_t target = static_cast<uint32_t>(seq);
-  wait_on(&h.seq, peer, ctx, "it to enter this collective", [target](uint32_t v) { return reached(v, target); });
-  const HeaderSlot& mine = controls_[rank_].headers[seq % kHeaderSlots];
-  const bool same = h.seq64 == seq && h.coll == mine.coll && h.algo == mine.algo && h.dtype == mine.dtype &&
-                    h.op == mine.op && h.root == mine.root && h.tag == mine.tag && h.count == mine.count;
+  HeaderSlot& h = controls_[peer].headers[ctx.op % kHeaderSlots];
+  const uint32_t target = static_cast<uint32_t>(ctx.op);
+  wait_on(&h.op, peer, ctx, "it to enter this collective", [target](uint32_t v) { return reached(v, target); });
+  const HeaderSlot& mine = controls_[rank_].headers[ctx.op % kHeaderSlots];
+  const bool same = h.op64 == ctx.op && h.seq == mine.seq && h.coll == mine.coll && h.algo == mine.algo &&
+                    h.inter == mine.inter && h.dtype == mine.dtype && h.redop == mine.redop &&
+                    h.root == mine.root && h.tag == mine.tag && h.count == mine.count &&
+                    h.check_only == mine.check_only;
   if (same) return;
   std::ostringstream os;
-  os << "pycomm: ranks disagree on collective #" << seq << ": rank " << rank_ << " called " << describe(mine)
-     << " but rank " << peer << " called " << describe(h);
+  os << "pycomm: ranks disagree on collective #" << seq << ": rank " << name(rank_) << " called " << describe(mine)
+     << " but rank " << name(peer) << " called " << describe(h);
+  if (h.seq != mine.seq) os << " (as its collective #" << h.seq << ")";
   fail(os.str());
 }
 
@@ -659,11 +663,12 @@ void ShmTransport::run(const CollectiveDesc& desc, uint64_t seq) {
   OpContext ctx;
   ctx.coll = desc.coll;
   ctx.seq = seq;
+  ctx.op = ++ops_;  // from 1: a slot never written reads as op 0
   ctx.deadline = deadline_after(timeout_s_);
-  publish_header(desc, seq);
+  publish_header(desc, seq, ctx.op);
   std::vector<bool> checked(world_, false);
   checked[rank_] = true;
-  execute(desc, ctx, checked, seq);
+  if (!desc.check_only) execute(desc, ctx, checked, seq);
   // Every peer must have entered the same collective before anybody returns:
   // a mismatch therefore fails on every rank, and no rank runs ahead of the
   // header slots.
@@ -676,57 +681,27 @@ void ShmTransport::execute(const CollectiveDesc& d, const OpContext& ctx, std::v
   if (d.count == 0 || d.coll == Collective::kBarrier || d.coll == Collective::kInvalid) return;
   const size_t es = dtype_size(d.dtype);
   const bool a2a = d.coll == Collective::kAllToAll;
-  const bool sharded = d.coll == Collective::kReduceScatter || d.coll == Collective::kAllGather || a2a;
-  const size_t out_count = (d.coll == Collective::kAllGather || a2a) ? d.count * world_ : d.count;
-  const auto* in = static_cast<const char*>(d.input);
   auto* out = static_cast<char*>(d.output);
 
   if (world_ == 1) {
-    kernels::copy_cpu(out, nullptr, in, out_count * es);
+    const RoundLayout layout(d, 1, 1, round_bytes_);
+    kernels::copy_cpu(out, nullptr, d.input, layout.out_count * es);
   } else {
     const Schedule schedule{d.algo, d.coll, world_, d.root};
     const ShmPlan& plan = plan_for(schedule);
-    const int K = plan.num_chunks;
-    const size_t align = std::max<size_t>(1, kChunkAlignBytes / es);
-    // Elements of one chunk in a full round: the round region holds K chunks.
-    const size_t chunk_max = std::max<size_t>(align, (round_bytes_ / (K * es)) / align * align);
-    const size_t per_round = sharded ? chunk_max : chunk_max * K;
-    const uint64_t rounds = (d.count + per_round - 1) / per_round;
+    const RoundLayout layout(d, plan.num_chunks, world_, round_bytes_);
+    const size_t chunk_max = layout.chunk_max;
+    const uint64_t rounds = layout.rounds;
     const uint64_t steps = plan.steps.size();
 
-    std::vector<const char*> chunk_in(K);
-    std::vector<char*> chunk_out(K);
-    std::vector<size_t> chunk_len(K);
+    std::vector<const char*> chunk_in;
+    std::vector<char*> chunk_out;
+    std::vector<size_t> chunk_len;
     std::vector<const void*> srcs;
     for (uint64_t j = 0; j < rounds; ++j) {
       const uint64_t R = round_base_ + j;
-      const uint64_t first = j * per_round;
-      const size_t rem = static_cast<size_t>(std::min<uint64_t>(per_round, d.count - first));
       // 1. Lay out this round's chunks in the caller's buffers.
-      if (sharded) {
-        for (int c = 0; c < K; ++c) {
-          chunk_len[c] = rem;
-          const size_t shard_off = (static_cast<size_t>(c) * d.count + first) * es;
-          if (a2a) {
-            chunk_in[c] = in + shard_off;
-            chunk_out[c] = out + shard_off;
-          } else if (d.coll == Collective::kReduceScatter) {
-            chunk_in[c] = in + shard_off;
-            chunk_out[c] = c == rank_ ? out + first * es : nullptr;
-          } else {
-            chunk_in[c] = c == rank_ ? in + first * es : nullptr;
-            chunk_out[c] = out + shard_off;
-          }
-        }
-      } else {
-        const size_t ce = std::min(chunk_max, ((rem + K - 1) / K + align - 1) / align * align);
-        for (int c = 0; c < K; ++c) {
-          const size_t lo = std::min(rem, c * ce), hi = std::min(rem, (c + 1) * ce);
-          chunk_len[c] = hi - lo;
-          chunk_in[c] = in + (first + lo) * es;
-          chunk_out[c] = out + (first + lo) * es;
-        }
-      }
+      layout.chunks(j, rank_, d.input, d.output, chunk_in, chunk_out, chunk_len);
       auto where = [&](Loc l, int c) -> const char* {
         switch (l) {
           case Loc::kInput: return chunk_in[c];
@@ -780,7 +755,7 @@ void ShmTransport::execute(const CollectiveDesc& d, const OpContext& ctx, std::v
     round_base_ += rounds;
   }
   if (d.op == RedOp::kAvg && (d.coll == Collective::kAllReduce || d.coll == Collective::kReduceScatter))
-    kernels::divide_cpu(d.dtype, out, out_count, static_cast<double>(world_));
+    kernels::divide_cpu(d.dtype, out, d.count, static_cast<double>(world_));
 }
 
 }  // namespace pycomm

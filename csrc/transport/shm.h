@@ -33,6 +33,8 @@ struct ShmConfig {
   int world = 1;           // ranks sharing the segment
   size_t round_bytes = 0;  // bytes of one phase region of one mailbox half
   double timeout_s = 300;
+  // The communicator's rank of each local rank, for messages (empty: same).
+  std::vector<int> global_ranks;
 };
 
 struct SegmentHeader;
@@ -41,7 +43,8 @@ struct RankControl;
 // What a rank was doing, for error messages.
 struct OpContext {
   Collective coll = Collective::kBarrier;
-  uint64_t seq = 0;
+  uint64_t seq = 0;  // the communicator's number of the user call
+  uint64_t op = 0;   // this transport's operation counter
   std::chrono::steady_clock::time_point deadline;
 };
 
@@ -63,7 +66,7 @@ class ShmTransport : public Transport {
   // slow one still needs the segment's name to attach.
   void wait_all_attached();
 
-  // Runs collective number `seq` (the same on every rank). Throws CommError.
+  // Runs one collective of user call `seq` (see Transport). Throws CommError.
   void run(const CollectiveDesc& desc, uint64_t seq) override;
 
   // Tells peers this rank is leaving: their waits on it fail fast instead of
@@ -84,7 +87,8 @@ class ShmTransport : public Transport {
 
  private:
   void map_segment(const ShmConfig& config);
-  void publish_header(const CollectiveDesc& desc, uint64_t seq);
+  void publish_header(const CollectiveDesc& desc, uint64_t seq, uint64_t op);
+  int name(int local) const { return names_.empty() ? local : names_[local]; }
   void check_header(int peer, const CollectiveDesc& desc, uint64_t seq, const OpContext& ctx);
   void wait_step(int peer, uint64_t step, const OpContext& ctx);
   void wait_round_free(uint64_t round, const OpContext& ctx);
@@ -113,6 +117,8 @@ class ShmTransport : public Transport {
   char* mailboxes_ = nullptr;
   size_t mailbox_stride_ = 0;
 
+  std::vector<int> names_;
+  uint64_t ops_ = 0;         // operations run, same on every rank
   uint64_t step_base_ = 0;   // global step counter, same on every rank
   uint64_t round_base_ = 0;  // global round counter, same on every rank
   std::chrono::steady_clock::duration spin_{};

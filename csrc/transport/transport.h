@@ -13,7 +13,10 @@ namespace pycomm {
 class Transport {
  public:
   virtual ~Transport() = default;
-  // Runs collective number `seq` (the same on every rank). Throws CommError.
+  // Runs one collective, the same on every rank, in the same order. `seq`
+  // numbers the user call it belongs to (for messages; a hierarchical or
+  // compressed call runs several collectives under one or a few numbers);
+  // each transport counts its own operations. Throws CommError.
   virtual void run(const CollectiveDesc& desc, uint64_t seq) = 0;
   virtual int rank() const = 0;
   virtual int world() const = 0;

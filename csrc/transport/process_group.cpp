@@ -1,0 +1,479 @@
+#include "process_group.h"
+
+#include <ATen/ATen.h>
+
+#include <cstring>
+#include <deque>
+#include <sstream>
+
+#include "../kernels/kernels.h"
+#include "layout.h"
+
+namespace pycomm {
+
+namespace {
+
+// Message tags name (transport, operation, round, step, phase, chunk) so
+// that every message between two ranks that can be in flight at once has its
+// own tag: several transports may share one backend, operations run one
+// after another (two consecutive ones overlap at most), and at most `window`
+// rounds are in flight. 1 + 4 + 5 + 10 + 1 + 10 = 31 bits (backends take a
+// non-negative int).
+constexpr int kMaxSteps = 1023;        // step 1023 is the header exchange
+constexpr int kMaxChunks = 1024;
+constexpr int kMaxWindow = 32;
+
+uint32_t make_tag(int space, uint64_t op, uint64_t round, int step, int phase, int chunk) {
+  return static_cast<uint32_t>((static_cast<uint64_t>(space & 1) << 30) | ((op & 0xF) << 26) |
+                               ((round & 0x1F) << 21) | ((static_cast<uint32_t>(step) & 0x3FF) << 11) |
+                               ((static_cast<uint32_t>(phase) & 1) << 10) | (static_cast<uint32_t>(chunk) & 0x3FF));
+}
+
+enum Loc : uint8_t { kNone, kInput, kOutput, kValue };
+
+// What every rank sends every other before a collective's data moves.
+struct PgHeader {
+  uint64_t op;
+  uint64_t seq;
+  uint64_t count;
+  uint32_t tag;
+  int32_t root;
+  uint8_t coll, algo, inter, dtype, redop, check_only;
+  uint8_t pad[64 - 38];
+};
+static_assert(sizeof(PgHeader) == 64, "fixed-size header");
+
+PgHeader make_header(const CollectiveDesc& d, uint64_t seq, uint64_t op) {
+  PgHeader h;
+  std::memset(&h, 0, sizeof h);
+  h.op = op;
+  h.seq = seq;
+  h.count = d.count;
+  h.tag = d.tag;
+  h.root = d.root;
+  h.coll = static_cast<uint8_t>(d.coll);
+  h.algo = static_cast<uint8_t>(d.algo);
+  h.inter = static_cast<uint8_t>(d.inter);
+  h.dtype = static_cast<uint8_t>(d.dtype);
+  h.redop = static_cast<uint8_t>(d.op);
+  h.check_only = d.check_only;
+  return h;
+}
+
+std::string describe(const PgHeader& h) {
+  CollectiveDesc d;
+  d.coll = static_cast<Collective>(h.coll);
+  d.algo = static_cast<Algorithm>(h.algo);
+  d.inter = static_cast<Algorithm>(h.inter);
+  d.dtype = static_cast<DType>(h.dtype);
+  d.op = static_cast<RedOp>(h.redop);
+  d.root = h.root;
+  d.tag = h.tag;
+  d.count = h.count;
+  return describe_call(d);
+}
+
+std::string first_line(const char* what) {
+  std::string s(what);
+  const size_t nl = s.find('\n');
+  return nl == std::string::npos ? s : s.substr(0, nl);
+}
+
+}  // namespace
+
+struct PgSend {
+  int chunk;
+  int phase;
+  std::vector<int> to;
+};
+
+// A source of a reduction group: this rank's current value of the chunk
+// (peer < 0) or a message from `peer`, staged in receive buffer `buf`.
+struct PgSrc {
+  int peer;
+  int sent_step;
+  int phase;
+  int tag_chunk;  // the chunk number the sender tags it with
+  int buf;
+};
+
+struct PgGroup {
+  int chunk;
+  std::vector<PgSrc> srcs;
+};
+
+struct PgStep {
+  std::vector<PgSend> sends;
+  std::vector<PgGroup> groups;
+};
+
+struct PgPlan {
+  Algorithm algo;
+  Collective coll;
+  int root;
+  int num_chunks;
+  int num_bufs = 0;
+  std::vector<PgStep> steps;
+  std::vector<int> final_copies;  // chunks whose output is their untouched input
+};
+
+// One round in flight: where its chunks are, its staging memory, and its
+// outstanding transfers.
+struct PgRound {
+  uint64_t j = 0;
+  int step = 0;
+  size_t chunk_bytes = 0;    // staging per chunk (the layout's largest)
+  std::vector<char> values;  // chunks this rank forwards but does not keep
+  std::vector<char> bufs;    // one receive buffer per message
+  std::vector<const char*> in;
+  std::vector<char*> out;
+  std::vector<size_t> len;
+  std::vector<uint8_t> loc;
+  std::vector<c10::intrusive_ptr<c10d::Work>> recvs;
+  // Sends still reading a chunk, with their peers: the chunk's memory may
+  // change only once they completed.
+  std::vector<std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, int>>> sends;
+};
+
+namespace {
+
+// Where chunk c's current value lives (null: the rank does not have it).
+const char* current(const PgRound& r, int c) {
+  switch (r.loc[c]) {
+    case kInput: return r.in[c];
+    case kOutput: return r.out[c];
+    case kValue: return r.values.data() + c * r.chunk_bytes;
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
+PgTransport::PgTransport(const PgConfig& c)
+    : backend_(c.backend),
+      members_(c.members),
+      names_(c.names.empty() ? c.members : c.names),
+      rank_(c.rank),
+      world_(static_cast<int>(c.members.size())),
+      round_bytes_(c.round_bytes),
+      window_(c.window),
+      tag_space_(c.tag_space),
+      timeout_s_(c.timeout_s) {
+  if (!backend_) throw CommError("pycomm: the process-group transport needs a backend");
+  if (world_ < 1 || rank_ < 0 || rank_ >= world_)
+    throw CommError("pycomm: invalid process-group transport rank " + std::to_string(rank_) + " of " +
+                    std::to_string(world_));
+  if (world_ > kMaxChunks) throw CommError("pycomm: the process-group transport supports at most 1024 ranks");
+  if (static_cast<int>(names_.size()) != world_)
+    throw CommError("pycomm: process-group transport given names for the wrong number of ranks");
+  if (members_[rank_] != backend_->getRank())
+    throw CommError("pycomm: process-group transport member " + std::to_string(rank_) + " is backend rank " +
+                    std::to_string(members_[rank_]) + ", but this process is backend rank " +
+                    std::to_string(backend_->getRank()));
+  if (round_bytes_ < 4096) throw CommError("pycomm: process-group round size must be at least 4 KiB");
+  if (window_ < 1 || window_ > kMaxWindow) throw CommError("pycomm: process-group window must be 1..32");
+  if (tag_space_ < 0 || tag_space_ > 1) throw CommError("pycomm: process-group tag space must be 0 or 1");
+  for (int i = 0; i < window_; ++i) slots_.push_back(std::make_unique<PgRound>());
+}
+
+PgTransport::~PgTransport() = default;
+
+void PgTransport::abort(const std::string& why) {
+  if (broken_.empty()) broken_ = why;
+}
+
+c10::intrusive_ptr<c10d::Work> PgTransport::send(const void* data, size_t bytes, int peer, uint32_t tag) {
+  std::vector<at::Tensor> t{at::from_blob(const_cast<void*>(data), {static_cast<int64_t>(bytes)},
+                                          at::TensorOptions().dtype(at::kByte))};
+  return backend_->send(t, members_[peer], static_cast<int>(tag));
+}
+
+c10::intrusive_ptr<c10d::Work> PgTransport::recv(void* data, size_t bytes, int peer, uint32_t tag) {
+  std::vector<at::Tensor> t{at::from_blob(data, {static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte))};
+  return backend_->recv(t, members_[peer], static_cast<int>(tag));
+}
+
+void PgTransport::wait(c10::intrusive_ptr<c10d::Work>& work, int peer, const char* what, const Ctx& ctx) {
+  if (!work) return;
+  // Backends take whole milliseconds; never pass 0, which some read as "no
+  // timeout".
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(ctx.deadline -
+                                                                          std::chrono::steady_clock::now());
+  const auto ms = std::max<int64_t>(1, left.count() + 1);
+  std::string error;
+  try {
+    if (work->wait(std::chrono::milliseconds(ms))) {
+      work.reset();
+      return;
+    }
+    error = "the wait returned without completing";
+  } catch (const std::exception& e) {
+    error = first_line(e.what());
+  }
+  std::ostringstream os;
+  os << "pycomm: " << collective_name(ctx.desc->coll) << " #" << ctx.seq;
+  if (std::chrono::steady_clock::now() >= ctx.deadline) {
+    os << " timed out after " << timeout() << " s on rank " << name(rank_) << " waiting for rank " << name(peer)
+       << " (" << what << ")";
+  } else {
+    os << " failed on rank " << name(rank_) << " while waiting for rank " << name(peer) << " (" << what
+       << "): " << error << "; rank " << name(peer) << " may have died or left";
+  }
+  throw CommError(os.str());
+}
+
+void PgTransport::run(const CollectiveDesc& desc, uint64_t seq) {
+  if (!broken_.empty()) throw CommError(broken_);
+  Ctx ctx;
+  ctx.desc = &desc;
+  ctx.seq = seq;
+  ctx.op = ops_++;
+  ctx.deadline = std::chrono::steady_clock::now() +
+                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                     std::chrono::duration<double>(timeout()));
+  try {
+    if (!desc.checked && world_ > 1) exchange_headers(ctx);
+    if (!desc.check_only) execute(ctx);
+  } catch (const std::exception& e) {
+    // Transfers still posted may complete into our buffers later: keep them
+    // (and the buffers, which the slots own) referenced, and refuse further
+    // calls, whose tags could collide with the abandoned ones.
+    broken_ = e.what();
+    for (auto& slot : slots_) {
+      for (auto& w : slot->recvs)
+        if (w) abandoned_.push_back(std::move(w));
+      for (auto& per_chunk : slot->sends)
+        for (auto& sw : per_chunk) abandoned_.push_back(std::move(sw.first));
+      slot->recvs.clear();
+      slot->sends.clear();
+      abandoned_buffers_.push_back(std::move(slot->values));
+      abandoned_buffers_.push_back(std::move(slot->bufs));
+    }
+    throw CommError(broken_);
+  }
+}
+
+void PgTransport::exchange_headers(const Ctx& ctx) {
+  // The buffers outlive a failed exchange: see run().
+  abandoned_buffers_.emplace_back(sizeof(PgHeader) * (world_ + 1));
+  auto* headers = reinterpret_cast<PgHeader*>(abandoned_buffers_.back().data());
+  headers[world_] = make_header(*ctx.desc, ctx.seq, ctx.op);
+  const PgHeader& mine = headers[world_];
+  headers[rank_] = mine;
+  const uint32_t tag = make_tag(tag_space_, ctx.op, 0, kMaxSteps, 0, 0);
+  std::vector<c10::intrusive_ptr<c10d::Work>> recvs(world_), sends(world_);
+  for (int q = 0; q < world_; ++q)
+    if (q != rank_) recvs[q] = recv(&headers[q], sizeof(PgHeader), q, tag);
+  for (int q = 0; q < world_; ++q)
+    if (q != rank_) sends[q] = send(&mine, sizeof(PgHeader), q, tag);
+  for (int q = 0; q < world_; ++q) {
+    try {
+      wait(recvs[q], q, "it to enter this collective", ctx);
+    } catch (...) {
+      for (auto& w : recvs)
+        if (w) abandoned_.push_back(w);
+      for (auto& w : sends)
+        if (w) abandoned_.push_back(w);
+      throw;
+    }
+  }
+  // Every rank holds every header, so every rank reaches the same verdict,
+  // and names the same pair: the first rank that differs from rank 0.
+  for (int q = 1; q < world_; ++q) {
+    if (std::memcmp(&headers[q], &headers[0], sizeof(PgHeader)) == 0) continue;
+    std::ostringstream os;
+    os << "pycomm: ranks disagree on collective #" << ctx.seq << ": rank " << name(0) << " called "
+       << describe(headers[0]) << " but rank " << name(q) << " called " << describe(headers[q]);
+    if (headers[q].seq != headers[0].seq) os << " (as its collective #" << headers[q].seq << ")";
+    for (auto& w : sends)
+      if (w) abandoned_.push_back(w);
+    throw CommError(os.str());
+  }
+  for (int q = 0; q < world_; ++q)
+    if (q != rank_) wait(sends[q], q, "it to take this rank's header", ctx);
+  abandoned_buffers_.pop_back();
+}
+
+const PgPlan& PgTransport::plan_for(const Schedule& s) {
+  for (const auto& p : plans_)
+    if (p->algo == s.algo && p->coll == s.coll && p->root == s.root) return *p;
+  auto plan = std::make_unique<PgPlan>();
+  plan->algo = s.algo;
+  plan->coll = s.coll;
+  plan->root = s.root;
+  plan->num_chunks = s.num_chunks();
+  const int T = s.num_steps();
+  if (T >= kMaxSteps || plan->num_chunks > kMaxChunks)
+    throw CommError("pycomm internal error: schedule too long for the process-group transport's tags");
+  // Every rank's ops: a send to kAllPeers goes to whoever receives it.
+  std::vector<std::vector<std::vector<ScheduleOp>>> all(world_, std::vector<std::vector<ScheduleOp>>(T));
+  for (int q = 0; q < world_; ++q)
+    for (int t = 0; t < T; ++t) s.ops(q, t, all[q][t]);
+  const bool a2a = s.coll == Collective::kAllToAll;
+  const int K = plan->num_chunks;
+  std::vector<bool> received(K, false);
+  plan->steps.resize(T);
+  for (int t = 0; t < T; ++t) {
+    const auto& v = all[rank_][t];
+    PgStep& step = plan->steps[t];
+    for (const auto& op : v) {
+      if (op.kind != OpKind::kSend) continue;
+      PgSend send{op.chunk, op.phase, {}};
+      if (op.peer != kAllPeers) {
+        send.to.push_back(op.peer);
+      } else {
+        for (int q = 0; q < world_; ++q) {
+          if (q == rank_) continue;
+          bool reads = false;
+          for (int u = t; u < T && !reads; ++u)
+            for (const auto& r : all[q][u])
+              if (r.kind != OpKind::kSend && r.peer == rank_ && r.sent_step == t && r.phase == op.phase &&
+                  r.chunk == op.chunk)
+                reads = true;
+          if (reads) send.to.push_back(q);
+        }
+      }
+      step.sends.push_back(std::move(send));
+    }
+    for (size_t i = 0; i < v.size();) {
+      if (v[i].kind == OpKind::kSend) {
+        ++i;
+        continue;
+      }
+      PgGroup g;
+      g.chunk = v[i].chunk;
+      if (v[i].kind == OpKind::kRecvReduce) g.srcs.push_back({-1, 0, 0, 0, -1});
+      for (; i < v.size() && v[i].kind != OpKind::kSend && v[i].chunk == g.chunk; ++i) {
+        if (v[i].peer == rank_) {
+          g.srcs.push_back({-1, 0, 0, 0, -1});
+        } else {
+          // All-to-all: the sender numbers the block by its receiver.
+          const int tag_chunk = a2a ? rank_ : v[i].chunk;
+          g.srcs.push_back({v[i].peer, v[i].sent_step, v[i].phase, tag_chunk, plan->num_bufs++});
+        }
+      }
+      received[g.chunk] = true;
+      step.groups.push_back(std::move(g));
+    }
+  }
+  for (int c = 0; c < K; ++c)
+    if (chunk_has_output(s.coll, c, rank_) && chunk_has_input(s.coll, c, rank_) && !received[c])
+      plan->final_copies.push_back(c);
+  plans_.push_back(std::move(plan));
+  return *plans_.back();
+}
+
+void PgTransport::execute(const Ctx& ctx) {
+  const CollectiveDesc& d = *ctx.desc;
+  if (d.count == 0 || d.coll == Collective::kBarrier || d.coll == Collective::kInvalid) return;
+  const size_t es = dtype_size(d.dtype);
+  if (world_ == 1) {
+    const RoundLayout layout(d, 1, 1, round_bytes_);
+    kernels::copy_cpu(d.output, nullptr, d.input, layout.out_count * es);
+  } else {
+    const PgPlan& plan = plan_for(Schedule{d.algo, d.coll, world_, d.root});
+    const RoundLayout layout(d, plan.num_chunks, world_, round_bytes_);
+    const int T = static_cast<int>(plan.steps.size());
+    // 1. Keep up to `window` rounds in flight; every rank starts, advances
+    //    and retires them in the same order.
+    std::deque<PgRound*> active;
+    uint64_t next = 0;
+    while (next < layout.rounds || !active.empty()) {
+      // 2. Start rounds into free slots: post every receive, then step 0's sends.
+      while (static_cast<int>(active.size()) < window_ && next < layout.rounds) {
+        PgRound& r = *slots_[next % window_];
+        r.j = next++;
+        start_round(r, plan, ctx);
+        active.push_back(&r);
+      }
+      // 3. Advance each round by one step: reduce what arrived, send on.
+      for (PgRound* r : active) run_step(*r, plan, ctx);
+      // 4. Retire finished rounds (the oldest finish first).
+      while (!active.empty() && active.front()->step == T) {
+        finish_round(*active.front(), plan, ctx);
+        active.pop_front();
+      }
+    }
+  }
+  if (d.op == RedOp::kAvg && (d.coll == Collective::kAllReduce || d.coll == Collective::kReduceScatter))
+    kernels::divide_cpu(d.dtype, d.output, d.count, static_cast<double>(world_));
+}
+
+void PgTransport::start_round(PgRound& r, const PgPlan& plan, const Ctx& ctx) {
+  const CollectiveDesc& d = *ctx.desc;
+  const RoundLayout layout(d, plan.num_chunks, world_, round_bytes_);
+  const int K = plan.num_chunks;
+  const size_t chunk_bytes = layout.chunk_max * layout.es;
+  layout.chunks(r.j, rank_, d.input, d.output, r.in, r.out, r.len);
+  r.step = 0;
+  r.chunk_bytes = chunk_bytes;
+  r.loc.assign(K, kNone);
+  for (int c = 0; c < K; ++c)
+    if (chunk_has_input(d.coll, c, rank_)) r.loc[c] = kInput;
+  if (r.values.size() < K * chunk_bytes) r.values.resize(K * chunk_bytes);
+  if (r.bufs.size() < plan.num_bufs * chunk_bytes) r.bufs.resize(plan.num_bufs * chunk_bytes);
+  r.recvs.assign(plan.num_bufs, {});
+  r.sends.assign(K, {});
+  for (const PgStep& step : plan.steps)
+    for (const PgGroup& g : step.groups)
+      for (const PgSrc& src : g.srcs) {
+        if (src.peer < 0 || r.len[g.chunk] == 0) continue;
+        r.recvs[src.buf] = recv(r.bufs.data() + src.buf * chunk_bytes, r.len[g.chunk] * layout.es, src.peer,
+                                make_tag(tag_space_, ctx.op, r.j, src.sent_step, src.phase, src.tag_chunk));
+      }
+  post_sends(r, plan, 0, ctx);
+}
+
+void PgTransport::post_sends(PgRound& r, const PgPlan& plan, int t, const Ctx& ctx) {
+  const size_t es = dtype_size(ctx.desc->dtype);
+  for (const PgSend& s : plan.steps[t].sends) {
+    const int c = s.chunk;
+    if (r.len[c] == 0) continue;
+    const char* data = current(r, c);
+    if (!data) throw CommError("pycomm internal error: process-group schedule sends a chunk it does not have");
+    for (int q : s.to)
+      r.sends[c].emplace_back(send(data, r.len[c] * es, q, make_tag(tag_space_, ctx.op, r.j, t, s.phase, c)), q);
+  }
+}
+
+void PgTransport::run_step(PgRound& r, const PgPlan& plan, const Ctx& ctx) {
+  const CollectiveDesc& d = *ctx.desc;
+  const size_t chunk_bytes = r.chunk_bytes;
+  std::vector<const void*> srcs;
+  for (const PgGroup& g : plan.steps[r.step].groups) {
+    const int c = g.chunk;
+    const bool keep = chunk_has_output(d.coll, c, rank_);
+    char* dst = keep ? r.out[c] : r.values.data() + c * chunk_bytes;
+    if (r.len[c] > 0) {
+      srcs.clear();
+      for (const PgSrc& src : g.srcs) {
+        if (src.peer < 0) {
+          const char* own = current(r, c);
+          if (!own) throw CommError("pycomm internal error: process-group schedule reduces a chunk it lacks");
+          srcs.push_back(own);
+        } else {
+          wait(r.recvs[src.buf], src.peer, "its data", ctx);
+          srcs.push_back(r.bufs.data() + src.buf * chunk_bytes);
+        }
+      }
+      // The chunk's memory changes now: sends still reading it must finish.
+      for (auto& sw : r.sends[c]) wait(sw.first, sw.second, "it to take this rank's data", ctx);
+      r.sends[c].clear();
+      kernels::reduce_cpu(d.dtype, d.op, dst, nullptr, srcs.data(), static_cast<int>(srcs.size()), r.len[c]);
+    }
+    r.loc[c] = keep ? kOutput : kValue;
+  }
+  ++r.step;
+  if (r.step < static_cast<int>(plan.steps.size())) post_sends(r, plan, r.step, ctx);
+}
+
+void PgTransport::finish_round(PgRound& r, const PgPlan& plan, const Ctx& ctx) {
+  const size_t es = dtype_size(ctx.desc->dtype);
+  for (int c : plan.final_copies) kernels::copy_cpu(r.out[c], nullptr, r.in[c], r.len[c] * es);
+  for (auto& per_chunk : r.sends) {
+    for (auto& sw : per_chunk) wait(sw.first, sw.second, "it to take this rank's data", ctx);
+    per_chunk.clear();
+  }
+}
+
+}  // namespace pycomm
