@@ -110,7 +110,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("local_rank") = 0, py::arg("local_size") = 1, py::arg("shm_name") = "", py::arg("token") = "",
            py::arg("create") = false, py::arg("round_bytes") = 1 << 20, py::arg("host") = 0,
            py::arg("host_ranks") = std::vector<std::vector<int>>{}, py::arg("backend") = py::none(),
-           py::arg("pg_round_bytes") = 2 << 20, py::arg("pg_window") = 4, py::call_guard<py::gil_scoped_release>())
+           py::arg("pg_round_bytes") = 4 << 20, py::arg("pg_window") = 4, py::call_guard<py::gil_scoped_release>())
       .def("all_reduce",
            [](Communicator& c, const at::Tensor& in, const at::Tensor& out, int op, int algo, bool strict,
               bool async_op) { return c.all_reduce(in, out, to_op(op), to_algo(algo), strict, async_op); },

@@ -184,6 +184,9 @@ Communicator::Communicator(const CommunicatorOptions& o)
     mh.host = o.host;
     mh.local_rank = o.local_rank;
     mh.host_ranks = o.host_ranks;
+    // Four shared-memory rounds: long enough that the shared-memory steps
+    // run at full speed, short next to the segment's time on the network.
+    mh.segment_bytes = 4 * o.round_bytes;
     if (uniform_local_size_ > 0) {
       PgConfig cross;
       cross.backend = o.backend;
@@ -233,11 +236,7 @@ void Communicator::shutdown() {
   if (local_) local_->shutdown();
 }
 
-void Communicator::abort(const std::string& why) {
-  if (local_) local_->abort(why);
-  if (flat_) flat_->abort(why);
-  if (cross_) cross_->abort(why);
-}
+void Communicator::abort(const std::string& why) { top_->abort(why); }
 
 void Communicator::progress_loop() {
   std::unique_lock<std::mutex> lk(mu_);

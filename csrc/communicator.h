@@ -84,7 +84,7 @@ struct CommunicatorOptions {
   int host = 0;
   std::vector<std::vector<int>> host_ranks;
   c10::intrusive_ptr<c10d::Backend> backend;
-  size_t pg_round_bytes = 2 << 20;
+  size_t pg_round_bytes = 4 << 20;
   int pg_window = 4;
 };
 

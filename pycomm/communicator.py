@@ -42,7 +42,7 @@ DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_ROUND_BYTES = 1 << 20
 # Between hosts: one round's chunks together, and how many rounds are in
 # flight (benchmarks/RESULTS.md, "Several hosts").
-DEFAULT_PG_ROUND_BYTES = 2 << 20
+DEFAULT_PG_ROUND_BYTES = 4 << 20
 DEFAULT_PG_WINDOW = 4
 
 Op = Union[str, "dist.ReduceOp", "dist.ReduceOp.RedOpType"]

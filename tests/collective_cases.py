@@ -73,10 +73,14 @@ def check_reduction(out: torch.Tensor, xs: List[torch.Tensor], op: str, dtype: t
     return None
 
 
-def sweep(rank: int, world: int, name: str, coll: str, algos: List[str]) -> List[Tuple[str, Optional[str], str]]:
+def sweep(rank: int, world: int, name: str, coll: str, algos: List[str],
+          **comm_kwargs) -> List[Tuple[str, Optional[str], str]]:
     """Runs every (algorithm, dtype, count, op) case of one collective; returns
-    (case, error or None, digest of the result) per case."""
-    comm = make_comm(rank, world, name, round_bytes=64 * 1024, timeout=60)
+    (case, error or None, digest of the result) per case. ``comm_kwargs`` go
+    to the Communicator (e.g. transport="pg", local_size=2)."""
+    kwargs = dict(round_bytes=64 * 1024, timeout=60)
+    kwargs.update(comm_kwargs)
+    comm = make_comm(rank, world, name, **kwargs)
     results = []
     seed = 0
     for algo in algos:
@@ -131,10 +135,25 @@ def _one(comm, rank, world, coll, algo, dtype, count, op, seed, key):
         for root in sorted({0, world - 1, world // 2}):
             x = make_input(seed + 1000 * root, rank, count, dtype)
             comm.broadcast(x, src=root, algorithm=algo)
-            if verify and not torch.equal(x, make_input(seed + 1000 * root, root, count, dtype)):
+            exp = make_input(seed + 1000 * root, root, count, dtype)
+            if verify and not torch.equal(x, exp):
                 errs.append(f"root {root}: {(x != exp).sum().item()} wrong")
         out = x
         err = "; ".join(errs) or None
     # Each rank holds a different shard after reduce_scatter: only replicated
     # results can be compared across ranks.
     return key, err, "" if coll == "reduce_scatter" else digest(out)
+
+
+def matrix_failures(per_rank: List[List[Tuple[str, Optional[str], str]]]) -> List[str]:
+    """The failing cases of a sweep's per-rank results: wrong values, or
+    replicated results that differ between ranks in any bit."""
+    failures = []
+    for i, (key, _, _) in enumerate(per_rank[0]):
+        errors = [(r, res[i][1]) for r, res in enumerate(per_rank) if res[i][1]]
+        if errors:
+            failures.append(f"{key}: " + "; ".join(f"rank {r}: {e}" for r, e in errors[:2]))
+        digests = {res[i][2] for res in per_rank}
+        if len(digests) != 1:
+            failures.append(f"{key}: ranks disagree bitwise")
+    return failures

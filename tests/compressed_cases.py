@@ -23,9 +23,9 @@ CODECS = {
 }
 
 
-def run_cases(rank: int, world: int, name: str, cases: List[tuple]) -> List[dict]:
+def run_cases(rank: int, world: int, name: str, cases: List[tuple], **comm_kwargs) -> List[dict]:
     """cases: (seed, codec, n, dtype, op). Returns per case: output, what this rank sent, stats, digest."""
-    comm = make_comm(rank, world, name)
+    comm = make_comm(rank, world, name, **comm_kwargs)
     out = []
     try:
         for seed, codec_name, n, dtype, op in cases:
@@ -90,9 +90,9 @@ def run_bad_calls(rank: int, world: int, name: str) -> List[str]:
     return msgs
 
 
-def run_mismatch(rank: int, world: int, name: str) -> str:
+def run_mismatch(rank: int, world: int, name: str, **comm_kwargs) -> str:
     """Rank 0 asks for Int8, the others for Int4: every rank must raise, none hang."""
-    comm = make_comm(rank, world, name, timeout=30)
+    comm = make_comm(rank, world, name, timeout=30, **comm_kwargs)
     try:
         codec = pycomm.Int8() if rank == 0 else pycomm.Int4()
         comm.all_reduce(torch.randn(4096), compression=codec)
@@ -103,9 +103,10 @@ def run_mismatch(rank: int, world: int, name: str) -> str:
         comm.close()
 
 
-def run_all_to_all(rank: int, world: int, name: str, n: int, dtype: torch.dtype) -> List[torch.Tensor]:
+def run_all_to_all(rank: int, world: int, name: str, n: int, dtype: torch.dtype,
+                   **comm_kwargs) -> List[torch.Tensor]:
     """all_to_all_single of world blocks of n; returns the output."""
-    comm = make_comm(rank, world, name, round_bytes=64 * 1024)
+    comm = make_comm(rank, world, name, round_bytes=64 * 1024, **comm_kwargs)
     try:
         x = make_input(77, rank, world * n, dtype)
         out = torch.empty_like(x)

@@ -58,11 +58,12 @@ def bad_inputs(rank: int, world: int, name: str) -> List[tuple]:
     return out
 
 
-def mismatch(rank: int, world: int, name: str, kind: str) -> List[Optional[str]]:
-    """Rank 1 disagrees with the others in `kind`; returns the outcome of that
-    call and of one more call afterwards."""
-    comm = make_comm(rank, world, name, timeout=20)
-    odd = rank == 1
+def mismatch(rank: int, world: int, name: str, kind: str, odd_rank: int = 1,
+             **comm_kwargs) -> List[Optional[str]]:
+    """Rank `odd_rank` disagrees with the others in `kind`; returns the outcome
+    of that call and of one more call afterwards."""
+    comm = make_comm(rank, world, name, timeout=20, **comm_kwargs)
+    odd = rank == odd_rank
     x = torch.randn(1000)
     calls = {
         "count": lambda: comm.all_reduce(torch.randn(999 if odd else 1000)),
@@ -80,9 +81,9 @@ def mismatch(rank: int, world: int, name: str, kind: str) -> List[Optional[str]]
     return [first, after]
 
 
-def late_peer(rank: int, world: int, name: str, timeout: float) -> tuple:
+def late_peer(rank: int, world: int, name: str, timeout: float, **comm_kwargs) -> tuple:
     """Rank 1 arrives long after the timeout: rank 0 must give up in time."""
-    comm = make_comm(rank, world, name, timeout=timeout)
+    comm = make_comm(rank, world, name, timeout=timeout, **comm_kwargs)
     comm.all_reduce(torch.ones(8))
     if rank == 1:
         time.sleep(timeout + 1.5)
@@ -93,11 +94,12 @@ def late_peer(rank: int, world: int, name: str, timeout: float) -> tuple:
     return err, elapsed
 
 
-def stream_until_killed(rank: int, world: int, name: str, victim: int, after: int, timeout: float) -> tuple:
+def stream_until_killed(rank: int, world: int, name: str, victim: int, after: int, timeout: float,
+                        **comm_kwargs) -> tuple:
     """A stream of collectives of mixed sizes; rank `victim` SIGKILLs itself
     after `after` of them. Survivors report their error and how long they
     took to notice."""
-    comm = make_comm(rank, world, name, timeout=timeout)
+    comm = make_comm(rank, world, name, timeout=timeout, **comm_kwargs)
     sizes = [1, 1000, 100_000, 7, 300_000]
     last_ok = time.monotonic()
     for i in range(10_000):

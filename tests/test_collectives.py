@@ -4,7 +4,7 @@ divide evenly into chunks or rounds; results checked against a float64
 reference and required to be bitwise identical on every rank."""
 import pytest
 
-from collective_cases import sweep
+from collective_cases import matrix_failures, sweep
 
 ALGOS = {
     "all_reduce": ["ring", "tree", "direct", "auto"],
@@ -18,12 +18,5 @@ ALGOS = {
 @pytest.mark.parametrize("world", list(range(1, 9)))
 def test_collective_matrix(pool8, coll, world):
     per_rank = pool8.run(sweep, world, pool8.new_name(), coll, ALGOS[coll], world=world)
-    failures = []
-    for i, (key, _, _) in enumerate(per_rank[0]):
-        errors = [(r, res[i][1]) for r, res in enumerate(per_rank) if res[i][1]]
-        if errors:
-            failures.append(f"{key}: " + "; ".join(f"rank {r}: {e}" for r, e in errors[:2]))
-        digests = {res[i][2] for res in per_rank}
-        if len(digests) != 1:
-            failures.append(f"{key}: ranks disagree bitwise")
+    failures = matrix_failures(per_rank)
     assert not failures, f"{len(failures)} failing cases of {len(per_rank[0])}:\n" + "\n".join(failures[:20])

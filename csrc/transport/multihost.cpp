@@ -1,6 +1,10 @@
 #include "multihost.h"
 
+#include <condition_variable>
 #include <cstring>
+#include <exception>
+#include <mutex>
+#include <thread>
 
 #include "../algorithms/algorithms.h"
 #include "../kernels/kernels.h"
@@ -47,16 +51,40 @@ void MultiHostTransport::run(const CollectiveDesc& desc, uint64_t seq) {
   }
   // 1. Entry check: the ranks of each host agree (shared memory), and each
   //    host agrees with every other (every cross group spans all hosts), so
-  //    the whole job agrees before any data moves, and a mismatch raises on
-  //    every rank.
+  //    the whole job agrees before any data moves. A host whose ranks
+  //    disagree still joins the check between hosts, as "invalid": that
+  //    fails every cross group, so every rank of the job raises.
   CollectiveDesc check = desc;
   check.check_only = true;
-  c_.local->run(check, seq);
+  std::string local_error;
+  try {
+    c_.local->run(check, seq);
+  } catch (const CommError& e) {
+    local_error = e.what();
+    check.coll = Collective::kInvalid;
+  }
   c_.cross->run(check, seq);
+  if (!local_error.empty()) throw CommError(local_error);
   if (desc.check_only || desc.coll == Collective::kBarrier || desc.coll == Collective::kInvalid) return;
   CollectiveDesc d = desc;
   d.checked = true;
-  // 2. Run it.
+  try {
+    dispatch(d, seq);
+  } catch (const CommError& e) {
+    // The host's other ranks may wait on us inside the host: fail them now
+    // rather than at their timeout.
+    c_.local->abort(e.what());
+    throw;
+  }
+}
+
+void MultiHostTransport::abort(const std::string& why) {
+  c_.local->abort(why);
+  c_.flat->abort(why);
+  if (c_.cross) c_.cross->abort(why);
+}
+
+void MultiHostTransport::dispatch(const CollectiveDesc& d, uint64_t seq) {
   if (d.algo == Algorithm::kHierLeader) {
     all_reduce_leader(d, seq);
   } else if (d.algo == Algorithm::kHierShard) {
@@ -72,8 +100,12 @@ void MultiHostTransport::run(const CollectiveDesc& desc, uint64_t seq) {
   }
 }
 
-void MultiHostTransport::local(Collective coll, const CollectiveDesc& outer, uint64_t count, const void* in,
-                               void* out, int root, uint64_t seq) {
+namespace {
+
+// One step of a hierarchical call: the call's dtype, its op as the steps run
+// it, the step's own buffers.
+CollectiveDesc step_desc(Collective coll, const CollectiveDesc& outer, uint64_t count, const void* in, void* out,
+                         int root) {
   CollectiveDesc d;
   d.coll = coll;
   d.dtype = outer.dtype;
@@ -82,26 +114,24 @@ void MultiHostTransport::local(Collective coll, const CollectiveDesc& outer, uin
   d.count = count;
   d.input = in;
   d.output = out;
-  const size_t bytes = count * dtype_size(d.dtype) * (coll == Collective::kReduceScatter ||
-                                                              coll == Collective::kAllGather
-                                                          ? local_size_
-                                                          : 1);
-  d.algo = tune(Algorithm::kAuto, coll, bytes, local_size_);
+  return d;
+}
+
+}  // namespace
+
+void MultiHostTransport::local(Collective coll, const CollectiveDesc& outer, uint64_t count, const void* in,
+                               void* out, int root, uint64_t seq) {
+  CollectiveDesc d = step_desc(coll, outer, count, in, out, root);
+  const bool sharded = coll == Collective::kReduceScatter || coll == Collective::kAllGather;
+  d.algo = tune(Algorithm::kAuto, coll, count * dtype_size(d.dtype) * (sharded ? local_size_ : 1), local_size_);
   c_.local->run(d, seq);
 }
 
 void MultiHostTransport::cross(Collective coll, const CollectiveDesc& outer, uint64_t count, const void* in,
                                void* out, int root, uint64_t seq) {
-  CollectiveDesc d;
-  d.coll = coll;
+  CollectiveDesc d = step_desc(coll, outer, count, in, out, root);
   d.algo = outer.inter;
-  d.dtype = outer.dtype;
-  d.op = inner_op(outer.op);
-  d.root = root;
-  d.count = count;
-  d.input = in;
-  d.output = out;
-  d.checked = true;
+  d.checked = true;  // by the entry check
   c_.cross->run(d, seq);
 }
 
@@ -109,26 +139,123 @@ void MultiHostTransport::all_reduce_shard(const CollectiveDesc& d, uint64_t seq)
   const size_t es = dtype_size(d.dtype);
   const uint64_t n = d.count;
   const uint64_t L = local_size_;
-  const uint64_t m = (n + L - 1) / L;  // shard elements
-  const bool padded = m * L != n;
-  char* ws = workspace((padded ? m * L * es : 0) + m * es);
-  char* full = padded ? ws : nullptr;
-  char* shard = ws + (padded ? m * L * es : 0);
-  const void* src = d.input;
-  if (padded) {
-    // Shards must be equal: pad with zeros, which reduce to zeros and are
-    // dropped at the end.
-    std::memcpy(full, d.input, n * es);
-    std::memset(full + n * es, 0, (m * L - n) * es);
-    src = full;
+  // Segments of a multiple of L elements (only the last may be padded);
+  // their steps overlap: shared memory works on one segment while the
+  // network carries another.
+  // At least 8 segments where they stay above 256 KiB: the first reduce and
+  // the last gather do not overlap anything, so they should be short.
+  const size_t sb = std::min(c_.segment_bytes, std::max<size_t>(256 << 10, n * es / 8));
+  const uint64_t P = std::max<uint64_t>(1, std::min<uint64_t>((n * es + sb - 1) / sb, n / L));
+  const uint64_t seg = (n + P - 1) / P;
+  const uint64_t seg_elems = (seg + L - 1) / L * L;
+  struct Segment {
+    uint64_t first, count, m;
+    size_t full_off, shard_off;  // in the workspace
+    char* full;                  // padded copy, or null
+    char* shard;                 // this rank's shard of it
+  };
+  std::vector<Segment> segs;
+  size_t bytes = 0;
+  for (uint64_t first = 0; first < n; first += seg_elems) {
+    const uint64_t cnt = std::min<uint64_t>(seg_elems, n - first);
+    const uint64_t m = (cnt + L - 1) / L;
+    const size_t full_bytes = m * L != cnt ? m * L * es : 0;
+    segs.push_back({first, cnt, m, bytes, bytes + full_bytes, nullptr, nullptr});
+    bytes += full_bytes + m * es;
   }
+  char* ws = workspace(bytes);
+  for (Segment& g : segs) {
+    if (g.shard_off != g.full_off) g.full = ws + g.full_off;
+    g.shard = ws + g.shard_off;
+  }
+  const auto* in = static_cast<const char*>(d.input);
+  auto* out = static_cast<char*>(d.output);
+
   // 1. Inside the host: local rank j gets the host's reduction of shard j.
-  local(Collective::kReduceScatter, d, m, src, shard, 0, seq);
+  auto reduce_in_host = [&](const Segment& g) {
+    const void* src = in + g.first * es;
+    if (g.full) {
+      // Shards must be equal: pad with zeros, which reduce to zeros and are
+      // dropped at the end.
+      std::memcpy(g.full, src, g.count * es);
+      std::memset(g.full + g.count * es, 0, (g.m * L - g.count) * es);
+      src = g.full;
+    }
+    local(Collective::kReduceScatter, d, g.m, src, g.shard, 0, seq);
+  };
   // 2. Between hosts: reduce shard j with local rank j of every other host.
-  cross(Collective::kAllReduce, d, m, shard, shard, 0, seq);
+  auto reduce_across = [&](const Segment& g) { cross(Collective::kAllReduce, d, g.m, g.shard, g.shard, 0, seq); };
   // 3. Inside the host: gather the finished shards.
-  local(Collective::kAllGather, d, m, shard, padded ? full : d.output, 0, seq);
-  if (padded) std::memcpy(d.output, full, n * es);
+  auto gather_in_host = [&](const Segment& g) {
+    local(Collective::kAllGather, d, g.m, g.shard, g.full ? g.full : out + g.first * es, 0, seq);
+    if (g.full) std::memcpy(out + g.first * es, g.full, g.count * es);
+  };
+
+  if (segs.size() == 1) {
+    reduce_in_host(segs[0]);
+    reduce_across(segs[0]);
+    gather_in_host(segs[0]);
+  } else {
+    // Step 2 runs on a helper thread, segment after segment as step 1 hands
+    // them over. This thread issues the shared-memory steps in a fixed
+    // order (reduce k+1, then gather k), the same on every local rank
+    // whatever the timing.
+    std::mutex mu;
+    std::condition_variable cv;
+    size_t reduced = 0, crossed = 0;
+    bool stop = false;
+    std::exception_ptr cross_error;
+    std::thread helper([&] {
+      try {
+        for (size_t k = 0; k < segs.size(); ++k) {
+          {
+            std::unique_lock<std::mutex> lk(mu);
+            cv.wait(lk, [&] { return reduced > k || stop; });
+            if (stop) return;
+          }
+          reduce_across(segs[k]);
+          std::lock_guard<std::mutex> lk(mu);
+          crossed = k + 1;
+          cv.notify_all();
+        }
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(mu);
+        cross_error = std::current_exception();
+        cv.notify_all();
+      }
+    });
+    auto handed = [&](size_t k) {
+      std::lock_guard<std::mutex> lk(mu);
+      reduced = k + 1;
+      cv.notify_all();
+    };
+    auto wait_crossed = [&](size_t k) {
+      std::unique_lock<std::mutex> lk(mu);
+      cv.wait(lk, [&] { return crossed > k || cross_error; });
+      if (cross_error) std::rethrow_exception(cross_error);
+    };
+    try {
+      reduce_in_host(segs[0]);
+      handed(0);
+      for (size_t k = 1; k < segs.size(); ++k) {
+        reduce_in_host(segs[k]);
+        handed(k);
+        wait_crossed(k - 1);
+        gather_in_host(segs[k - 1]);
+      }
+      wait_crossed(segs.size() - 1);
+      gather_in_host(segs.back());
+    } catch (...) {
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        stop = true;
+        cv.notify_all();
+      }
+      helper.join();
+      throw;
+    }
+    helper.join();
+  }
   finish_avg(d, d.output, n, c_.world);
 }
 

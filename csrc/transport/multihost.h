@@ -32,6 +32,9 @@ struct MultiHostConfig {
   int local_rank = 0;
   // host_ranks[h][j]: the communicator rank of local rank j on host h.
   std::vector<std::vector<int>> host_ranks;
+  // A sharded all-reduce larger than this is cut into segments whose
+  // shared-memory and network steps overlap.
+  size_t segment_bytes = 4 << 20;
 };
 
 class MultiHostTransport : public Transport {
@@ -41,8 +44,10 @@ class MultiHostTransport : public Transport {
   void run(const CollectiveDesc& desc, uint64_t seq) override;
   int rank() const override { return c_.rank; }
   int world() const override { return c_.world; }
+  void abort(const std::string& why) override;
 
  private:
+  void dispatch(const CollectiveDesc& d, uint64_t seq);
   void all_reduce_shard(const CollectiveDesc& d, uint64_t seq);
   void all_reduce_leader(const CollectiveDesc& d, uint64_t seq);
   void reduce_scatter(const CollectiveDesc& d, uint64_t seq);

@@ -37,7 +37,7 @@ struct PgConfig {
   // is members[rank].
   std::vector<int> members;
   int rank = 0;
-  size_t round_bytes = 2 << 20;
+  size_t round_bytes = 4 << 20;
   int window = 4;
   // Transports sharing one backend use different tag spaces (0 or 1).
   int tag_space = 0;
@@ -63,7 +63,7 @@ class PgTransport : public Transport {
   void set_timeout(double seconds) { timeout_s_.store(seconds); }
   // Makes this rank's later operations fail with `why` (peers learn of it
   // from their own waits; see the reliability notes in README).
-  void abort(const std::string& why);
+  void abort(const std::string& why) override;
 
  private:
   struct Ctx {

@@ -73,7 +73,7 @@ class ShmTransport : public Transport {
   // timing out.
   void shutdown();
   // Makes every rank's current and future operations fail with `why`.
-  void abort(const std::string& why);
+  void abort(const std::string& why) override;
 
   bool aborted() const;
   std::string abort_message() const;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "../collective.h"
 
@@ -20,6 +21,9 @@ class Transport {
   virtual void run(const CollectiveDesc& desc, uint64_t seq) = 0;
   virtual int rank() const = 0;
   virtual int world() const = 0;
+  // Makes this rank's later operations fail with `why`, and its peers' too
+  // where the transport can reach them without waiting (shared memory can).
+  virtual void abort(const std::string& why) = 0;
 };
 
 }  // namespace pycomm

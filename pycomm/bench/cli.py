@@ -15,7 +15,7 @@ from ..communicator import parse_size as parse_bytes
 from .report import HEADER, format_size, plot, summary, write_json
 
 COLLECTIVES = ["all_reduce", "reduce_scatter", "all_gather", "broadcast"]
-ALGOS = ["ring", "tree", "direct", "auto"]
+ALGOS = ["ring", "tree", "direct", "hierarchical", "auto"]
 
 
 def parse_size(text: str) -> int:
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--stepfactor", type=int, default=4, help="multiply the size by this each step (default 4)")
     p.add_argument("-c", "--collective", choices=COLLECTIVES, default="all_reduce")
     p.add_argument("-a", "--algorithms", default="ring,tree,direct,auto",
-                   help="comma-separated pycomm algorithms (ring, tree, direct, auto)")
+                   help="comma-separated pycomm algorithms (ring, tree, direct, hierarchical, auto)")
     p.add_argument("-d", "--dtype", default="float32", help="float32, float64, float16, bfloat16, int32, int64")
     p.add_argument("-o", "--op", default="sum", choices=["sum", "avg", "max", "min"])
     p.add_argument("-n", "--iters", type=int, default=None, help="timed iterations per point (default: by size)")
@@ -107,7 +107,7 @@ def _rank_main(rank: int, world: int, port: Optional[int], args: argparse.Namesp
               f"algorithms {','.join(algos)}, baseline {'none' if args.no_baseline else dist.get_backend()}")
         print(f"# host {socket.gethostname()} ({platform.machine()}, {os.cpu_count()} cpus), torch {torch.__version__}, "
               f"pycomm {pycomm.__version__}, shm round {format_size(comm._c.round_bytes)}B, "
-              f"local ranks {comm.local_size}")
+              f"hosts {comm.num_hosts} x local ranks {comm.local_size}, transport {comm.transport}")
         print("# time: median per call of the slowest rank; busbw = algbw x nccl-tests factor; "
               "#wrong: elements off the closed-form result")
         print(HEADER, flush=True)

@@ -1,0 +1,215 @@
+"""Beyond one host.
+
+* The collective matrix with every transfer forced through the process-group
+  transport (one host, Gloo over loopback), world sizes 1-8.
+* The matrix on simulated hosts (``local_size`` override: consecutive blocks
+  of ranks count as hosts), where "auto" and "hierarchical" run shared memory
+  inside a host and the process group between hosts.
+* Compressed all-reduce and all-to-all over both.
+* Errors across hosts: ranks that disagree (also where the per-host shards
+  would agree), a late peer, a killed peer: CommError on every rank, no hang.
+* The tuner's choices; and, where network namespaces work (root), a real run
+  on the multi-host testbed (benchmarks/multihost/testbed.py).
+"""
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+import pycomm
+from collective_cases import check_reduction, make_input, matrix_failures, sweep
+from compressed_cases import run_all_to_all, run_cases, run_mismatch
+from error_cases import late_peer, mismatch, stream_until_killed
+from harness import RankPool
+from multihost_cases import STREAM_KINDS, STREAM_SIZES, mixed_stream, topology
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+ALGOS = {
+    "all_reduce": ["ring", "tree", "direct", "auto", "hierarchical"],
+    "reduce_scatter": ["ring", "direct", "auto", "hierarchical"],
+    "all_gather": ["ring", "direct", "auto", "hierarchical"],
+    "broadcast": ["ring", "tree", "direct", "auto", "hierarchical"],
+}
+PG_WORLDS = [1, 2, 3, 5]
+# (hosts, ranks per host)
+LAYOUTS = [(2, 2), (3, 2), (2, 3), (2, 4), (4, 1)]
+
+
+def _assert_matrix(per_rank):
+    failures = matrix_failures(per_rank)
+    assert not failures, f"{len(failures)} failing cases of {len(per_rank[0])}:\n" + "\n".join(failures[:20])
+
+
+@pytest.mark.parametrize("coll", list(ALGOS))
+@pytest.mark.parametrize("world", PG_WORLDS)
+def test_matrix_over_the_process_group(pool8, coll, world):
+    _assert_matrix(pool8.run(sweep, world, pool8.new_name(), coll, ALGOS[coll], world=world, transport="pg"))
+
+
+@pytest.mark.parametrize("coll", list(ALGOS))
+@pytest.mark.parametrize("hosts,local", LAYOUTS)
+def test_matrix_on_simulated_hosts(pool8, coll, hosts, local):
+    world = hosts * local
+    _assert_matrix(pool8.run(sweep, world, pool8.new_name(), coll, ALGOS[coll], world=world, local_size=local))
+
+
+def test_topology_and_tuner_choices(pool8):
+    sizes = [1024, 1 << 20, 64 << 20]
+    res = pool8.run(topology, 4, pool8.new_name(), sizes, world=4, local_size=2)
+    assert [(r["host"], r["local_rank"]) for r in res] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for r in res:
+        assert (r["num_hosts"], r["local_size"], r["transport"]) == (2, 2, "shm+process_group")
+        # Small tensors through one leader per host, large ones sharded over
+        # every local rank; "ring" is a flat ring over all ranks.
+        assert r["auto"][1024].startswith("hier(leader)+"), r["auto"]
+        assert r["auto"][64 << 20].startswith("hier(shard)+"), r["auto"]
+        assert r["hier_rs"].startswith("hier(shard)+"), r["hier_rs"]
+        assert r["ring"] == "ring"
+    one = pool8.run(topology, 2, pool8.new_name(), sizes, world=2)
+    assert all(r["num_hosts"] == 1 and r["transport"] == "shm" for r in one)
+    forced = pool8.run(topology, 2, pool8.new_name(), sizes, world=2, transport="pg")
+    assert all(r["transport"] == "process_group" for r in forced)
+
+
+def test_tuner_is_a_pure_function():
+    core = pycomm.load_core()
+    ar, rs, bc = 0, 1, 3
+    hier = pycomm.communicator.ALGORITHMS["hierarchical"]
+    assert core.tune_multihost(0, ar, 1 << 26, 4, 1) == ("ring", "ring")  # one rank per host: flat
+    assert core.tune_multihost(0, ar, 1000, 4, 1)[0] == "direct(one-shot)"
+    assert core.tune_multihost(3, ar, 1 << 26, 4, 1)[0] == "direct(two-shot)"  # "direct" stays direct
+    assert core.tune_multihost(0, ar, 100, 4, 2) == ("hier(leader)", "direct(one-shot)")
+    assert core.tune_multihost(0, ar, 1 << 26, 2, 4) == ("hier(shard)", "ring")
+    assert core.tune_multihost(hier, rs, 1 << 20, 2, 2)[0] == "hier(shard)"
+    assert core.tune_multihost(0, bc, 1 << 26, 3, 2) == ("hier(shard)", "ring")
+    # Hosts of different sizes: flat only.
+    assert core.tune_multihost(hier, ar, 1 << 26, 3, 0)[0] == "ring"
+
+
+@pytest.mark.parametrize("kw", [dict(transport="pg"), dict(local_size=2)], ids=["pg", "2x2"])
+def test_async_stream_of_mixed_collectives(pool8, kw):
+    world, steps = 4, 24
+    per_rank = pool8.run(mixed_stream, world, pool8.new_name(), steps, world=world, **kw)
+    for i in range(steps):
+        n = STREAM_SIZES[i % len(STREAM_SIZES)]
+        kind = STREAM_KINDS[i % len(STREAM_KINDS)]
+        for r in range(world):
+            got = per_rank[r][i]
+            if kind == "all_reduce":
+                err = check_reduction(got, [make_input(i, q, n, torch.float32) for q in range(world)], "sum",
+                                      torch.float32)
+                assert err is None, (i, r, err)
+            elif kind == "all_gather":
+                assert torch.equal(got, torch.cat([make_input(i, q, n, torch.float32) for q in range(world)])), (i, r)
+            elif kind == "broadcast":
+                assert torch.equal(got, make_input(i, i % world, n, torch.float32)), (i, r)
+            else:
+                xs = [make_input(i, q, world * n, torch.float32)[r * n:(r + 1) * n] for q in range(world)]
+                assert check_reduction(got, xs, "sum", torch.float32) is None, (i, r)
+
+
+@pytest.mark.parametrize("kw,world", [(dict(transport="pg"), 3), (dict(local_size=2), 4), (dict(local_size=1), 3)],
+                         ids=["pg", "2x2", "3x1"])
+def test_compressed_all_reduce_and_all_to_all(pool8, kw, world):
+    from test_compressed_collectives import check_case
+
+    cases = []
+    for seed, codec in enumerate(("int8", "int4-stoch", "topk")):
+        for n in (1, 1021, 16411):
+            cases.append((100 + seed * 10 + n % 7, codec, n, torch.float32, "sum"))
+    per_rank = pool8.run(run_cases, world, pool8.new_name(), cases, world=world, **kw)
+    for i, case in enumerate(cases):
+        check_case(case, [res[i] for res in per_rank], world)
+    outs = pool8.run(run_all_to_all, world, pool8.new_name(), 1000, torch.float64, world=world, **kw)
+    xs = [make_input(77, r, world * 1000, torch.float64) for r in range(world)]
+    for r, out in enumerate(outs):
+        exp = torch.cat([xs[q][r * 1000:(r + 1) * 1000] for q in range(world)])
+        assert torch.equal(out, exp)
+    msgs = pool8.run(run_mismatch, world, pool8.new_name(), world=world, **kw)
+    assert all("disagree" in m for m in msgs), msgs
+
+
+@pytest.mark.parametrize("kind", ["count", "count, same shards", "dtype", "op", "collective", "algorithm", "root",
+                                  "invalid on one rank", "barrier vs all_reduce"])
+@pytest.mark.parametrize("kw,odd", [(dict(local_size=2), 1), (dict(local_size=2), 2), (dict(transport="pg"), 2)],
+                         ids=["2x2-same-host", "2x2-other-host", "pg"])
+def test_mismatch_raises_on_every_rank(pool8, kind, kw, odd):
+    if kind == "count, same shards":
+        kind = "count"  # 999 vs 1000 elements: 500-element shards on 2 local ranks either way
+    results = pool8.run(mismatch, 4, pool8.new_name(), kind, odd_rank=odd, world=4, timeout=60, **kw)
+    for rank, (first, after) in enumerate(results):
+        assert first and first.startswith("CommError: "), f"rank {rank}: {first}"
+        if kind == "invalid on one rank" and rank == odd:
+            assert "not contiguous" in first
+        else:
+            assert "disagree" in first or "invalid" in first, f"rank {rank}: {first}"
+        assert after and after.startswith("CommError: "), f"rank {rank} continued after a mismatch: {after}"
+
+
+@pytest.mark.parametrize("kw", [dict(transport="pg"), dict(local_size=1)], ids=["pg", "3x1"])
+def test_late_peer_times_out_on_time(pool8, kw):
+    timeout = 1.5
+    results = pool8.run(late_peer, 3, pool8.new_name(), timeout, world=3, timeout=60, **kw)
+    err0, elapsed0 = results[0]
+    assert err0 and "timed out" in err0 and "rank 1" in err0, err0
+    assert elapsed0 < timeout + 1.0, elapsed0
+    assert results[1][0], "the late rank went on as if nothing happened"
+
+
+@pytest.mark.parametrize("kw,world,victim", [(dict(transport="pg"), 3, 1), (dict(local_size=2), 4, 2)],
+                         ids=["pg", "2x2"])
+def test_killed_rank_fails_every_survivor_in_time(kw, world, victim):
+    """kill -9 one rank in a stream of collectives: every survivor raises
+    CommError within the timeout (+1 s), and ranks that wait on it directly
+    name it."""
+    before = set(os.listdir("/dev/shm"))
+    timeout = 4.0
+    pool = RankPool(world)
+    try:
+        out = pool.run_expect(stream_until_killed, world, pool.new_name(), victim, 23, timeout, timeout=120, **kw)
+    finally:
+        pool.close()
+    named = 0
+    for rank, (status, value) in enumerate(out):
+        if rank == victim:
+            assert status == "dead", (rank, status, value)
+            continue
+        assert status == "ok", (rank, value)
+        err, noticed_after, _ = value
+        assert err, f"rank {rank} never noticed"
+        assert noticed_after < timeout + 1.0, (rank, noticed_after, err)
+        named += f"rank {victim}" in err
+    assert named >= 1, [v for _, v in out]
+    leaked = [f for f in set(os.listdir("/dev/shm")) - before if f.startswith("pycomm.")]
+    assert not leaked, leaked
+
+
+def _testbed():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "multihost"))
+    import testbed
+
+    return testbed
+
+
+def test_testbed_two_hosts_two_ranks_each():
+    """The real thing: two network namespaces joined by a shaped link."""
+    if os.geteuid() != 0:
+        pytest.skip("the multi-host testbed needs root")
+    tb = _testbed()
+    why = tb.supported()
+    if why:
+        pytest.skip(f"network namespaces unavailable here: {why}")
+    env = {"PYTHONPATH": os.pathsep.join([os.path.join(ROOT), os.environ.get("PYTHONPATH", "")])}
+    with tempfile.TemporaryFile(mode="w+") as log, tb.Testbed(hosts=2, rate="1gbit", delay="0.1ms") as bed:
+        code = bed.launch(2, [os.path.join(ROOT, "tests", "testbed_check.py")], env=env, timeout=240, stdout=log)
+        log.seek(0)
+        text = log.read()
+    assert code == 0, text[-3000:]
+    assert "testbed-check ok hosts=2 local_size=2 transport=shm+process_group" in text, text[-3000:]
+    # Nothing of the testbed is left behind.
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert bed.token not in left

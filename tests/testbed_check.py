@@ -1,0 +1,53 @@
+"""Run by torchrun inside the multi-host testbed (tests/test_multihost.py):
+every collective and algorithm on real separate network namespaces, checked
+against closed-form results. Prints one line "testbed-check ok <details>" on
+rank 0 when everything matched."""
+import datetime
+
+import torch
+import torch.distributed as dist
+
+import pycomm
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = pycomm.Communicator(timeout=60)
+    bad = []
+    for n in (1, 1000, 262147):
+        base = torch.arange(n, dtype=torch.float64) % 11
+        for algo in ("ring", "tree", "direct", "hierarchical", "auto"):
+            x = (base + rank).float()
+            comm.all_reduce(x, algorithm=algo)
+            if not torch.equal(x, (base * world + world * (world - 1) / 2).float()):
+                bad.append(f"all_reduce n={n} {algo}")
+        for algo in ("ring", "direct", "hierarchical"):
+            out = torch.empty(world * n)
+            comm.all_gather(out, torch.full((n,), float(rank)), algorithm=algo)
+            if not torch.equal(out, torch.arange(world).float().repeat_interleave(n)):
+                bad.append(f"all_gather n={n} {algo}")
+            rs = torch.empty(n)
+            comm.reduce_scatter(rs, torch.arange(world * n, dtype=torch.float32) % 13, algorithm=algo)
+            exp = (torch.arange(world * n, dtype=torch.float32) % 13)[rank * n:(rank + 1) * n] * world
+            if not torch.equal(rs, exp):
+                bad.append(f"reduce_scatter n={n} {algo}")
+            b = torch.full((n,), float(rank))
+            comm.broadcast(b, src=world - 1, algorithm=algo)
+            if not torch.equal(b, torch.full((n,), float(world - 1))):
+                bad.append(f"broadcast n={n} {algo}")
+    flag = torch.tensor([len(bad)])
+    dist.all_reduce(flag)
+    if rank == 0:
+        if flag.item() == 0:
+            print(f"testbed-check ok hosts={comm.num_hosts} local_size={comm.local_size} "
+                  f"transport={comm.transport}", flush=True)
+        else:
+            print(f"testbed-check FAILED on some rank; rank 0: {bad}", flush=True)
+    comm.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
