@@ -84,6 +84,8 @@ def test_tuner_is_a_pure_function():
     assert core.tune_multihost(3, ar, 1 << 26, 4, 1)[0] == "direct(two-shot)"  # "direct" stays direct
     assert core.tune_multihost(0, ar, 100, 4, 2) == ("hier(leader)", "direct(one-shot)")
     assert core.tune_multihost(0, ar, 1 << 26, 2, 4) == ("hier(shard)", "ring")
+    assert core.tune_multihost(0, ar, 1 << 20, 2, 2) == ("ring", "ring")  # mid sizes: flat
+    assert core.tune_multihost(hier, ar, 1 << 20, 2, 2)[0] == "hier(shard)"  # unless asked
     assert core.tune_multihost(hier, rs, 1 << 20, 2, 2)[0] == "hier(shard)"
     assert core.tune_multihost(0, bc, 1 << 26, 3, 2) == ("hier(shard)", "ring")
     # Hosts of different sizes: flat only.

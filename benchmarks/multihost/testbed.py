@@ -169,7 +169,11 @@ class Testbed:
                timeout: Optional[float] = None, stdout=None) -> int:
         """Runs ``torchrun <command>`` on every host; returns the first non-zero exit code (or 0)."""
         port = random.randint(20000, 40000)
-        base_env = dict({"TORCH_CPP_LOG_LEVEL": "ERROR"}, **os.environ)
+        # The simulated hosts share this machine's cores: a rank that spins
+        # while it waits (pycomm does, briefly, on a host with a core per
+        # rank) would steal them from the other hosts and from the kernel,
+        # which runs the simulated network.
+        base_env = dict({"TORCH_CPP_LOG_LEVEL": "ERROR", "PYCOMM_SPIN_US": "5"}, **os.environ)
         base_env.update(GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1", **(env or {}))
         procs = []
         for h, ns in enumerate(self.names):

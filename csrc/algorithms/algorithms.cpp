@@ -130,10 +130,14 @@ Algorithm tune(Algorithm requested, Collective coll, size_t bytes, int world) {
 // on 4 hosts at 1 Gbit/s it reached 86-94% of the link where the ring
 // reached 90-94%.
 constexpr size_t kNetOneShotMaxBytes = 64 * 1024;
-// Below this a hierarchical all-reduce sends the whole tensor through one
-// leader per host: splitting a tiny tensor into per-rank shards only
-// multiplies the messages.
+// Hierarchical all-reduce by size (2 hosts x 2 ranks at 1 Gbit/s, RESULTS.md):
+// up to 16 KiB through one leader per host (3-9x faster than a flat call:
+// one small message per host crosses the network); from 4 MiB sharded over
+// every local rank (1.2-1.6x); in between a flat call wins, because the
+// three hierarchical phases each cost a synchronisation that the data no
+// longer hides.
 constexpr size_t kHierLeaderMaxBytes = 16 * 1024;
+constexpr size_t kHierShardMinBytes = 4 << 20;
 
 Algorithm tune_network(Algorithm requested, Collective coll, size_t bytes, int world) {
   if (coll == Collective::kBarrier || coll == Collective::kInvalid) return Algorithm::kOneShot;
@@ -156,8 +160,10 @@ Resolved tune_multihost(Algorithm requested, Collective coll, size_t bytes, int 
                          coll == Collective::kAllGather || coll == Collective::kBroadcast;
   // local_size 0: hosts have different numbers of ranks; only flat runs.
   const bool hier_ok = hier_coll && local_size > 0 && hosts > 1;
-  const bool want_hier =
-      hier_ok && (requested == Algorithm::kHier || (requested == Algorithm::kAuto && local_size > 1));
+  const bool auto_hier = requested == Algorithm::kAuto && local_size > 1 &&
+                         (coll != Collective::kAllReduce || bytes <= kHierLeaderMaxBytes ||
+                          bytes >= kHierShardMinBytes);
+  const bool want_hier = hier_ok && (requested == Algorithm::kHier || auto_hier);
   if (!want_hier) {
     const Algorithm flat = tune_network(requested == Algorithm::kHier ? Algorithm::kAuto : requested, coll,
                                         bytes, world);
