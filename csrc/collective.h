@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "algorithms/schedule.h"
@@ -40,5 +41,22 @@ std::string describe_tag(uint32_t tag);
 // "all_reduce(count=10, dtype=float32, op=sum, algorithm=ring)", for the
 // messages that report ranks disagreeing.
 std::string describe_call(const CollectiveDesc& d);
+
+// A call as ranks compare it before any data moves: shared memory keeps one
+// per header slot, the process-group transport sends it. No padding holes,
+// so two headers compare byte for byte.
+struct CallHeader {
+  uint64_t op;   // the transport's operation counter
+  uint64_t seq;  // the communicator's number of the user call
+  uint64_t count;
+  uint32_t tag;
+  int32_t root;
+  uint8_t coll, algo, inter, dtype, redop, check_only, pad[2];
+
+  static CallHeader of(const CollectiveDesc& d, uint64_t seq, uint64_t op);
+  CollectiveDesc desc() const;  // without buffers
+  bool same(const CallHeader& o) const { return std::memcmp(this, &o, sizeof o) == 0; }
+};
+static_assert(sizeof(CallHeader) == 40, "no padding holes");
 
 }  // namespace pycomm

@@ -50,6 +50,37 @@ std::string describe_call(const CollectiveDesc& d) {
   return os.str();
 }
 
+CallHeader CallHeader::of(const CollectiveDesc& d, uint64_t seq, uint64_t op) {
+  CallHeader h;
+  std::memset(&h, 0, sizeof h);
+  h.op = op;
+  h.seq = seq;
+  h.count = d.count;
+  h.tag = d.tag;
+  h.root = d.root;
+  h.coll = static_cast<uint8_t>(d.coll);
+  h.algo = static_cast<uint8_t>(d.algo);
+  h.inter = static_cast<uint8_t>(d.inter);
+  h.dtype = static_cast<uint8_t>(d.dtype);
+  h.redop = static_cast<uint8_t>(d.op);
+  h.check_only = d.check_only;
+  return h;
+}
+
+CollectiveDesc CallHeader::desc() const {
+  CollectiveDesc d;
+  d.coll = static_cast<Collective>(coll);
+  d.algo = static_cast<Algorithm>(algo);
+  d.inter = static_cast<Algorithm>(inter);
+  d.dtype = static_cast<DType>(dtype);
+  d.op = static_cast<RedOp>(redop);
+  d.root = root;
+  d.tag = tag;
+  d.count = count;
+  d.check_only = check_only;
+  return d;
+}
+
 int Schedule::num_chunks() const {
   switch (algo) {
     case Algorithm::kRing: return RingSchedule::num_chunks(coll, world);

@@ -31,48 +31,6 @@ uint32_t make_tag(int space, uint64_t op, uint64_t round, int step, int phase, i
 
 enum Loc : uint8_t { kNone, kInput, kOutput, kValue };
 
-// What every rank sends every other before a collective's data moves.
-struct PgHeader {
-  uint64_t op;
-  uint64_t seq;
-  uint64_t count;
-  uint32_t tag;
-  int32_t root;
-  uint8_t coll, algo, inter, dtype, redop, check_only;
-  uint8_t pad[64 - 38];
-};
-static_assert(sizeof(PgHeader) == 64, "fixed-size header");
-
-PgHeader make_header(const CollectiveDesc& d, uint64_t seq, uint64_t op) {
-  PgHeader h;
-  std::memset(&h, 0, sizeof h);
-  h.op = op;
-  h.seq = seq;
-  h.count = d.count;
-  h.tag = d.tag;
-  h.root = d.root;
-  h.coll = static_cast<uint8_t>(d.coll);
-  h.algo = static_cast<uint8_t>(d.algo);
-  h.inter = static_cast<uint8_t>(d.inter);
-  h.dtype = static_cast<uint8_t>(d.dtype);
-  h.redop = static_cast<uint8_t>(d.op);
-  h.check_only = d.check_only;
-  return h;
-}
-
-std::string describe(const PgHeader& h) {
-  CollectiveDesc d;
-  d.coll = static_cast<Collective>(h.coll);
-  d.algo = static_cast<Algorithm>(h.algo);
-  d.inter = static_cast<Algorithm>(h.inter);
-  d.dtype = static_cast<DType>(h.dtype);
-  d.op = static_cast<RedOp>(h.redop);
-  d.root = h.root;
-  d.tag = h.tag;
-  d.count = h.count;
-  return describe_call(d);
-}
-
 std::string first_line(const char* what) {
   std::string s(what);
   const size_t nl = s.find('\n');
@@ -255,17 +213,17 @@ void PgTransport::run(const CollectiveDesc& desc, uint64_t seq) {
 
 void PgTransport::exchange_headers(const Ctx& ctx) {
   // The buffers outlive a failed exchange: see run().
-  abandoned_buffers_.emplace_back(sizeof(PgHeader) * (world_ + 1));
-  auto* headers = reinterpret_cast<PgHeader*>(abandoned_buffers_.back().data());
-  headers[world_] = make_header(*ctx.desc, ctx.seq, ctx.op);
-  const PgHeader& mine = headers[world_];
+  abandoned_buffers_.emplace_back(sizeof(CallHeader) * (world_ + 1));
+  auto* headers = reinterpret_cast<CallHeader*>(abandoned_buffers_.back().data());
+  headers[world_] = CallHeader::of(*ctx.desc, ctx.seq, ctx.op);
+  const CallHeader& mine = headers[world_];
   headers[rank_] = mine;
   const uint32_t tag = make_tag(tag_space_, ctx.op, 0, kMaxSteps, 0, 0);
   std::vector<c10::intrusive_ptr<c10d::Work>> recvs(world_), sends(world_);
   for (int q = 0; q < world_; ++q)
-    if (q != rank_) recvs[q] = recv(&headers[q], sizeof(PgHeader), q, tag);
+    if (q != rank_) recvs[q] = recv(&headers[q], sizeof(CallHeader), q, tag);
   for (int q = 0; q < world_; ++q)
-    if (q != rank_) sends[q] = send(&mine, sizeof(PgHeader), q, tag);
+    if (q != rank_) sends[q] = send(&mine, sizeof(CallHeader), q, tag);
   for (int q = 0; q < world_; ++q) {
     try {
       wait(recvs[q], q, "it to enter this collective", ctx);
@@ -280,10 +238,11 @@ void PgTransport::exchange_headers(const Ctx& ctx) {
   // Every rank holds every header, so every rank reaches the same verdict,
   // and names the same pair: the first rank that differs from rank 0.
   for (int q = 1; q < world_; ++q) {
-    if (std::memcmp(&headers[q], &headers[0], sizeof(PgHeader)) == 0) continue;
+    if (headers[q].same(headers[0])) continue;
     std::ostringstream os;
     os << "pycomm: ranks disagree on collective #" << ctx.seq << ": rank " << name(0) << " called "
-       << describe(headers[0]) << " but rank " << name(q) << " called " << describe(headers[q]);
+       << describe_call(headers[0].desc()) << " but rank " << name(q) << " called "
+       << describe_call(headers[q].desc());
     if (headers[q].seq != headers[0].seq) os << " (as its collective #" << headers[q].seq << ")";
     for (auto& w : sends)
       if (w) abandoned_.push_back(w);

@@ -25,7 +25,7 @@ namespace pycomm {
 namespace {
 
 constexpr uint64_t kMagic = 0x314d4d4f43595075ull;  // "uPYCOMM1"
-constexpr uint32_t kLayoutVersion = 1;
+constexpr uint32_t kLayoutVersion = 2;
 constexpr size_t kPage = 4096;
 // Header slots per rank, indexed by seq % kHeaderSlots. A rank finishes
 // collective s only after every peer has published its header for s, so no
@@ -119,19 +119,15 @@ struct SegmentHeader {
   char abort_msg[2048];
 };
 
-// `op64` counts this transport's operations (the same on every local rank);
-// `seq` is the communicator's number of the user call it serves, which
-// several operations may share (a hierarchical or compressed collective).
+// `call.op` counts this transport's operations (the same on every local
+// rank); `call.seq` is the communicator's number of the user call it
+// serves, which several operations may share (a hierarchical or compressed
+// collective).
 struct HeaderSlot {
-  std::atomic<uint32_t> op;  // futex word: low bits of op64, stored last
-  uint8_t coll, algo, dtype, redop;
-  int32_t root;
-  uint32_t tag;
-  uint64_t count;
-  uint64_t op64;
-  uint64_t seq;
-  uint8_t inter, check_only;
-  char pad[64 - 42];
+  std::atomic<uint32_t> op;  // futex word: low bits of call.op, stored last
+  uint32_t unused;
+  CallHeader call;
+  char pad[64 - 48];
 };
 static_assert(sizeof(HeaderSlot) == 64, "one header per cache line");
 
@@ -542,11 +538,11 @@ void ShmTransport::wait_on(std::atomic<uint32_t>* word, int peer, const OpContex
     if (now >= ctx.deadline) {
       const HeaderSlot* last = &pc.headers[0];
       for (const auto& slot : pc.headers)
-        if (slot.op64 > last->op64) last = &slot;
+        if (slot.call.op > last->call.op) last = &slot;
       std::ostringstream os;
       os << "pycomm: " << collective_name(ctx.coll) << " #" << ctx.seq << " timed out after " << timeout_s_
          << " s on rank " << name(rank_) << " waiting for rank " << name(peer) << " (" << what << "); rank "
-         << name(peer) << " last entered collective #" << last->seq;
+         << name(peer) << " last entered collective #" << last->call.seq;
       fail(os.str());
     }
     if (i < yield_iters_) {
@@ -598,52 +594,21 @@ void ShmTransport::wait_round_free(uint64_t round, const OpContext& ctx) {
 void ShmTransport::publish_header(const CollectiveDesc& d, uint64_t seq, uint64_t op) {
   RankControl& me = controls_[rank_];
   HeaderSlot& h = me.headers[op % kHeaderSlots];
-  h.coll = static_cast<uint8_t>(d.coll);
-  h.algo = static_cast<uint8_t>(d.algo);
-  h.inter = static_cast<uint8_t>(d.inter);
-  h.dtype = static_cast<uint8_t>(d.dtype);
-  h.redop = static_cast<uint8_t>(d.op);
-  h.root = d.root;
-  h.tag = d.tag;
-  h.count = d.count;
-  h.check_only = d.check_only;
-  h.seq = seq;
-  h.op64 = op;
+  h.call = CallHeader::of(d, seq, op);
   h.op.store(static_cast<uint32_t>(op), std::memory_order_seq_cst);
   if (me.waiters.load(std::memory_order_seq_cst) > 0) futex_wake_all(&h.op);
 }
-
-namespace {
-
-std::string describe(const HeaderSlot& h) {
-  CollectiveDesc d;
-  d.coll = static_cast<Collective>(h.coll);
-  d.algo = static_cast<Algorithm>(h.algo);
-  d.inter = static_cast<Algorithm>(h.inter);
-  d.dtype = static_cast<DType>(h.dtype);
-  d.op = static_cast<RedOp>(h.redop);
-  d.root = h.root;
-  d.tag = h.tag;
-  d.count = h.count;
-  return describe_call(d);
-}
-
-}  // namespace
 
 void ShmTransport::check_header(int peer, const CollectiveDesc& d, uint64_t seq, const OpContext& ctx) {
   HeaderSlot& h = controls_[peer].headers[ctx.op % kHeaderSlots];
   const uint32_t target = static_cast<uint32_t>(ctx.op);
   wait_on(&h.op, peer, ctx, "it to enter this collective", [target](uint32_t v) { return reached(v, target); });
-  const HeaderSlot& mine = controls_[rank_].headers[ctx.op % kHeaderSlots];
-  const bool same = h.op64 == ctx.op && h.seq == mine.seq && h.coll == mine.coll && h.algo == mine.algo &&
-                    h.inter == mine.inter && h.dtype == mine.dtype && h.redop == mine.redop &&
-                    h.root == mine.root && h.tag == mine.tag && h.count == mine.count &&
-                    h.check_only == mine.check_only;
-  if (same) return;
+  const CallHeader& mine = controls_[rank_].headers[ctx.op % kHeaderSlots].call;
+  if (h.call.same(mine)) return;
   std::ostringstream os;
-  os << "pycomm: ranks disagree on collective #" << seq << ": rank " << name(rank_) << " called " << describe(mine)
-     << " but rank " << name(peer) << " called " << describe(h);
-  if (h.seq != mine.seq) os << " (as its collective #" << h.seq << ")";
+  os << "pycomm: ranks disagree on collective #" << seq << ": rank " << name(rank_) << " called "
+     << describe_call(mine.desc()) << " but rank " << name(peer) << " called " << describe_call(h.call.desc());
+  if (h.call.seq != mine.seq) os << " (as its collective #" << h.call.seq << ")";
   fail(os.str());
 }
 
