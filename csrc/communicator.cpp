@@ -143,7 +143,6 @@ Communicator::Communicator(const CommunicatorOptions& o)
     : rank_(o.rank), world_(o.world), timeout_s_(o.timeout_s) {
   if (world_ < 1 || rank_ < 0 || rank_ >= world_)
     throw CommError("pycomm: invalid rank " + std::to_string(rank_) + " of " + std::to_string(world_));
-  hosts_ = std::max<int>(1, static_cast<int>(o.host_ranks.size()));
   if (o.use_shm) {
     ShmConfig cfg;
     cfg.name = o.shm_name;
@@ -157,9 +156,9 @@ Communicator::Communicator(const CommunicatorOptions& o)
     local_ = std::make_unique<ShmTransport>(cfg);
     top_ = local_.get();
   }
+  PgConfig flat;
   if (o.backend) {
     // 1. Flat: every rank, in communicator order.
-    PgConfig flat;
     flat.backend = o.backend;
     for (int r = 0; r < world_; ++r) flat.members.push_back(r);
     flat.rank = rank_;
@@ -173,28 +172,23 @@ Communicator::Communicator(const CommunicatorOptions& o)
   if (local_ && flat_) {
     // 2. Several hosts. With the same number of ranks on every host, local
     //    rank j of every host forms a cross group (hierarchical collectives).
-    uniform_local_size_ = static_cast<int>(o.host_ranks[0].size());
-    for (const auto& h : o.host_ranks)
-      if (static_cast<int>(h.size()) != uniform_local_size_) uniform_local_size_ = 0;
+    bool uniform = true;
+    for (const auto& h : o.host_ranks) uniform = uniform && h.size() == o.host_ranks[0].size();
     MultiHostConfig mh;
     mh.local = local_.get();
     mh.flat = flat_.get();
     mh.rank = rank_;
     mh.world = world_;
-    mh.host = o.host;
     mh.local_rank = o.local_rank;
     mh.host_ranks = o.host_ranks;
     // Four shared-memory rounds: long enough that the shared-memory steps
     // run at full speed, short next to the segment's time on the network.
     mh.segment_bytes = 4 * o.round_bytes;
-    if (uniform_local_size_ > 0) {
-      PgConfig cross;
-      cross.backend = o.backend;
+    if (uniform) {
+      PgConfig cross = flat;
+      cross.members.clear();
       for (const auto& h : o.host_ranks) cross.members.push_back(h[o.local_rank]);
       cross.rank = o.host;
-      cross.round_bytes = o.pg_round_bytes;
-      cross.window = o.pg_window;
-      cross.timeout_s = o.timeout_s;
       cross.tag_space = 1;
       cross_ = std::make_unique<PgTransport>(cross);
       mh.cross = cross_.get();
@@ -320,7 +314,7 @@ Algorithm Communicator::choose(Collective coll, Algorithm algo, bool strict, siz
     }
   }
   if (multi_) {
-    const Resolved r = tune_multihost(algo, coll, bytes, hosts_, uniform_local_size_);
+    const Resolved r = tune_multihost(algo, coll, bytes, multi_->hosts(), multi_->uniform_local_size());
     *inter = r.inter;
     return r.algo;
   }
@@ -517,19 +511,15 @@ std::shared_ptr<Work> Communicator::all_reduce_compressed(const at::Tensor& inpu
   work->outputs_ = {output};
   // The algorithm object lives in the body: the op may run later, on the
   // progress thread, and only then touches the workspace.
-  Transport& transport = *top_;
-  Workspace& ws = workspace_;
+  std::shared_ptr<CompressedAllReduce> algo;
   if (codec.quantized()) {
-    auto algo = std::make_shared<QuantizedAllReduce>(transport, ws, codec, call);
-    work->stats_ = algo->stats();
-    work->seq_span_ = QuantizedAllReduce::kSeqSpan;
-    work->body_ = [algo](uint64_t seq) { algo->run(seq); };
+    algo = std::make_shared<QuantizedAllReduce>(*top_, workspace_, codec, call);
   } else {
-    auto algo = std::make_shared<SparseAllReduce>(transport, ws, codec, call);
-    work->stats_ = algo->stats();
-    work->seq_span_ = SparseAllReduce::kSeqSpan;
-    work->body_ = [algo](uint64_t seq) { algo->run(seq); };
+    algo = std::make_shared<SparseAllReduce>(*top_, workspace_, codec, call);
   }
+  work->stats_ = algo->stats();
+  work->seq_span_ = algo->seq_span();
+  work->body_ = [algo](uint64_t seq) { algo->run(seq); };
   return submit(std::move(work), async_op);
 }
 

@@ -160,8 +160,6 @@ class Communicator {
   int rank_ = 0;
   int world_ = 1;
   double timeout_s_ = 300;
-  int hosts_ = 1;
-  int uniform_local_size_ = 0;  // ranks per host, 0 if hosts differ
   std::unique_ptr<ShmTransport> local_;
   std::unique_ptr<PgTransport> flat_;
   std::unique_ptr<PgTransport> cross_;

@@ -202,11 +202,9 @@ Resolved tune_multihost(Algorithm requested, Collective coll, size_t bytes, int 
   }
   if (coll == Collective::kAllReduce && (bytes <= kHierLeaderMaxBytes || local_size == 1))
     return {Algorithm::kHierLeader, tune_network(Algorithm::kAuto, coll, bytes, hosts)};
-  // The inter-host part of a sharded all-reduce moves 1/local_size of the
-  // tensor; reduce-scatter and all-gather move one block per host.
-  const size_t inter_bytes = coll == Collective::kAllReduce ? bytes / local_size
-                             : coll == Collective::kBroadcast ? bytes
-                                                              : bytes / local_size;
+  // Between hosts a sharded all-reduce, reduce-scatter or all-gather moves
+  // 1/local_size of the tensor per rank; a broadcast moves all of it.
+  const size_t inter_bytes = coll == Collective::kBroadcast ? bytes : bytes / local_size;
   return {Algorithm::kHierShard, tune_network(Algorithm::kAuto, coll, inter_bytes, hosts)};
 }
 

@@ -8,6 +8,7 @@
 
 #include "../collective.h"
 #include "../common.h"
+#include "../transport/transport.h"
 
 namespace pycomm {
 
@@ -103,6 +104,33 @@ struct CompressedCall {
   void* output = nullptr;         // may equal input
   float* worker_residual = nullptr;  // n floats: error feedback of this rank's contribution
   float* server_residual = nullptr;  // shard floats: error feedback of the reduced shard
+};
+
+// What the compressed all-reduces share: the call, its codec, the transport
+// that runs their steps and the workspace their payloads live in. The
+// communicator runs one as a composite op: run(seq) uses the transport with
+// sequence numbers seq .. seq + seq_span() - 1.
+class CompressedAllReduce {
+ public:
+  CompressedAllReduce(Transport& transport, Workspace& workspace, const Codec& codec, const CompressedCall& call)
+      : transport_(transport),
+        workspace_(workspace),
+        codec_(codec),
+        call_(call),
+        rank_(transport.rank()),
+        world_(transport.world()) {}
+  virtual ~CompressedAllReduce() = default;
+  virtual void run(uint64_t seq) = 0;
+  virtual int seq_span() const = 0;
+  // Bytes this rank sends, and what the uncompressed all-reduce would send.
+  virtual CompressionStats stats() const = 0;
+
+ protected:
+  Transport& transport_;
+  Workspace& workspace_;
+  Codec codec_;
+  CompressedCall call_;
+  int rank_, world_;
 };
 
 // Stream key of stochastic rounding for one quantization of one call: fresh

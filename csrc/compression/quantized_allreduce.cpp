@@ -15,12 +15,7 @@ size_t QuantizedAllReduce::shard_elems(size_t n, int world, int block) {
 
 QuantizedAllReduce::QuantizedAllReduce(Transport& transport, Workspace& workspace, const Codec& codec,
                                        const CompressedCall& call)
-    : transport_(transport),
-      workspace_(workspace),
-      codec_(codec),
-      call_(call),
-      rank_(transport.rank()),
-      world_(transport.world()) {
+    : CompressedAllReduce(transport, workspace, codec, call) {
   shard_ = shard_elems(call.n, world_, codec.block);
   slot_ = Carver::align(kernels::quant_payload_bytes(shard_, codec.bits(), codec.block));
 }

@@ -14,10 +14,8 @@
 
 namespace pycomm {
 
-class QuantizedAllReduce {
+class QuantizedAllReduce : public CompressedAllReduce {
  public:
-  // Transport runs one call uses: seq and seq + 1.
-  static constexpr int kSeqSpan = 2;
 
   // Elements of each rank's shard: ceil(n / world) rounded up to whole
   // blocks, so no block straddles two shards. The server residual has this
@@ -25,18 +23,15 @@ class QuantizedAllReduce {
   static size_t shard_elems(size_t n, int world, int block);
 
   QuantizedAllReduce(Transport& transport, Workspace& workspace, const Codec& codec, const CompressedCall& call);
-  void run(uint64_t seq);
-  CompressionStats stats() const;
+  void run(uint64_t seq) override;
+  // Transport runs one call uses: seq and seq + 1.
+  int seq_span() const override { return 2; }
+  CompressionStats stats() const override;
 
  private:
   size_t shard_len(int q) const;
   void clear_slot_tail(uint8_t* slot, size_t len) const;
 
-  Transport& transport_;
-  Workspace& workspace_;
-  Codec codec_;
-  CompressedCall call_;
-  int rank_, world_;
   size_t shard_ = 0;  // elements per shard
   size_t slot_ = 0;   // bytes per shard payload, padded
 };

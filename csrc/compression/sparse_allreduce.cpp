@@ -15,12 +15,7 @@ constexpr size_t kCountBytes = 8;  // uint64 entry count leads each slot
 
 SparseAllReduce::SparseAllReduce(Transport& transport, Workspace& workspace, const Codec& codec,
                                  const CompressedCall& call)
-    : transport_(transport),
-      workspace_(workspace),
-      codec_(codec),
-      call_(call),
-      rank_(transport.rank()),
-      world_(transport.world()) {
+    : CompressedAllReduce(transport, workspace, codec, call) {
   const size_t n = call.n;
   k_ = n == 0 ? 0 : std::min(n, std::max<size_t>(1, static_cast<size_t>(std::llround(codec.ratio * n))));
   cap_ = kernels::topk_capacity(k_, n, codec.exact, codec.tolerance);

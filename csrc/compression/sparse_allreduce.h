@@ -10,22 +10,16 @@
 
 namespace pycomm {
 
-class SparseAllReduce {
+class SparseAllReduce : public CompressedAllReduce {
  public:
-  static constexpr int kSeqSpan = 1;
-
   SparseAllReduce(Transport& transport, Workspace& workspace, const Codec& codec, const CompressedCall& call);
-  void run(uint64_t seq);
-  CompressionStats stats() const;
+  void run(uint64_t seq) override;
+  int seq_span() const override { return 1; }
+  CompressionStats stats() const override;
   // Entries a rank may send: k, plus the approximate selection's tolerance.
   size_t capacity() const { return cap_; }
 
  private:
-  Transport& transport_;
-  Workspace& workspace_;
-  Codec codec_;
-  CompressedCall call_;
-  int rank_, world_;
   size_t k_ = 0;
   size_t cap_ = 0;
   size_t slot_ = 0;  // bytes: 8-byte count, values, indices, padded

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "../collective.h"
+#include "../kernels/kernels.h"
 
 namespace pycomm {
 
@@ -16,6 +17,13 @@ inline bool chunk_has_input(Collective coll, int chunk, int rank) {
 }
 inline bool chunk_has_output(Collective coll, int chunk, int rank) {
   return coll != Collective::kReduceScatter || chunk == rank;
+}
+
+// op=avg: every executor sums, then divides the output once by the number of
+// ranks whose data it summed.
+inline void finish_average(const CollectiveDesc& d, int world) {
+  if (d.op == RedOp::kAvg && (d.coll == Collective::kAllReduce || d.coll == Collective::kReduceScatter))
+    kernels::divide_cpu(d.dtype, d.output, d.count, static_cast<double>(world));
 }
 
 struct RoundLayout {

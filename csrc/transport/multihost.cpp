@@ -8,18 +8,15 @@
 
 #include "../algorithms/algorithms.h"
 #include "../kernels/kernels.h"
+#include "layout.h"
 
 namespace pycomm {
 
 namespace {
 
 // Sub-collectives sum where the call averages; the average is taken once,
-// over the whole job, at the end.
+// over the whole job, at the end (finish_average).
 RedOp inner_op(RedOp op) { return op == RedOp::kAvg ? RedOp::kSum : op; }
-
-void finish_avg(const CollectiveDesc& d, void* out, uint64_t count, int world) {
-  if (d.op == RedOp::kAvg) kernels::divide_cpu(d.dtype, out, count, static_cast<double>(world));
-}
 
 }  // namespace
 
@@ -256,7 +253,7 @@ void MultiHostTransport::all_reduce_shard(const CollectiveDesc& d, uint64_t seq)
     }
     helper.join();
   }
-  finish_avg(d, d.output, n, c_.world);
+  finish_average(d, c_.world);
 }
 
 void MultiHostTransport::all_reduce_leader(const CollectiveDesc& d, uint64_t seq) {
@@ -266,7 +263,7 @@ void MultiHostTransport::all_reduce_leader(const CollectiveDesc& d, uint64_t seq
   if (c_.local_rank == 0) cross(Collective::kAllReduce, d, d.count, d.output, d.output, 0, seq);
   // 3. Inside the host: the leader shares the result.
   local(Collective::kBroadcast, d, d.count, d.output, d.output, 0, seq);
-  finish_avg(d, d.output, d.count, c_.world);
+  finish_average(d, c_.world);
 }
 
 void MultiHostTransport::reduce_scatter(const CollectiveDesc& d, uint64_t seq) {
@@ -284,7 +281,7 @@ void MultiHostTransport::reduce_scatter(const CollectiveDesc& d, uint64_t seq) {
   local(Collective::kReduceScatter, d, d.count * H, a, b, 0, seq);
   // 3. Between hosts: host h's local rank j keeps block h, its own.
   cross(Collective::kReduceScatter, d, d.count, b, d.output, 0, seq);
-  finish_avg(d, d.output, d.count, c_.world);
+  finish_average(d, c_.world);
 }
 
 void MultiHostTransport::all_gather(const CollectiveDesc& d, uint64_t seq) {

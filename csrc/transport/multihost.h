@@ -28,7 +28,6 @@ struct MultiHostConfig {
   Transport* cross = nullptr;  // process group: this local rank on every host; null if hosts differ in size
   int rank = 0;
   int world = 1;
-  int host = 0;
   int local_rank = 0;
   // host_ranks[h][j]: the communicator rank of local rank j on host h.
   std::vector<std::vector<int>> host_ranks;
@@ -45,6 +44,9 @@ class MultiHostTransport : public Transport {
   int rank() const override { return c_.rank; }
   int world() const override { return c_.world; }
   void abort(const std::string& why) override;
+  int hosts() const { return hosts_; }
+  // Ranks per host, 0 where hosts differ in size (no hierarchical collectives).
+  int uniform_local_size() const { return c_.cross ? local_size_ : 0; }
 
  private:
   void dispatch(const CollectiveDesc& d, uint64_t seq);

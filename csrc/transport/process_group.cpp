@@ -197,6 +197,10 @@ void PgTransport::run(const CollectiveDesc& desc, uint64_t seq) {
     // (and the buffers, which the slots own) referenced, and refuse further
     // calls, whose tags could collide with the abandoned ones.
     broken_ = e.what();
+    for (auto& w : header_works_)
+      if (w) abandoned_.push_back(std::move(w));
+    header_works_.clear();
+    abandoned_buffers_.push_back(std::move(headers_));
     for (auto& slot : slots_) {
       for (auto& w : slot->recvs)
         if (w) abandoned_.push_back(std::move(w));
@@ -212,29 +216,21 @@ void PgTransport::run(const CollectiveDesc& desc, uint64_t seq) {
 }
 
 void PgTransport::exchange_headers(const Ctx& ctx) {
-  // The buffers outlive a failed exchange: see run().
-  abandoned_buffers_.emplace_back(sizeof(CallHeader) * (world_ + 1));
-  auto* headers = reinterpret_cast<CallHeader*>(abandoned_buffers_.back().data());
+  // headers_[q] is rank q's header, headers_[world_] ours as sent; on a
+  // failure run() keeps the buffer and the transfers alive.
+  headers_.resize(sizeof(CallHeader) * (world_ + 1));
+  auto* headers = reinterpret_cast<CallHeader*>(headers_.data());
   headers[world_] = CallHeader::of(*ctx.desc, ctx.seq, ctx.op);
   const CallHeader& mine = headers[world_];
   headers[rank_] = mine;
   const uint32_t tag = make_tag(tag_space_, ctx.op, 0, kMaxSteps, 0, 0);
-  std::vector<c10::intrusive_ptr<c10d::Work>> recvs(world_), sends(world_);
+  // header_works_[q]: the receive from q; [world_ + q]: the send to q.
+  header_works_.assign(2 * world_, {});
   for (int q = 0; q < world_; ++q)
-    if (q != rank_) recvs[q] = recv(&headers[q], sizeof(CallHeader), q, tag);
+    if (q != rank_) header_works_[q] = recv(&headers[q], sizeof(CallHeader), q, tag);
   for (int q = 0; q < world_; ++q)
-    if (q != rank_) sends[q] = send(&mine, sizeof(CallHeader), q, tag);
-  for (int q = 0; q < world_; ++q) {
-    try {
-      wait(recvs[q], q, "it to enter this collective", ctx);
-    } catch (...) {
-      for (auto& w : recvs)
-        if (w) abandoned_.push_back(w);
-      for (auto& w : sends)
-        if (w) abandoned_.push_back(w);
-      throw;
-    }
-  }
+    if (q != rank_) header_works_[world_ + q] = send(&mine, sizeof(CallHeader), q, tag);
+  for (int q = 0; q < world_; ++q) wait(header_works_[q], q, "it to enter this collective", ctx);
   // Every rank holds every header, so every rank reaches the same verdict,
   // and names the same pair: the first rank that differs from rank 0.
   for (int q = 1; q < world_; ++q) {
@@ -244,13 +240,9 @@ void PgTransport::exchange_headers(const Ctx& ctx) {
        << describe_call(headers[0].desc()) << " but rank " << name(q) << " called "
        << describe_call(headers[q].desc());
     if (headers[q].seq != headers[0].seq) os << " (as its collective #" << headers[q].seq << ")";
-    for (auto& w : sends)
-      if (w) abandoned_.push_back(w);
     throw CommError(os.str());
   }
-  for (int q = 0; q < world_; ++q)
-    if (q != rank_) wait(sends[q], q, "it to take this rank's header", ctx);
-  abandoned_buffers_.pop_back();
+  for (int q = 0; q < world_; ++q) wait(header_works_[world_ + q], q, "it to take this rank's header", ctx);
 }
 
 const PgPlan& PgTransport::plan_for(const Schedule& s) {
@@ -342,7 +334,7 @@ void PgTransport::execute(const Ctx& ctx) {
       while (static_cast<int>(active.size()) < window_ && next < layout.rounds) {
         PgRound& r = *slots_[next % window_];
         r.j = next++;
-        start_round(r, plan, ctx);
+        start_round(r, plan, layout, ctx);
         active.push_back(&r);
       }
       // 3. Advance each round by one step: reduce what arrived, send on.
@@ -354,13 +346,11 @@ void PgTransport::execute(const Ctx& ctx) {
       }
     }
   }
-  if (d.op == RedOp::kAvg && (d.coll == Collective::kAllReduce || d.coll == Collective::kReduceScatter))
-    kernels::divide_cpu(d.dtype, d.output, d.count, static_cast<double>(world_));
+  finish_average(d, world_);
 }
 
-void PgTransport::start_round(PgRound& r, const PgPlan& plan, const Ctx& ctx) {
+void PgTransport::start_round(PgRound& r, const PgPlan& plan, const RoundLayout& layout, const Ctx& ctx) {
   const CollectiveDesc& d = *ctx.desc;
-  const RoundLayout layout(d, plan.num_chunks, world_, round_bytes_);
   const int K = plan.num_chunks;
   const size_t chunk_bytes = layout.chunk_max * layout.es;
   layout.chunks(r.j, rank_, d.input, d.output, r.in, r.out, r.len);

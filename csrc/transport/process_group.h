@@ -48,6 +48,7 @@ struct PgConfig {
 
 struct PgPlan;
 struct PgRound;
+struct RoundLayout;
 
 class PgTransport : public Transport {
  public:
@@ -76,7 +77,7 @@ class PgTransport : public Transport {
   void exchange_headers(const Ctx& ctx);
   void execute(const Ctx& ctx);
   const PgPlan& plan_for(const Schedule& s);
-  void start_round(PgRound& r, const PgPlan& plan, const Ctx& ctx);
+  void start_round(PgRound& r, const PgPlan& plan, const RoundLayout& layout, const Ctx& ctx);
   void post_sends(PgRound& r, const PgPlan& plan, int step, const Ctx& ctx);
   void run_step(PgRound& r, const PgPlan& plan, const Ctx& ctx);
   void finish_round(PgRound& r, const PgPlan& plan, const Ctx& ctx);
@@ -98,6 +99,8 @@ class PgTransport : public Transport {
   std::string broken_;  // set by the first failure: later calls fail at once
   std::vector<std::unique_ptr<PgPlan>> plans_;
   std::vector<std::unique_ptr<PgRound>> slots_;
+  std::vector<char> headers_;  // the header exchange's buffer
+  std::vector<c10::intrusive_ptr<c10d::Work>> header_works_;
   // Transfers abandoned by a failed call stay referenced: the backend may
   // still touch their buffers.
   std::vector<c10::intrusive_ptr<c10d::Work>> abandoned_;

@@ -27,10 +27,10 @@ namespace {
 constexpr uint64_t kMagic = 0x314d4d4f43595075ull;  // "uPYCOMM1"
 constexpr uint32_t kLayoutVersion = 2;
 constexpr size_t kPage = 4096;
-// Header slots per rank, indexed by seq % kHeaderSlots. A rank finishes
-// collective s only after every peer has published its header for s, so no
-// two ranks are ever more than one collective apart: two slots would do,
-// four leave slack.
+// Header slots per rank, indexed by the transport's operation counter modulo
+// kHeaderSlots. A rank finishes operation s only after every peer has
+// published its header for s, so no two ranks are ever more than one
+// operation apart: two slots would do, four leave slack.
 constexpr int kHeaderSlots = 4;
 // A sleeping waiter re-checks abort, timeout and peer liveness this often
 // even if nobody wakes it.
@@ -719,8 +719,7 @@ void ShmTransport::execute(const CollectiveDesc& d, const OpContext& ctx, std::v
     }
     round_base_ += rounds;
   }
-  if (d.op == RedOp::kAvg && (d.coll == Collective::kAllReduce || d.coll == Collective::kReduceScatter))
-    kernels::divide_cpu(d.dtype, out, d.count, static_cast<double>(world_));
+  finish_average(d, world_);
 }
 
 }  // namespace pycomm
