@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include "algorithms/algorithms.h"
+#include "backend.h"
 #include "communicator.h"
 #include "kernels/kernels.h"
 
@@ -82,7 +83,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              "Bytes the uncompressed all-reduce would have sent from this rank.")
       .def_property_readonly("algorithm", [](Work& w) { return std::string(algorithm_name(w.algorithm())); });
 
-  py::class_<Communicator, std::unique_ptr<Communicator, GilFreeDelete>>(m, "Communicator")
+  // Shared: a torch.distributed backend built on a communicator keeps it.
+  py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
       .def(py::init([](int rank, int world, double timeout, bool use_shm, int local_rank, int local_size,
                        const std::string& name, const std::string& token, bool create, size_t round_bytes, int host,
                        std::vector<std::vector<int>> host_ranks,
@@ -104,7 +106,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              if (backend) o.backend = *backend;
              o.pg_round_bytes = pg_round_bytes;
              o.pg_window = pg_window;
-             return std::unique_ptr<Communicator, GilFreeDelete>(new Communicator(o));
+             return std::shared_ptr<Communicator>(new Communicator(o), GilFreeDelete());
            }),
            py::arg("rank"), py::arg("world"), py::arg("timeout"), py::arg("use_shm") = true,
            py::arg("local_rank") = 0, py::arg("local_size") = 1, py::arg("shm_name") = "", py::arg("token") = "",
@@ -171,6 +173,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("transport", &Communicator::transport_name)
       .def_property("timeout", &Communicator::timeout, &Communicator::set_timeout);
 
+  m.def(
+      "make_backend",
+      [](std::shared_ptr<Communicator> comm, std::optional<c10::intrusive_ptr<c10d::Backend>> peer,
+         const std::vector<int>& algorithms) {
+        std::vector<Algorithm> algos;
+        for (int a : algorithms) algos.push_back(to_algo(a));
+        return c10::intrusive_ptr<c10d::Backend>(c10::make_intrusive<C10dBackend>(
+            std::move(comm), peer.value_or(c10::intrusive_ptr<c10d::Backend>()), algos));
+      },
+      py::arg("communicator"), py::arg("peer") = py::none(), py::arg("algorithms") = std::vector<int>{},
+      "A torch.distributed backend (c10d Backend) running on `communicator`; `peer` carries point-to-point calls.");
   m.def("schedule_ops", &schedule_ops, py::arg("algorithm"), py::arg("collective"), py::arg("rank"),
         py::arg("world"), py::arg("root"), py::arg("step"));
   m.def("schedule_shape", [](int algo, int coll, int world, int root) {

@@ -86,6 +86,8 @@ void Work::finish(std::exception_ptr error) {
   }
   inputs_.clear();
   body_ = nullptr;
+  before_ = nullptr;
+  after_ = nullptr;
 }
 
 bool Work::wait(double timeout_s) {
@@ -120,6 +122,11 @@ std::string Work::error_message() {
   } catch (const std::exception& e) {
     return e.what();
   }
+}
+
+std::exception_ptr Work::error() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return error_;
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> Work::get_future() {
@@ -251,11 +258,13 @@ void Communicator::progress_loop() {
 void Communicator::execute(Work& work) {
   std::exception_ptr error;
   try {
+    if (work.before_) work.before_();
     if (work.body_) {
       work.body_(work.seq_);
     } else {
       top_->run(work.desc_, work.seq_);
     }
+    if (work.after_) work.after_();
   } catch (...) {
     error = std::current_exception();
   }
@@ -362,7 +371,7 @@ std::string Communicator::check_io(Collective coll, const at::Tensor& input, con
 
 std::shared_ptr<Work> Communicator::launch(Collective coll, RedOp op, int root, uint64_t count,
                                            const at::Tensor& input, const at::Tensor& output, Algorithm algo,
-                                           bool strict, bool async_op) {
+                                           bool strict, bool async_op, Staging staging) {
   CollectiveDesc desc;
   desc.coll = coll;
   desc.op = op;
@@ -386,6 +395,10 @@ std::shared_ptr<Work> Communicator::launch(Collective coll, RedOp op, int root, 
   work->desc_ = desc;
   if (input.data_ptr() != output.data_ptr()) work->inputs_ = {input};
   work->outputs_ = {output};
+  work->inputs_.insert(work->inputs_.end(), staging.keep.begin(), staging.keep.end());
+  if (!staging.result.empty()) work->outputs_ = std::move(staging.result);
+  work->before_ = std::move(staging.before);
+  work->after_ = std::move(staging.after);
   return submit(std::move(work), async_op);
 }
 
@@ -399,24 +412,26 @@ std::string Communicator::check_all_reduce_io(const at::Tensor& input, const at:
 }
 
 std::shared_ptr<Work> Communicator::all_reduce(const at::Tensor& input, const at::Tensor& output, RedOp op,
-                                               Algorithm algo, bool strict, bool async_op) {
+                                               Algorithm algo, bool strict, bool async_op,
+                                               Staging staging) {
   const Collective coll = Collective::kAllReduce;
   std::string why = check_all_reduce_io(input, output);
   if (!why.empty()) return reject(why);
-  return launch(coll, op, 0, input.numel(), input, output, algo, strict, async_op);
+  return launch(coll, op, 0, input.numel(), input, output, algo, strict, async_op, std::move(staging));
 }
 
 std::shared_ptr<Work> Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input, RedOp op,
-                                                   Algorithm algo, bool strict, bool async_op) {
+                                                   Algorithm algo, bool strict, bool async_op,
+                                                   Staging staging) {
   const Collective coll = Collective::kReduceScatter;
   std::string why = check_io(coll, input, output, world(), 1);
   if (why.empty() && overlaps(input, output)) why = "pycomm.reduce_scatter: output overlaps input";
   if (!why.empty()) return reject(why);
-  return launch(coll, op, 0, output.numel(), input, output, algo, strict, async_op);
+  return launch(coll, op, 0, output.numel(), input, output, algo, strict, async_op, std::move(staging));
 }
 
 std::shared_ptr<Work> Communicator::all_gather(const at::Tensor& output, const at::Tensor& input, Algorithm algo,
-                                               bool strict, bool async_op) {
+                                               bool strict, bool async_op, Staging staging) {
   const Collective coll = Collective::kAllGather;
   std::string why = check_io(coll, input, output, 1, world());
   if (why.empty() && overlaps(input, output)) {
@@ -425,21 +440,22 @@ std::shared_ptr<Work> Communicator::all_gather(const at::Tensor& output, const a
     if (input.data_ptr() != slot) why = "pycomm.all_gather: input overlaps output but is not this rank's slot of it";
   }
   if (!why.empty()) return reject(why);
-  return launch(coll, RedOp::kSum, 0, input.numel(), input, output, algo, strict, async_op);
+  return launch(coll, RedOp::kSum, 0, input.numel(), input, output, algo, strict, async_op, std::move(staging));
 }
 
 std::shared_ptr<Work> Communicator::broadcast(const at::Tensor& tensor, int src, Algorithm algo, bool strict,
-                                              bool async_op) {
+                                              bool async_op, Staging staging) {
   const Collective coll = Collective::kBroadcast;
   std::string why = check_tensor(tensor, "tensor", coll);
   if (why.empty() && (src < 0 || src >= world()))
     why = "pycomm.broadcast: src=" + std::to_string(src) + " is not a rank of this communicator (world size " +
           std::to_string(world()) + ")";
   if (!why.empty()) return reject(why);
-  return launch(coll, RedOp::kSum, src, tensor.numel(), tensor, tensor, algo, strict, async_op);
+  return launch(coll, RedOp::kSum, src, tensor.numel(), tensor, tensor, algo, strict, async_op, std::move(staging));
 }
 
-std::shared_ptr<Work> Communicator::all_to_all(const at::Tensor& output, const at::Tensor& input, bool async_op) {
+std::shared_ptr<Work> Communicator::all_to_all(const at::Tensor& output, const at::Tensor& input, bool async_op,
+                                               Staging staging) {
   const Collective coll = Collective::kAllToAll;
   std::string why = check_io(coll, input, output, 1, 1);
   if (why.empty() && input.numel() % world() != 0)
@@ -447,7 +463,8 @@ std::shared_ptr<Work> Communicator::all_to_all(const at::Tensor& output, const a
           " elements, which does not split evenly into world_size (" + std::to_string(world()) + ") blocks";
   if (why.empty() && overlaps(input, output)) why = "pycomm.all_to_all: output overlaps input";
   if (!why.empty()) return reject(why);
-  return launch(coll, RedOp::kSum, 0, input.numel() / world(), input, output, Algorithm::kAuto, false, async_op);
+  return launch(coll, RedOp::kSum, 0, input.numel() / world(), input, output, Algorithm::kAuto, false, async_op,
+                std::move(staging));
 }
 
 size_t Communicator::compressed_shard_elems(size_t n, int block) const {

@@ -28,6 +28,20 @@
 
 namespace pycomm {
 
+// Extra steps of one call, for callers whose tensors are not the flat
+// buffers a collective takes (the c10d backend's tensor lists, coalesced
+// calls): `before` fills the flat input, `after` scatters the flat output.
+// Both run on the thread that runs the collective, in its turn, so they see
+// the data as it is when the op runs, like every other input. `keep` stays
+// alive until the op completes; `result`, when not empty, is what the Work's
+// future holds instead of the flat output.
+struct Staging {
+  std::function<void()> before;
+  std::function<void()> after;
+  std::vector<at::Tensor> keep;
+  std::vector<at::Tensor> result;
+};
+
 class Work {
  public:
   // Blocks until the op finished (or `timeout_s` passed, if >= 0); rethrows
@@ -37,6 +51,7 @@ class Work {
   bool is_success();
   // The error message, or "" when there is none (yet).
   std::string error_message();
+  std::exception_ptr error();
   const std::vector<at::Tensor>& result() const { return outputs_; }
   c10::intrusive_ptr<c10::ivalue::Future> get_future();
   uint64_t seq() const { return seq_; }
@@ -58,6 +73,7 @@ class Work {
   CompressionStats stats_;
   std::vector<at::Tensor> inputs_;   // kept alive until the op completes
   std::vector<at::Tensor> outputs_;
+  std::function<void()> before_, after_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;
@@ -98,14 +114,15 @@ class Communicator {
   // `algo` may be kAuto; `strict` makes an algorithm the collective cannot
   // use an error instead of a fall-back to kAuto.
   std::shared_ptr<Work> all_reduce(const at::Tensor& input, const at::Tensor& output, RedOp op,
-                                   Algorithm algo, bool strict, bool async_op);
+                                   Algorithm algo, bool strict, bool async_op, Staging staging = {});
   std::shared_ptr<Work> reduce_scatter(const at::Tensor& output, const at::Tensor& input, RedOp op,
-                                       Algorithm algo, bool strict, bool async_op);
+                                       Algorithm algo, bool strict, bool async_op, Staging staging = {});
   std::shared_ptr<Work> all_gather(const at::Tensor& output, const at::Tensor& input, Algorithm algo,
-                                   bool strict, bool async_op);
+                                   bool strict, bool async_op, Staging staging = {});
   std::shared_ptr<Work> broadcast(const at::Tensor& tensor, int src, Algorithm algo, bool strict,
-                                  bool async_op);
-  std::shared_ptr<Work> all_to_all(const at::Tensor& output, const at::Tensor& input, bool async_op);
+                                  bool async_op, Staging staging = {});
+  std::shared_ptr<Work> all_to_all(const at::Tensor& output, const at::Tensor& input, bool async_op,
+                                   Staging staging = {});
   std::shared_ptr<Work> barrier(bool async_op);
 
   // All-reduce (sum or avg) through a codec (Int8/Int4/TopK). The residuals
@@ -151,7 +168,8 @@ class Communicator {
   // Describes the call (count as in CollectiveDesc), resolves the algorithm
   // and submits; op and root matter only where the collective has them.
   std::shared_ptr<Work> launch(Collective coll, RedOp op, int root, uint64_t count, const at::Tensor& input,
-                               const at::Tensor& output, Algorithm algo, bool strict, bool async_op);
+                               const at::Tensor& output, Algorithm algo, bool strict, bool async_op,
+                               Staging staging);
   void execute(Work& work);
   void progress_loop();
   // Resolves `algo` (and, between hosts, the inter-host schedule).

@@ -14,8 +14,10 @@ Example::
     work = comm.all_reduce(x, op="avg", async_op=True)
     work.get_future().wait()
     comm.all_reduce(x, op="avg", compression=pycomm.Int8())
+
+    dist.init_process_group("cpu:pycomm")    # or as a torch.distributed backend
 """
-from . import compression
+from . import c10d, compression
 from ._loader import CommError, Work, load_core
 from .compression import ErrorFeedback, Int4, Int8, TopK
 from .communicator import (
@@ -34,6 +36,8 @@ from .communicator import (
 
 __version__ = "0.1.0"
 
+c10d.register()
+
 __all__ = [
     "ALGORITHMS",
     "CommError",
@@ -48,6 +52,7 @@ __all__ = [
     "all_to_all_single",
     "barrier",
     "broadcast",
+    "c10d",
     "compression",
     "destroy",
     "get_default",

@@ -82,16 +82,23 @@ def sweep(rank: int, world: int, name: str, coll: str, algos: List[str],
     kwargs.update(comm_kwargs)
     comm = make_comm(rank, world, name, **kwargs)
     results = []
-    seed = 0
     for algo in algos:
-        for dtype in DTYPES:
-            ops = ops_for(dtype) if coll in ("all_reduce", "reduce_scatter") else ["-"]
-            for count in COUNTS + ([LARGE_COUNT] if dtype in LARGE_DTYPES else []):
-                for op in ops:
-                    seed += 1
-                    key = f"{coll}/{algo}/{str(dtype)[6:]}/{count}/{op}"
-                    results.append(_one(comm, rank, world, coll, algo, dtype, count, op, seed, key))
+        results += sweep_on(comm, rank, world, coll, algo, seed=len(results))
     comm.close()
+    return results
+
+
+def sweep_on(comm, rank: int, world: int, coll: str, algo: str, seed: int = 0) -> List[Tuple[str, Optional[str], str]]:
+    """Every (dtype, count, op) case of one collective and algorithm on
+    ``comm`` (a Communicator, or anything with its collective methods)."""
+    results = []
+    for dtype in DTYPES:
+        ops = ops_for(dtype) if coll in ("all_reduce", "reduce_scatter") else ["-"]
+        for count in COUNTS + ([LARGE_COUNT] if dtype in LARGE_DTYPES else []):
+            for op in ops:
+                seed += 1
+                key = f"{coll}/{algo}/{str(dtype)[6:]}/{count}/{op}"
+                results.append(_one(comm, rank, world, coll, algo, dtype, count, op, seed, key))
     return results
 
 

@@ -1,0 +1,444 @@
+#include "backend.h"
+
+#include <sstream>
+
+namespace pycomm {
+
+namespace {
+
+// Pieces of a flat buffer: tensor i is elements [offsets[i], offsets[i+1]).
+std::vector<int64_t> offsets_of(const std::vector<at::Tensor>& tensors) {
+  std::vector<int64_t> off{0};
+  for (const auto& t : tensors) off.push_back(off.back() + t.numel());
+  return off;
+}
+
+at::Tensor flat_like(const at::Tensor& like, int64_t numel) {
+  return at::empty({numel}, like.options());
+}
+
+// Element-wise copies between a tensor of any layout and a flat slice.
+void copy_in(const at::Tensor& flat, int64_t offset, const at::Tensor& t) {
+  flat.narrow(0, offset, t.numel()).view(t.sizes()).copy_(t);
+}
+void copy_out(const at::Tensor& t, const at::Tensor& flat, int64_t offset) {
+  t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+}
+
+std::string name_of(const char* what) { return std::string("pycomm backend: ") + what; }
+
+}  // namespace
+
+// ------------------------------------------------------------------ C10dWork
+
+C10dWork::C10dWork(std::shared_ptr<pycomm::Work> work, int rank, c10d::OpType type, const char* title)
+    : c10d::Work(rank, type, title), work_(std::move(work)) {}
+
+bool C10dWork::isCompleted() { return work_->is_completed(); }
+
+bool C10dWork::isSuccess() const { return work_->is_success(); }
+
+std::exception_ptr C10dWork::exception() const { return work_->error(); }
+
+std::vector<at::Tensor> C10dWork::result() { return work_->result(); }
+
+bool C10dWork::wait(std::chrono::milliseconds timeout) {
+  // c10d's "no timeout" is 0 ms; the communicator's own timeout still
+  // bounds every wait on a peer.
+  return work_->wait(timeout == ::kNoTimeout ? -1.0 : timeout.count() / 1000.0);
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> C10dWork::getFuture() { return work_->get_future(); }
+
+// --------------------------------------------------------------- C10dBackend
+
+C10dBackend::C10dBackend(std::shared_ptr<Communicator> comm, c10::intrusive_ptr<c10d::Backend> peer,
+                         const std::vector<Algorithm>& algorithms)
+    : c10d::Backend(comm->rank(), comm->world()), comm_(std::move(comm)), peer_(std::move(peer)) {
+  for (size_t i = 0; i < algorithms.size() && i < 4; ++i) algorithms_[i] = algorithms[i];
+}
+
+C10dBackend::~C10dBackend() {
+  try {
+    comm_->shutdown();
+  } catch (...) {
+  }
+}
+
+c10::intrusive_ptr<c10d::Backend::Options> C10dBackend::getBackendOptions() {
+  return c10::make_intrusive<Options>(
+      "pycomm", std::chrono::milliseconds(static_cast<int64_t>(comm_->timeout() * 1000)));
+}
+
+void C10dBackend::setTimeout(std::chrono::milliseconds timeout) {
+  comm_->set_timeout(timeout.count() / 1000.0);
+  if (peer_) peer_->setTimeout(timeout);
+}
+
+c10::intrusive_ptr<c10d::Work> C10dBackend::wrap(std::shared_ptr<pycomm::Work> work, c10d::OpType type,
+                                                 const char* title) {
+  ++calls_;
+  return c10::make_intrusive<C10dWork>(std::move(work), getRank(), type, title);
+}
+
+RedOp C10dBackend::reduce_op(const c10d::ReduceOp& op, const char* what) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: return RedOp::kSum;
+    case c10d::ReduceOp::AVG: return RedOp::kAvg;
+    case c10d::ReduceOp::MIN: return RedOp::kMin;
+    case c10d::ReduceOp::MAX: return RedOp::kMax;
+    default: break;
+  }
+  static const char* kNames[] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"};
+  const int id = static_cast<int>(op.op_);
+  comm_->reject(name_of(what) + " does not support ReduceOp." + (id < 9 ? kNames[id] : "UNUSED") +
+                "; use SUM, AVG, MIN or MAX");
+}
+
+const at::Tensor& C10dBackend::single(const std::vector<at::Tensor>& tensors, const char* what) {
+  if (tensors.size() != 1) {
+    comm_->reject(name_of(what) + " takes exactly one tensor per call, got " + std::to_string(tensors.size()) +
+                  " (for several, use the coalesced call)");
+  }
+  if (tensors[0].is_sparse()) comm_->reject(name_of(what) + " does not support sparse tensors");
+  return tensors[0];
+}
+
+void C10dBackend::check_same_dtype(const std::vector<at::Tensor>& tensors, const char* what) {
+  for (const auto& t : tensors) {
+    if (t.is_sparse()) comm_->reject(name_of(what) + " does not support sparse tensors");
+    if (t.scalar_type() != tensors[0].scalar_type() || t.device() != tensors[0].device())
+      comm_->reject(name_of(what) + " needs every tensor of one call to have the same dtype and device");
+  }
+}
+
+c10d::Backend& C10dBackend::peer(const char* what) {
+  TORCH_CHECK(peer_, name_of(what), " needs the point-to-point group, which this backend was created without");
+  return *peer_;
+}
+
+// ---------------------------------------------------------------- collectives
+
+c10::intrusive_ptr<c10d::Work> C10dBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                      const c10d::BroadcastOptions& opts) {
+  const at::Tensor& t = single(tensors, "broadcast");
+  return wrap(comm_->broadcast(t, static_cast<int>(opts.rootRank), algo(Collective::kBroadcast), false, opts.asyncOp),
+              c10d::OpType::BROADCAST, "pycomm:broadcast");
+}
+
+c10::intrusive_ptr<c10d::Work> C10dBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                      const c10d::AllreduceOptions& opts) {
+  const at::Tensor& t = single(tensors, "all_reduce");
+  const RedOp op = reduce_op(opts.reduceOp, "all_reduce");
+  return wrap(comm_->all_reduce(t, t, op, algo(Collective::kAllReduce), false, opts.asyncOp), c10d::OpType::ALLREDUCE,
+              "pycomm:all_reduce");
+}
+
+c10::intrusive_ptr<c10d::Work> C10dBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                                const c10d::AllreduceCoalescedOptions& opts) {
+  // One all-reduce of the concatenation: one sequence number, one header
+  // check and full-size transfers instead of one small call per tensor.
+  check_same_dtype(tensors, "all_reduce_coalesced");
+  const RedOp op = reduce_op(opts.reduceOp, "all_reduce_coalesced");
+  if (tensors.empty()) return wrap(comm_->barrier(opts.asyncOp), c10d::OpType::ALLREDUCE_COALESCED, "pycomm:all_reduce_coalesced");
+  const auto off = offsets_of(tensors);
+  at::Tensor flat = flat_like(tensors[0], off.back());
+  Staging s;
+  s.before = [flat, tensors, off] {
+    for (size_t i = 0; i < tensors.size(); ++i) copy_in(flat, off[i], tensors[i]);
+  };
+  s.after = [flat, tensors, off] {
+    for (size_t i = 0; i < tensors.size(); ++i) copy_out(tensors[i], flat, off[i]);
+  };
+  s.keep = tensors;
+  s.result = tensors;
+  return wrap(comm_->all_reduce(flat, flat, op, algo(Collective::kAllReduce), false, opts.asyncOp, std::move(s)),
+              c10d::OpType::ALLREDUCE_COALESCED, "pycomm:all_reduce_coalesced");
+}
+
+c10::intrusive_ptr<c10d::Work> C10dBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
+  // An all-reduce whose result only the root keeps: the other ranks reduce
+  // into scratch and leave their tensor untouched (as Gloo does).
+  const at::Tensor& t = single(tensors, "reduce");
+  const RedOp op = reduce_op(opts.reduceOp, "reduce");
+  if (opts.rootRank < 0 || opts.rootRank >= getSize())
+    comm_->reject(name_of("reduce") + ": root " + std::to_string(opts.rootRank) + " is not a rank of this group");
+  const at::Tensor out = opts.rootRank == getRank() ? t : at::empty_like(t);
+  return wrap(comm_->all_reduce(t, out, op, algo(Collective::kAllReduce), false, opts.asyncOp), c10d::OpType::REDUCE,
+              "pycomm:reduce");
+}
+
+c10::intrusive_ptr<c10d::Work> C10dBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                      std::vector<at::Tensor>& inputs,
+                                                      const c10d::AllgatherOptions& opts) {
+  const at::Tensor& in = single(inputs, "all_gather");
+  if (outputs.size() != 1 || static_cast<int>(outputs[0].size()) != getSize())
+    comm_->reject(name_of("all_gather") + " needs one output list of world_size (" + std::to_string(getSize()) +
+                  ") tensors");
+  std::vector<at::Tensor> outs = outputs[0];
+  check_same_dtype(outs, "all_gather");
+  for (const auto& o : outs) {
+    if (o.numel() != in.numel() || o.scalar_type() != in.scalar_type())
+      comm_->reject(name_of("all_gather") + ": every output tensor must match the input's size and dtype");
+  }
+  at::Tensor flat = flat_like(in, in.numel() * getSize());
+  Staging s;
+  s.after = [flat, outs, n = in.numel()] {
+    for (size_t r = 0; r < outs.size(); ++r) copy_out(outs[r], flat, static_cast<int64_t>(r) * n);
+  };
+  s.keep = outs;
+  s.result = outs;
+  return wrap(comm_->all_gather(flat, in, algo(Collective::kAllGather), false, opts.asyncOp, std::move(s)),
+              c10d::OpType::ALLGATHER, "pycomm:all_gather");
+}
+
+c10::intrusive_ptr<c10d::Work> C10dBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                            const c10d::AllgatherOptions& opts) {
+  return wrap(comm_->all_gather(output, input, algo(Collective::kAllGather), false, opts.asyncOp), c10d::OpType::_ALLGATHER_BASE,
+              "pycomm:all_gather_into_tensor");
+}
+
+c10::intrusive_ptr<c10d::Work> C10dBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                            std::vector<at::Tensor>& inputs,
+                                                                            const c10d::AllgatherOptions& opts) {
+  // All pairs in one all-gather: rank r's block of the flat output holds
+  // every input of rank r, back to back.
+  check_same_dtype(inputs, "all_gather_into_tensor_coalesced");
+  check_same_dtype(outputs, "all_gather_into_tensor_coalesced");
+  if (outputs.size() != inputs.size())
+    comm_->reject(name_of("all_gather_into_tensor_coalesced") + ": as many outputs as inputs are needed");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (outputs[i].numel() != inputs[i].numel() * getSize() || outputs[i].scalar_type() != inputs[i].scalar_type())
+      comm_->reject(name_of("all_gather_into_tensor_coalesced") +
+                    ": output i must have world_size x the elements of input i, and its dtype");
+  }
+  if (inputs.empty()) return wrap(comm_->barrier(opts.asyncOp), c10d::OpType::COALESCED, "pycomm:all_gather_coalesced");
+  const auto off = offsets_of(inputs);
+  const int64_t total = off.back();
+  at::Tensor flat_in = flat_like(inputs[0], total);
+  at::Tensor flat_out = flat_like(inputs[0], total * getSize());
+  Staging s;
+  s.before = [flat_in, inputs, off] {
+    for (size_t i = 0; i < inputs.size(); ++i) copy_in(flat_in, off[i], inputs[i]);
+  };
+  s.after = [flat_out, outputs, off, total, world = getSize()] {
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      const int64_t n = off[i + 1] - off[i];
+      at::Tensor out = outputs[i].view({world, n});
+      out.copy_(flat_out.view({world, total}).narrow(1, off[i], n));
+    }
+  };
+  s.keep = inputs;
+  s.keep.insert(s.keep.end(), outputs.begin(), outputs.end());
+  s.result = outputs;
+  return wrap(comm_->all_gather(flat_out, flat_in, algo(Collective::kAllGather), false, opts.asyncOp, std::move(s)),
+              c10d::OpType::COALESCED, "pycomm:all_gather_into_tensor_coalesced");
+}
+
+c10::intrusive_ptr<c10d::Work> C10dBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                   std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
+  // An all-gather whose result only the root keeps.
+  const at::Tensor& in = single(inputs, "gather");
+  const int root = static_cast<int>(opts.rootRank);
+  if (root < 0 || root >= getSize())
+    comm_->reject(name_of("gather") + ": root " + std::to_string(root) + " is not a rank of this group");
+  std::vector<at::Tensor> outs;
+  if (getRank() == root) {
+    if (outputs.size() != 1 || static_cast<int>(outputs[0].size()) != getSize())
+      comm_->reject(name_of("gather") + ": the root needs one output list of world_size tensors");
+    outs = outputs[0];
+    for (const auto& o : outs) {
+      if (o.numel() != in.numel() || o.scalar_type() != in.scalar_type())
+        comm_->reject(name_of("gather") + ": every output tensor must match the input's size and dtype");
+    }
+  }
+  at::Tensor flat = flat_like(in, in.numel() * getSize());
+  Staging s;
+  if (!outs.empty()) {
+    s.after = [flat, outs, n = in.numel()] {
+      for (size_t r = 0; r < outs.size(); ++r) copy_out(outs[r], flat, static_cast<int64_t>(r) * n);
+    };
+    s.keep = outs;
+    s.result = outs;
+  }
+  return wrap(comm_->all_gather(flat, in, algo(Collective::kAllGather), false, opts.asyncOp, std::move(s)), c10d::OpType::GATHER,
+              "pycomm:gather");
+}
+
+c10::intrusive_ptr<c10d::Work> C10dBackend::scatter(std::vector<at::Tensor>& outputs,
+                                                    std::vector<std::vector<at::Tensor>>& inputs,
+                                                    const c10d::ScatterOptions& opts) {
+  // An all-to-all in which only the root's blocks matter: each rank keeps
+  // block `root` of what it receives.
+  const at::Tensor& out = single(outputs, "scatter");
+  const int root = static_cast<int>(opts.rootRank);
+  if (root < 0 || root >= getSize())
+    comm_->reject(name_of("scatter") + ": root " + std::to_string(root) + " is not a rank of this group");
+  std::vector<at::Tensor> ins;
+  if (getRank() == root) {
+    if (inputs.size() != 1 || static_cast<int>(inputs[0].size()) != getSize())
+      comm_->reject(name_of("scatter") + ": the root needs one input list of world_size tensors");
+    ins = inputs[0];
+    for (const auto& t : ins) {
+      if (t.numel() != out.numel() || t.scalar_type() != out.scalar_type())
+        comm_->reject(name_of("scatter") + ": every input tensor must match the output's size and dtype");
+    }
+  }
+  const int64_t n = out.numel();
+  at::Tensor flat_in = flat_like(out, n * getSize());
+  at::Tensor flat_out = flat_like(out, n * getSize());
+  Staging s;
+  if (!ins.empty()) {
+    s.before = [flat_in, ins, n] {
+      for (size_t r = 0; r < ins.size(); ++r) copy_in(flat_in, static_cast<int64_t>(r) * n, ins[r]);
+    };
+  }
+  s.after = [flat_out, out, n, root] { copy_out(out, flat_out, static_cast<int64_t>(root) * n); };
+  s.keep = ins;
+  s.keep.push_back(out);
+  s.result = {out};
+  return wrap(comm_->all_to_all(flat_out, flat_in, opts.asyncOp, std::move(s)), c10d::OpType::SCATTER,
+              "pycomm:scatter");
+}
+
+c10::intrusive_ptr<c10d::Work> C10dBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                           std::vector<std::vector<at::Tensor>>& inputs,
+                                                           const c10d::ReduceScatterOptions& opts) {
+  const at::Tensor& out = single(outputs, "reduce_scatter");
+  const RedOp op = reduce_op(opts.reduceOp, "reduce_scatter");
+  if (inputs.size() != 1 || static_cast<int>(inputs[0].size()) != getSize())
+    comm_->reject(name_of("reduce_scatter") + " needs one input list of world_size (" + std::to_string(getSize()) +
+                  ") tensors");
+  std::vector<at::Tensor> ins = inputs[0];
+  for (const auto& t : ins) {
+    if (t.numel() != out.numel() || t.scalar_type() != out.scalar_type())
+      comm_->reject(name_of("reduce_scatter") + ": every input tensor must match the output's size and dtype");
+  }
+  const int64_t n = out.numel();
+  at::Tensor flat = flat_like(out, n * getSize());
+  Staging s;
+  s.before = [flat, ins, n] {
+    for (size_t r = 0; r < ins.size(); ++r) copy_in(flat, static_cast<int64_t>(r) * n, ins[r]);
+  };
+  s.keep = ins;
+  return wrap(comm_->reduce_scatter(out, flat, op, algo(Collective::kReduceScatter), false, opts.asyncOp, std::move(s)),
+              c10d::OpType::REDUCE_SCATTER, "pycomm:reduce_scatter");
+}
+
+c10::intrusive_ptr<c10d::Work> C10dBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                                 const c10d::ReduceScatterOptions& opts) {
+  const RedOp op = reduce_op(opts.reduceOp, "reduce_scatter_tensor");
+  return wrap(comm_->reduce_scatter(output, input, op, algo(Collective::kReduceScatter), false, opts.asyncOp),
+              c10d::OpType::_REDUCE_SCATTER_BASE, "pycomm:reduce_scatter_tensor");
+}
+
+c10::intrusive_ptr<c10d::Work> C10dBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                            std::vector<at::Tensor>& inputs,
+                                                                            const c10d::ReduceScatterOptions& opts) {
+  // All pairs in one reduce-scatter: block r of the flat input holds shard
+  // r of every input, back to back, so rank r's flat output is its shards.
+  const RedOp op = reduce_op(opts.reduceOp, "reduce_scatter_tensor_coalesced");
+  check_same_dtype(inputs, "reduce_scatter_tensor_coalesced");
+  check_same_dtype(outputs, "reduce_scatter_tensor_coalesced");
+  if (outputs.size() != inputs.size())
+    comm_->reject(name_of("reduce_scatter_tensor_coalesced") + ": as many outputs as inputs are needed");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i].numel() != outputs[i].numel() * getSize() || outputs[i].scalar_type() != inputs[i].scalar_type())
+      comm_->reject(name_of("reduce_scatter_tensor_coalesced") +
+                    ": input i must have world_size x the elements of output i, and its dtype");
+  }
+  if (inputs.empty()) return wrap(comm_->barrier(opts.asyncOp), c10d::OpType::COALESCED, "pycomm:reduce_scatter_coalesced");
+  const auto off = offsets_of(outputs);
+  const int64_t total = off.back();
+  at::Tensor flat_in = flat_like(outputs[0], total * getSize());
+  at::Tensor flat_out = flat_like(outputs[0], total);
+  Staging s;
+  s.before = [flat_in, inputs, off, total, world = getSize()] {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const int64_t n = off[i + 1] - off[i];
+      flat_in.view({world, total}).narrow(1, off[i], n).copy_(inputs[i].reshape({world, n}));
+    }
+  };
+  s.after = [flat_out, outputs, off] {
+    for (size_t i = 0; i < outputs.size(); ++i) copy_out(outputs[i], flat_out, off[i]);
+  };
+  s.keep = inputs;
+  s.keep.insert(s.keep.end(), outputs.begin(), outputs.end());
+  s.result = outputs;
+  return wrap(comm_->reduce_scatter(flat_out, flat_in, op, algo(Collective::kReduceScatter), false, opts.asyncOp, std::move(s)),
+              c10d::OpType::COALESCED, "pycomm:reduce_scatter_tensor_coalesced");
+}
+
+c10::intrusive_ptr<c10d::Work> C10dBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                          std::vector<int64_t>& output_splits,
+                                                          std::vector<int64_t>& input_splits,
+                                                          const c10d::AllToAllOptions& opts) {
+  auto even = [&](const std::vector<int64_t>& splits, const at::Tensor& t) {
+    if (splits.empty()) return true;
+    for (int64_t s : splits)
+      if (t.dim() == 0 || s * getSize() != t.size(0)) return false;
+    return true;
+  };
+  if (even(output_splits, output) && even(input_splits, input))
+    return wrap(comm_->all_to_all(output, input, opts.asyncOp), c10d::OpType::ALLTOALL_BASE,
+                "pycomm:all_to_all_single");
+  // Uneven splits: every rank knows only its own, so this cannot be one
+  // checked collective; Gloo's all-to-all carries it.
+  return peer("all_to_all_single with uneven splits").alltoall_base(output, input, output_splits, input_splits, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> C10dBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllToAllOptions& opts) {
+  check_same_dtype(inputs, "all_to_all");
+  check_same_dtype(outputs, "all_to_all");
+  if (static_cast<int>(inputs.size()) != getSize() || static_cast<int>(outputs.size()) != getSize())
+    comm_->reject(name_of("all_to_all") + " needs world_size input and output tensors");
+  const int64_t n = inputs[0].numel();
+  for (int r = 0; r < getSize(); ++r) {
+    if (inputs[r].numel() != n || outputs[r].numel() != n || outputs[r].scalar_type() != inputs[0].scalar_type())
+      comm_->reject(name_of("all_to_all") +
+                    " needs tensors of one size; for uneven blocks use all_to_all_single with split sizes");
+  }
+  at::Tensor flat_in = flat_like(inputs[0], n * getSize());
+  at::Tensor flat_out = flat_like(inputs[0], n * getSize());
+  Staging s;
+  s.before = [flat_in, inputs, n] {
+    for (size_t r = 0; r < inputs.size(); ++r) copy_in(flat_in, static_cast<int64_t>(r) * n, inputs[r]);
+  };
+  s.after = [flat_out, outputs, n] {
+    for (size_t r = 0; r < outputs.size(); ++r) copy_out(outputs[r], flat_out, static_cast<int64_t>(r) * n);
+  };
+  s.keep = inputs;
+  s.keep.insert(s.keep.end(), outputs.begin(), outputs.end());
+  s.result = outputs;
+  return wrap(comm_->all_to_all(flat_out, flat_in, opts.asyncOp, std::move(s)), c10d::OpType::ALLTOALL,
+              "pycomm:all_to_all");
+}
+
+c10::intrusive_ptr<c10d::Work> C10dBackend::barrier(const c10d::BarrierOptions& opts) {
+  return wrap(comm_->barrier(opts.asyncOp), c10d::OpType::BARRIER, "pycomm:barrier");
+}
+
+c10::intrusive_ptr<c10d::Work> C10dBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
+  return peer("send").send(tensors, dst, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> C10dBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
+  return peer("recv").recv(tensors, src, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> C10dBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  return peer("recv").recvAnysource(tensors, tag);
+}
+
+void C10dBackend::abort() {
+  comm_->abort("pycomm: rank " + std::to_string(getRank()) + ": the process group was aborted");
+  if (peer_) peer_->abort();
+}
+
+void C10dBackend::shutdown() {
+  comm_->shutdown();
+  if (peer_) peer_->shutdown();
+}
+
+}  // namespace pycomm

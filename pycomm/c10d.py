@@ -1,0 +1,81 @@
+"""pycomm as a ``torch.distributed`` backend.
+
+``import pycomm`` registers the backend ``"pycomm"``; existing code runs on it
+by changing one string::
+
+    import pycomm  # noqa: F401  (registers the backend)
+    dist.init_process_group("cpu:pycomm")              # or "cpu:pycomm,cuda:nccl"
+    dist.all_reduce(t)                                 # runs on pycomm
+    model = torch.nn.parallel.DistributedDataParallel(model)
+
+    group = dist.new_group([0, 1], backend="pycomm")   # subgroups too
+
+What runs where:
+
+- all_reduce (and ``all_reduce_coalesced``), broadcast, reduce, all_gather
+  (list and into one tensor, coalesced too), gather, scatter, reduce_scatter
+  (list and tensor, coalesced too), all_to_all (equal blocks), barrier: a
+  pycomm collective, with its checks (ranks that disagree raise on every
+  rank), timeouts and dead-peer detection. Tensor lists are staged through
+  one flat buffer, so a coalesced call is one collective.
+- send / recv / irecv from any source, and ``all_to_all_single`` with uneven
+  splits: a private Gloo group over the same ranks (pycomm's transports move
+  data in collective lock-step; these calls are not collectives).
+- Reduce ops SUM, AVG, MIN, MAX. PRODUCT, the bitwise ops, PREMUL_SUM and
+  sparse tensors raise an error naming them, on every rank.
+
+The group's timeout (``init_process_group(timeout=...)``) is pycomm's
+timeout. ``PYCOMM_ALGO``, ``PYCOMM_TRANSPORT``, ``PYCOMM_LOCAL_SIZE`` and the
+other ``PYCOMM_*`` variables apply as for :class:`pycomm.Communicator`.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+
+import torch.distributed as dist
+
+from ._loader import load_core
+
+logger = logging.getLogger("pycomm")
+
+BACKEND_NAME = "pycomm"
+
+
+def _create_backend(options: "dist.distributed_c10d._DistributedBackendOptions", backend_options: object):
+    """The creator torch.distributed calls for every group that uses "pycomm"."""
+    from .communicator import ALL_GATHER, ALL_REDUCE, BROADCAST, REDUCE_SCATTER, Communicator
+
+    core = load_core()
+    timeout = options.timeout
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=float(timeout))
+    # torch already gives each group (and device) its own store prefix.
+    comm = Communicator(store=options.store, rank=options.group_rank, world_size=options.group_size,
+                        timeout=timeout, name="c10d")
+    peer = dist.ProcessGroupGloo(dist.PrefixStore("p2p/", options.store), options.group_rank,
+                                 options.group_size, timeout)
+    algorithms = [comm._default_algo[c][0] for c in (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST)]
+    logger.debug("pycomm: backend for group %s: rank %d of %d, %r", options.group_id, options.group_rank,
+                 options.group_size, comm)
+    return core.make_backend(comm._c, peer, algorithms)
+
+
+def register() -> None:
+    """Register the "pycomm" backend with torch.distributed (``import pycomm`` does it).
+
+    Example::
+
+        pycomm.c10d.register()
+        dist.init_process_group("cpu:pycomm")
+    """
+    if not dist.is_available():
+        return
+    if BACKEND_NAME.upper() in getattr(dist.Backend, "_plugins", {}):
+        return
+    try:
+        has_cuda = bool(load_core().has_cuda)
+    except ImportError:
+        has_cuda = False  # the creator raises the loader's message when used
+    devices = ["cpu", "cuda"] if has_cuda else ["cpu"]
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=devices)

@@ -1,0 +1,245 @@
+"""Worker-side cases for pycomm as a torch.distributed backend (run inside
+harness workers). Every worker joins one default group on "cpu:pycomm";
+cases build subgroups of it."""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from collective_cases import make_input, sweep_on
+from harness import worker_store
+
+_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def init_default(rank: int, world: int, name: str, timeout: float = 60) -> str:
+    """dist.init_process_group("cpu:pycomm") over the whole pool."""
+    if not dist.is_initialized():
+        dist.init_process_group("cpu:pycomm", store=dist.PrefixStore(name, worker_store()), rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=timeout))
+    return dist.get_backend()
+
+
+def _group(world: int, backend: str = "pycomm", algo: Optional[str] = None):
+    """A new subgroup of ranks 0..world-1. Every rank of the pool calls this
+    (torch names groups by creation order); ranks outside get None."""
+    old = os.environ.get("PYCOMM_ALGO")
+    if algo:
+        os.environ["PYCOMM_ALGO"] = algo
+    try:
+        g = dist.new_group(list(range(world)), backend=backend)
+        return g if dist.get_rank() < world else None
+    finally:
+        if old is None:
+            os.environ.pop("PYCOMM_ALGO", None)
+        else:
+            os.environ["PYCOMM_ALGO"] = old
+
+
+class DistComm:
+    """The Communicator's collective methods, done with torch.distributed
+    calls on a group. List and tensor forms alternate from call to call."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.calls = 0
+
+    def _flip(self) -> bool:
+        self.calls += 1
+        return self.calls % 2 == 0
+
+    def all_reduce(self, x, op="sum", output=None, algorithm=None):
+        if output is not None:  # torch's all_reduce is in place only
+            output.copy_(x)
+            x = output
+        if self._flip():
+            dist.all_reduce(x, op=_OPS[op], group=self.group)
+        else:
+            dist.all_reduce(x, op=_OPS[op], group=self.group, async_op=True).wait()
+
+    def reduce_scatter(self, out, x, op="sum", algorithm=None):
+        if self._flip():
+            dist.reduce_scatter_tensor(out, x, op=_OPS[op], group=self.group)
+        else:
+            dist.reduce_scatter(out, list(x.view(self.world, -1).unbind(0)), op=_OPS[op], group=self.group)
+
+    def all_gather(self, out, inp, algorithm=None):
+        if self._flip():
+            dist.all_gather_into_tensor(out, inp, group=self.group)
+        else:
+            dist.all_gather(list(out.view(self.world, -1).unbind(0)), inp, group=self.group)
+
+    def broadcast(self, x, src=0, algorithm=None):
+        dist.broadcast(x, src, group=self.group)
+
+
+def matrix(rank: int, world: int, coll: str, algo: str) -> list:
+    """The foundation's collective sweep, through torch.distributed calls."""
+    group = _group(world, algo=None if algo == "auto" else algo)
+    if group is None:
+        return []
+    try:
+        return sweep_on(DistComm(group), rank, world, coll, algo)
+    finally:
+        dist.destroy_process_group(group)
+
+
+def api(rank: int, world: int) -> Dict[str, object]:
+    """Every torch.distributed call the backend serves, on fresh random data,
+    checked against closed-form results. Returns what each check found."""
+    g = _group(world)
+    out: Dict[str, object] = {}
+    if g is None:
+        return out
+    seed = 4242
+    xs = [make_input(seed, r, 37, torch.float32) for r in range(world)]
+    total = torch.stack([x.double() for x in xs]).sum(0)
+
+    # all_reduce: future holds the tensor; then() continuations run.
+    t = xs[rank].clone()
+    fut = dist.all_reduce(t, group=g, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
+    out["all_reduce future"] = torch.allclose(fut.wait().double(), 2 * total, rtol=1e-5, atol=1e-4)
+
+    # all_reduce_coalesced: tensors of several shapes, one call.
+    parts = [make_input(seed + i, rank, n, torch.float64).view(shape)
+             for i, (n, shape) in enumerate([(6, (2, 3)), (1, (1,)), (0, (0,)), (20, (4, 5))])]
+    exp = [sum(make_input(seed + i, r, p.numel(), torch.float64) for r in range(world)).view(p.shape)
+           for i, p in enumerate(parts)]
+    dist.all_reduce_coalesced(parts, group=g)
+    out["all_reduce_coalesced"] = all(torch.allclose(p, e) for p, e in zip(parts, exp))
+
+    # reduce: the root gets the sum, the others keep their tensor.
+    for root in sorted({0, world - 1}):
+        t = xs[rank].clone()
+        dist.reduce(t, dst=root, op=dist.ReduceOp.MAX, group=g)
+        want = torch.stack(xs).max(0).values if rank == root else xs[rank]
+        out[f"reduce root {root}"] = torch.equal(t, want)
+
+    # gather / scatter to and from the last rank.
+    root = world - 1
+    gathered = [torch.empty(37) for _ in range(world)] if rank == root else None
+    dist.gather(xs[rank], gathered, dst=root, group=g)
+    out["gather"] = rank != root or all(torch.equal(a, b) for a, b in zip(gathered, xs))
+    pieces = [make_input(seed + 7, r, 5, torch.int64) for r in range(world)]
+    mine = torch.empty(5, dtype=torch.int64)
+    dist.scatter(mine, pieces if rank == root else None, src=root, group=g)
+    out["scatter"] = torch.equal(mine, pieces[rank])
+
+    # all_to_all: lists, even single, uneven single (the peer group).
+    blocks = [torch.full((3,), 100.0 * rank + p) for p in range(world)]
+    recv = [torch.empty(3) for _ in range(world)]
+    dist.all_to_all(recv, blocks, group=g)
+    out["all_to_all"] = all(torch.equal(recv[p], torch.full((3,), 100.0 * p + rank)) for p in range(world))
+    single = torch.arange(world * 2, dtype=torch.float32) + 1000 * rank
+    got = torch.empty(world * 2)
+    dist.all_to_all_single(got, single, group=g)
+    out["all_to_all_single"] = torch.equal(
+        got, torch.cat([torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) + 1000 * p for p in range(world)]))
+    # Rank r sends p + 1 elements to rank p.
+    sizes_in = [p + 1 for p in range(world)]
+    sizes_out = [rank + 1] * world
+    src = torch.cat([torch.full((p + 1,), float(rank * 10 + p)) for p in range(world)])
+    dst = torch.empty(sum(sizes_out))
+    dist.all_to_all_single(dst, src, output_split_sizes=sizes_out, input_split_sizes=sizes_in, group=g)
+    out["all_to_all_single uneven"] = torch.equal(
+        dst, torch.cat([torch.full((rank + 1,), float(p * 10 + rank)) for p in range(world)]))
+
+    # send / recv around a ring, blocking and not.
+    if world > 1:
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+        payload = make_input(seed + 11, rank, 1000, torch.float32)
+        box = torch.empty(1000)
+        reqs = [dist.isend(payload, nxt, group=g), dist.irecv(box, prv, group=g)]
+        for q in reqs:
+            q.wait()
+        out["isend/irecv"] = torch.equal(box, make_input(seed + 11, prv, 1000, torch.float32))
+        if rank == 0:
+            dist.send(payload, 1, group=g, tag=5)
+        elif rank == 1:
+            box = torch.empty(1000)
+            dist.recv(box, 0, group=g, tag=5)
+            out["send/recv"] = torch.equal(box, make_input(seed + 11, 0, 1000, torch.float32))
+
+    # Objects (pickled, padded uint8 all_gather and broadcast underneath).
+    objs: List[object] = [None] * world
+    dist.all_gather_object(objs, {"rank": rank, "tag": "x" * rank}, group=g)
+    out["all_gather_object"] = objs == [{"rank": r, "tag": "x" * r} for r in range(world)]
+    lst = [f"from {world - 1}", world] if rank == world - 1 else [None, None]
+    dist.broadcast_object_list(lst, src=world - 1, group=g)
+    out["broadcast_object_list"] = lst == [f"from {world - 1}", world]
+
+    # Unsupported: every rank raises, naming it; the group stays usable.
+    try:
+        dist.all_reduce(torch.ones(3), op=dist.ReduceOp.PRODUCT, group=g)
+        out["PRODUCT"] = "no error"
+    except RuntimeError as e:
+        out["PRODUCT"] = str(e)
+    try:
+        dist.all_reduce(torch.ones(3, 3).to_sparse(), group=g)
+        out["sparse"] = "no error"
+    except RuntimeError as e:
+        out["sparse"] = str(e)
+    dist.barrier(group=g)
+    t = torch.ones(4)
+    dist.all_reduce(t, group=g)
+    out["usable after errors"] = torch.equal(t, torch.full((4,), float(world)))
+    out["backend"] = dist.get_backend(g)
+    dist.destroy_process_group(g)
+    return out
+
+
+def mismatch(rank: int, world: int) -> str:
+    """Rank 1 all-reduces one element more than the others."""
+    g = _group(world)
+    if g is None:
+        return ""
+    try:
+        dist.all_reduce(torch.ones(10 + (rank == 1)), group=g)
+        return "no error"
+    except RuntimeError as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        dist.destroy_process_group(g)
+
+
+def ddp_train(rank: int, world: int, backend: str, hook: Optional[str] = None, steps: int = 6) -> List[torch.Tensor]:
+    """A few DDP steps of a small MLP on per-rank random data; returns the
+    final parameters (equal on every rank when DDP works)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    g = _group(world, backend=backend)
+    if g is None:
+        return []
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
+                                torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    # Different initial weights per rank: DDP's broadcast from rank 0 must fix them.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * rank)
+    ddp = DDP(model, process_group=g, bucket_cap_mb=0.01)  # several buckets
+    if hook == "allreduce":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(g, default_hooks.allreduce_hook)
+    elif hook == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(g, default_hooks.fp16_compress_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        x = torch.randn(16, 32, generator=gen)
+        y = torch.randn(16, 4, generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    params = [p.detach().clone() for p in model.parameters()]
+    del ddp
+    dist.destroy_process_group(g)
+    return params

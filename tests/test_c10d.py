@@ -1,0 +1,91 @@
+"""pycomm as a torch.distributed backend: the collective matrix through
+dist.* calls, every call the backend serves, DDP equal to Gloo's, a
+torchrun-launched script, and a clean exit when the store's host leaves first."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import c10d_cases
+from collective_cases import matrix_failures
+from harness import RankPool
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = RankPool(8)
+    assert pool.run(c10d_cases.init_default, 8, pool.new_name("c10d")) == ["cpu:pycomm"] * 8
+    yield pool
+    pool.close()
+
+
+# The foundation's matrix for every world size through the tuner, and each
+# forced algorithm on one odd world size.
+MATRIX = [(w, coll, "auto") for w in (1, 2, 3, 5, 8) for coll in ("all_reduce", "reduce_scatter", "all_gather",
+                                                                    "broadcast")]
+MATRIX += [(3, "all_reduce", a) for a in ("ring", "tree", "direct")] + [(3, "broadcast", "tree")]
+
+
+@pytest.mark.parametrize("world,coll,algo", MATRIX)
+def test_matrix_through_torch_distributed(pool, world, coll, algo):
+    per_rank = pool.run(c10d_cases.matrix, world, coll, algo)[:world]
+    failures = matrix_failures(per_rank)
+    assert not failures, f"{len(failures)} failing cases of {len(per_rank[0])}:\n" + "\n".join(failures[:20])
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_call_the_backend_serves(pool, world):
+    results = pool.run(c10d_cases.api, world)[:world]
+    for rank, res in enumerate(results):
+        assert res.pop("backend") == "pycomm"
+        product, sparse = res.pop("PRODUCT"), res.pop("sparse")
+        assert "PRODUCT" in product and "pycomm" in product, (rank, product)
+        assert "sparse" in sparse and "pycomm" in sparse, (rank, sparse)
+        failed = [k for k, ok in res.items() if ok is not True]
+        assert not failed, f"rank {rank}: {failed}"
+
+
+def test_mismatch_raises_on_every_rank(pool):
+    for rank, err in enumerate(pool.run(c10d_cases.mismatch, 3)[:3]):
+        assert err.startswith("CommError") and "disagree" in err, (rank, err)
+
+
+@pytest.mark.parametrize("hook", [None, "allreduce", "fp16"])
+def test_ddp_matches_gloo(pool, hook):
+    world = 4
+    ours = pool.run(c10d_cases.ddp_train, world, "pycomm", hook)[:world]
+    gloo = pool.run(c10d_cases.ddp_train, world, "gloo", hook)[:world]
+    for rank in range(world):
+        for a, b in zip(ours[rank], ours[0]):
+            assert torch.equal(a, b), f"rank {rank} parameters differ from rank 0's"
+    # Same data, same averaging; only the order of the float sums differs.
+    tol = dict(rtol=1e-3, atol=1e-4) if hook == "fp16" else dict(rtol=1e-5, atol=1e-6)
+    for a, b in zip(ours[0], gloo[0]):
+        assert torch.allclose(a, b, **tol), (a - b).abs().max()
+
+
+def _run(cmd, timeout=180):
+    env = dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR", OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=HERE)
+
+
+def test_torchrun_script():
+    p = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+              os.path.join(HERE, "c10d_script.py"), "train"])
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert sorted(re.findall(r"OK rank \d+", p.stdout)) == [f"OK rank {r}" for r in range(3)], p.stdout
+
+
+def test_store_host_leaves_first():
+    """Rank 0 hosts the TCPStore and exits right after its last collective;
+    the others destroy their group afterwards and still exit cleanly."""
+    p = _run([sys.executable, os.path.join(HERE, "c10d_script.py"), "host-leaves-first", "3"])
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert sorted(re.findall(r"OK rank \d+", p.stdout)) == [f"OK rank {r}" for r in range(3)], p.stdout
+    for bad in ("terminate called", "Segmentation", "core dumped", "Traceback"):
+        assert bad not in p.stderr, p.stderr
