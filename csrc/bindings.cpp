@@ -89,7 +89,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        const std::string& name, const std::string& token, bool create, size_t round_bytes, int host,
                        std::vector<std::vector<int>> host_ranks,
                        std::optional<c10::intrusive_ptr<c10d::Backend>> backend, size_t pg_round_bytes,
-                       int pg_window) {
+                       int pg_window, std::optional<c10::intrusive_ptr<c10d::Store>> store) {
              CommunicatorOptions o;
              o.rank = rank;
              o.world = world;
@@ -106,13 +106,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              if (backend) o.backend = *backend;
              o.pg_round_bytes = pg_round_bytes;
              o.pg_window = pg_window;
+             if (store) o.store = *store;
              return std::shared_ptr<Communicator>(new Communicator(o), GilFreeDelete());
            }),
            py::arg("rank"), py::arg("world"), py::arg("timeout"), py::arg("use_shm") = true,
            py::arg("local_rank") = 0, py::arg("local_size") = 1, py::arg("shm_name") = "", py::arg("token") = "",
            py::arg("create") = false, py::arg("round_bytes") = 1 << 20, py::arg("host") = 0,
            py::arg("host_ranks") = std::vector<std::vector<int>>{}, py::arg("backend") = py::none(),
-           py::arg("pg_round_bytes") = 4 << 20, py::arg("pg_window") = 4, py::call_guard<py::gil_scoped_release>())
+           py::arg("pg_round_bytes") = 4 << 20, py::arg("pg_window") = 4, py::arg("store") = py::none(),
+           py::call_guard<py::gil_scoped_release>())
       .def("all_reduce",
            [](Communicator& c, const at::Tensor& in, const at::Tensor& out, int op, int algo, bool strict,
               bool async_op) { return c.all_reduce(in, out, to_op(op), to_algo(algo), strict, async_op); },

@@ -1,6 +1,10 @@
 #include "communicator.h"
 
+#include <algorithm>
+#include <cctype>
 #include <climits>
+#include <cstring>
+#include <future>
 #include <sstream>
 
 #include "algorithms/algorithms.h"
@@ -147,7 +151,7 @@ c10::intrusive_ptr<c10::ivalue::Future> Work::get_future() {
 // ---------------------------------------------------------- Communicator
 
 Communicator::Communicator(const CommunicatorOptions& o)
-    : rank_(o.rank), world_(o.world), timeout_s_(o.timeout_s) {
+    : rank_(o.rank), world_(o.world), timeout_s_(o.timeout_s), store_(o.backend ? o.store : nullptr) {
   if (world_ < 1 || rank_ < 0 || rank_ >= world_)
     throw CommError("pycomm: invalid rank " + std::to_string(rank_) + " of " + std::to_string(world_));
   if (o.use_shm) {
@@ -268,7 +272,96 @@ void Communicator::execute(Work& work) {
   } catch (...) {
     error = std::current_exception();
   }
+  if (error && store_) error = explain(error);
   work.finish(error);
+}
+
+namespace {
+
+// How long a failing rank looks for its peers' reasons. Peers that detect a
+// death publish it within microseconds of raising; a store that does not
+// answer (its host died) must not delay the error much.
+constexpr auto kExplainBudget = std::chrono::milliseconds(500);
+
+std::string what_of(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+// The rank a failure message blames ("... waiting for rank 3 ...", "rank 3
+// called something it could not run"), or -1.
+int blamed_rank(const std::string& msg) {
+  auto number_at = [&](size_t pos) {
+    return pos < msg.size() && std::isdigit(static_cast<unsigned char>(msg[pos])) ? std::atoi(msg.c_str() + pos) : -1;
+  };
+  const std::string waiting = "waiting for rank ";
+  size_t at = msg.find(waiting);
+  if (at != std::string::npos) return number_at(at + waiting.size());
+  const std::string tail = " called something it could not run";
+  for (at = msg.find("rank "); at != std::string::npos; at = msg.find("rank ", at + 1)) {
+    const int r = number_at(at + 5);
+    const size_t after = msg.find_first_not_of("0123456789", at + 5);
+    if (r >= 0 && after != std::string::npos && msg.compare(after, tail.size(), tail) == 0) return r;
+  }
+  return -1;
+}
+
+}  // namespace
+
+// Between hosts a death shows as a cascade: the rank next to the dead one
+// sees its connection close and raises; its own peers then see *that* rank's
+// connection close, and so on. Every failing rank publishes its reason in
+// the store before it raises (so before its connections close), and then
+// follows the chain of blame: the rank it blames, the rank that one blames,
+// ..., until a report that names a death, or a rank that published nothing:
+// that rank is the one that died (or hangs).
+std::exception_ptr Communicator::explain(std::exception_ptr error) {
+  const std::string mine = what_of(error);
+  auto store = store_;
+  const int rank = rank_;
+  // On a helper thread, so a store that does not answer (its host died)
+  // cannot hold the error past the budget; the thread keeps what it uses.
+  auto task = std::make_shared<std::packaged_task<std::string()>>([store, rank, mine] {
+    auto key = [](int r) { return "failure/" + std::to_string(r); };
+    try {
+      store->set(key(rank), mine);
+    } catch (...) {
+      return std::string();
+    }
+    if (mine.find(") died;") != std::string::npos) return std::string();
+    std::string msg = mine;
+    std::vector<int> seen{rank};
+    const auto deadline = std::chrono::steady_clock::now() + kExplainBudget;
+    while (true) {
+      if (msg.find(") died;") != std::string::npos) return msg;
+      const int p = blamed_rank(msg);
+      if (p < 0 || std::find(seen.begin(), seen.end(), p) != seen.end()) return std::string();
+      try {
+        while (!store->check({key(p)}) && std::chrono::steady_clock::now() < deadline)
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        if (!store->check({key(p)})) {
+          return "pycomm: rank " + std::to_string(p) +
+                 " stopped without reporting an error: it died, was killed or hangs";
+        }
+        const auto v = store->get(key(p));
+        msg.assign(v.begin(), v.end());
+      } catch (...) {
+        return std::string();
+      }
+      seen.push_back(p);
+    }
+  });
+  auto cause = task->get_future();
+  std::thread([task] { (*task)(); }).detach();
+  if (cause.wait_for(kExplainBudget + std::chrono::milliseconds(300)) != std::future_status::ready) return error;
+  const std::string root = cause.get();
+  if (root.empty() || root == mine) return error;
+  return std::make_exception_ptr(CommError(root + " [rank " + std::to_string(rank_) + " saw: " + mine + "]"));
 }
 
 std::shared_ptr<Work> Communicator::submit(std::shared_ptr<Work> work, bool async_op) {

@@ -102,6 +102,11 @@ struct CommunicatorOptions {
   c10::intrusive_ptr<c10d::Backend> backend;
   size_t pg_round_bytes = 4 << 20;
   int pg_window = 4;
+  // The communicator's bootstrap store (optional). Between hosts, a rank
+  // that fails leaves its reason there, so that ranks which only see the
+  // consequences (a closed connection, a peer that gave up) can name the
+  // cause: "rank 3 died", not "rank 2 left".
+  c10::intrusive_ptr<c10d::Store> store;
 };
 
 class Communicator {
@@ -171,6 +176,9 @@ class Communicator {
                                const at::Tensor& output, Algorithm algo, bool strict, bool async_op,
                                Staging staging);
   void execute(Work& work);
+  // Publishes this rank's failure and returns it, or a peer's failure that
+  // names a dead rank, with this rank's view appended.
+  std::exception_ptr explain(std::exception_ptr error);
   void progress_loop();
   // Resolves `algo` (and, between hosts, the inter-host schedule).
   Algorithm choose(Collective coll, Algorithm algo, bool strict, size_t bytes, Algorithm* inter) const;
@@ -184,6 +192,7 @@ class Communicator {
   std::unique_ptr<MultiHostTransport> multi_;
   Transport* top_ = nullptr;  // what collectives run on
   Workspace workspace_;  // used by composite ops, which run one at a time
+  c10::intrusive_ptr<c10d::Store> store_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Work>> queue_;

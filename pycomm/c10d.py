@@ -44,7 +44,7 @@ BACKEND_NAME = "pycomm"
 
 def _create_backend(options: "dist.distributed_c10d._DistributedBackendOptions", backend_options: object):
     """The creator torch.distributed calls for every group that uses "pycomm"."""
-    from .communicator import ALL_GATHER, ALL_REDUCE, BROADCAST, REDUCE_SCATTER, Communicator
+    from .communicator import ALL_GATHER, ALL_REDUCE, BROADCAST, REDUCE_SCATTER, Communicator, restart_prefix
 
     core = load_core()
     timeout = options.timeout
@@ -53,7 +53,7 @@ def _create_backend(options: "dist.distributed_c10d._DistributedBackendOptions",
     # torch already gives each group (and device) its own store prefix.
     comm = Communicator(store=options.store, rank=options.group_rank, world_size=options.group_size,
                         timeout=timeout, name="c10d")
-    peer = dist.ProcessGroupGloo(dist.PrefixStore("p2p/", options.store), options.group_rank,
+    peer = dist.ProcessGroupGloo(dist.PrefixStore(f"pycomm-p2p/{restart_prefix()}", options.store), options.group_rank,
                                  options.group_size, timeout)
     algorithms = [comm._default_algo[c][0] for c in (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST)]
     logger.debug("pycomm: backend for group %s: rank %d of %d, %r", options.group_id, options.group_rank,

@@ -168,7 +168,7 @@ class Communicator:
                 index = _instances_per_group.get(group_name, 0)
                 _instances_per_group[group_name] = index + 1
             name = f"{group_name}/{index}"
-        store = dist.PrefixStore(f"pycomm/{name}/", store)
+        store = dist.PrefixStore(f"pycomm/{name}/{restart_prefix()}", store)
         if timeout is None:
             timeout = float(os.environ.get("PYCOMM_TIMEOUT", DEFAULT_TIMEOUT_S))
         if isinstance(timeout, datetime.timedelta):
@@ -216,7 +216,8 @@ class Communicator:
                     local_rank=self.local_rank, local_size=self.local_size, shm_name=shm_name, token=token,
                     round_bytes=round_bytes, host=self.host, host_ranks=host_ranks if use_pg else [],
                     backend=backend, pg_round_bytes=_env_size("PYCOMM_PG_ROUND_BYTES", DEFAULT_PG_ROUND_BYTES),
-                    pg_window=int(os.environ.get("PYCOMM_PG_WINDOW", DEFAULT_PG_WINDOW)))
+                    pg_window=int(os.environ.get("PYCOMM_PG_WINDOW", DEFAULT_PG_WINDOW)),
+                    store=store if use_pg else None)
 
         # 4. The host's first rank creates the segment, the others attach.
         if not use_shm:
@@ -492,6 +493,16 @@ class Communicator:
     def __repr__(self) -> str:
         return (f"pycomm.Communicator(rank={self.rank}, world_size={self.world_size}, hosts={self.num_hosts}, "
                 f"local_size={self.local_size}, transport={self.transport!r})")
+
+
+def restart_prefix() -> str:
+    """Store keys of one attempt of an elastic job ("attempt<n>/"; "" outside torchrun).
+
+    torchrun's store outlives a restart: without this, a restarted rank
+    could read the previous attempt's token and look for its segment.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return f"attempt{attempt}/" if attempt else ""
 
 
 def _wait_keys(store: "dist.Store", keys: List[str], timeout: float, what: str) -> None:

@@ -60,8 +60,17 @@ void MultiHostTransport::run(const CollectiveDesc& desc, uint64_t seq) {
     local_error = e.what();
     check.coll = Collective::kInvalid;
   }
-  c_.cross->run(check, seq);
-  if (!local_error.empty()) throw CommError(local_error);
+  if (local_error.empty()) {
+    c_.cross->run(check, seq);
+  } else {
+    // The other hosts learn of the failure from the invalid header; what
+    // they answer adds nothing to the reason we already have.
+    try {
+      c_.cross->run(check, seq);
+    } catch (const CommError&) {
+    }
+    throw CommError(local_error);
+  }
   if (desc.check_only || desc.coll == Collective::kBarrier || desc.coll == Collective::kInvalid) return;
   CollectiveDesc d = desc;
   d.checked = true;

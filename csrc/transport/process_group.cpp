@@ -143,12 +143,27 @@ void PgTransport::abort(const std::string& why) {
 c10::intrusive_ptr<c10d::Work> PgTransport::send(const void* data, size_t bytes, int peer, uint32_t tag) {
   std::vector<at::Tensor> t{at::from_blob(const_cast<void*>(data), {static_cast<int64_t>(bytes)},
                                           at::TensorOptions().dtype(at::kByte))};
-  return backend_->send(t, members_[peer], static_cast<int>(tag));
+  try {
+    return backend_->send(t, members_[peer], static_cast<int>(tag));
+  } catch (const std::exception& e) {
+    throw CommError(unreachable(peer, e.what()));
+  }
 }
 
 c10::intrusive_ptr<c10d::Work> PgTransport::recv(void* data, size_t bytes, int peer, uint32_t tag) {
   std::vector<at::Tensor> t{at::from_blob(data, {static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte))};
-  return backend_->recv(t, members_[peer], static_cast<int>(tag));
+  try {
+    return backend_->recv(t, members_[peer], static_cast<int>(tag));
+  } catch (const std::exception& e) {
+    throw CommError(unreachable(peer, e.what()));
+  }
+}
+
+// A transfer the backend refused to post: the connection to `peer` is gone.
+std::string PgTransport::unreachable(int peer, const std::string& error) const {
+  return "pycomm: rank " + std::to_string(name(rank_)) + " failed while waiting for rank " +
+         std::to_string(name(peer)) + " (posting a transfer): " + first_line(error.c_str()) + "; rank " +
+         std::to_string(name(peer)) + " may have died or left";
 }
 
 void PgTransport::wait(c10::intrusive_ptr<c10d::Work>& work, int peer, const char* what, const Ctx& ctx) {

@@ -83,6 +83,7 @@ class PgTransport : public Transport {
   void finish_round(PgRound& r, const PgPlan& plan, const Ctx& ctx);
   c10::intrusive_ptr<c10d::Work> send(const void* data, size_t bytes, int peer, uint32_t tag);
   c10::intrusive_ptr<c10d::Work> recv(void* data, size_t bytes, int peer, uint32_t tag);
+  std::string unreachable(int peer, const std::string& error) const;
   void wait(c10::intrusive_ptr<c10d::Work>& work, int peer, const char* what, const Ctx& ctx);
   int name(int r) const { return names_[r]; }
 
