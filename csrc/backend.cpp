@@ -112,6 +112,18 @@ void C10dBackend::check_same_dtype(const std::vector<at::Tensor>& tensors, const
   }
 }
 
+void C10dBackend::check_coalesced(const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& wholes,
+                                  const char* what) {
+  check_same_dtype(shards, what);
+  check_same_dtype(wholes, what);
+  if (shards.size() != wholes.size()) comm_->reject(name_of(what) + ": as many outputs as inputs are needed");
+  for (size_t i = 0; i < shards.size(); ++i) {
+    if (wholes[i].numel() != shards[i].numel() * getSize() || wholes[i].scalar_type() != shards[i].scalar_type())
+      comm_->reject(name_of(what) + ": tensor pair " + std::to_string(i) +
+                    " needs world_size x as many elements in the whole as in the shard, and one dtype");
+  }
+}
+
 c10d::Backend& C10dBackend::peer(const char* what) {
   TORCH_CHECK(peer_, name_of(what), " needs the point-to-point group, which this backend was created without");
   return *peer_;
@@ -203,15 +215,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allgather_into_tensor_coalesced(std:
                                                                             const c10d::AllgatherOptions& opts) {
   // All pairs in one all-gather: rank r's block of the flat output holds
   // every input of rank r, back to back.
-  check_same_dtype(inputs, "all_gather_into_tensor_coalesced");
-  check_same_dtype(outputs, "all_gather_into_tensor_coalesced");
-  if (outputs.size() != inputs.size())
-    comm_->reject(name_of("all_gather_into_tensor_coalesced") + ": as many outputs as inputs are needed");
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (outputs[i].numel() != inputs[i].numel() * getSize() || outputs[i].scalar_type() != inputs[i].scalar_type())
-      comm_->reject(name_of("all_gather_into_tensor_coalesced") +
-                    ": output i must have world_size x the elements of input i, and its dtype");
-  }
+  check_coalesced(inputs, outputs, "all_gather_into_tensor_coalesced");
   if (inputs.empty()) return wrap(comm_->barrier(opts.asyncOp), c10d::OpType::COALESCED, "pycomm:all_gather_coalesced");
   const auto off = offsets_of(inputs);
   const int64_t total = off.back();
@@ -338,15 +342,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce_scatter_tensor_coalesced(std:
   // All pairs in one reduce-scatter: block r of the flat input holds shard
   // r of every input, back to back, so rank r's flat output is its shards.
   const RedOp op = reduce_op(opts.reduceOp, "reduce_scatter_tensor_coalesced");
-  check_same_dtype(inputs, "reduce_scatter_tensor_coalesced");
-  check_same_dtype(outputs, "reduce_scatter_tensor_coalesced");
-  if (outputs.size() != inputs.size())
-    comm_->reject(name_of("reduce_scatter_tensor_coalesced") + ": as many outputs as inputs are needed");
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (inputs[i].numel() != outputs[i].numel() * getSize() || outputs[i].scalar_type() != inputs[i].scalar_type())
-      comm_->reject(name_of("reduce_scatter_tensor_coalesced") +
-                    ": input i must have world_size x the elements of output i, and its dtype");
-  }
+  check_coalesced(outputs, inputs, "reduce_scatter_tensor_coalesced");
   if (inputs.empty()) return wrap(comm_->barrier(opts.asyncOp), c10d::OpType::COALESCED, "pycomm:reduce_scatter_coalesced");
   const auto off = offsets_of(outputs);
   const int64_t total = off.back();

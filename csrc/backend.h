@@ -108,6 +108,10 @@ class C10dBackend : public c10d::Backend {
   // The tensors of a coalesced call as one flat buffer's pieces, or a
   // rejection when they cannot share one (mixed dtypes).
   void check_same_dtype(const std::vector<at::Tensor>& tensors, const char* what);
+  // Pairs of a coalesced call: shard i has 1/world_size of whole i's
+  // elements (all-gather input/output, reduce-scatter output/input).
+  void check_coalesced(const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& wholes,
+                       const char* what);
   c10d::Backend& peer(const char* what);
   Algorithm algo(Collective coll) const { return algorithms_[static_cast<int>(coll)]; }
 

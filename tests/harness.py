@@ -42,13 +42,19 @@ def _worker_main(rank: int, port: int, conn) -> None:
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
     _STATE["store"] = store
+    serve(conn, rank)
+
+
+def serve(conn, *lead: Any) -> None:
+    """Runs fn(*lead, *args) for each (fn, args, kwargs) received, sending
+    back ("ok", result) or ("err", traceback), until None arrives."""
     while True:
         msg = conn.recv()
         if msg is None:
             break
         fn, args, kwargs = msg
         try:
-            conn.send(("ok", fn(rank, *args, **kwargs)))
+            conn.send(("ok", fn(*lead, *args, **kwargs)))
         except BaseException as e:  # noqa: BLE001 - everything goes back to the test
             conn.send(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import pycomm
-from harness import free_port, make_comm
+from harness import free_port, make_comm, serve
 
 COLLECTIVES = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "barrier"]
 ALGOS = {"all_reduce": ["auto", "ring", "tree", "direct"], "reduce_scatter": ["auto", "ring", "direct"],
@@ -98,17 +98,7 @@ def random_call(comm, rng: random.Random, rank: int, world: int, step: int,
 
 def _zygote_main(conn) -> None:
     torch.set_num_threads(1)
-    while True:
-        msg = conn.recv()
-        if msg is None:
-            return
-        fn, args, kwargs = msg
-        try:
-            conn.send(("ok", fn(*args, **kwargs)))
-        except BaseException as e:  # noqa: BLE001 - reported to the test
-            import traceback
-
-            conn.send(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    serve(conn)
 
 
 class Zygote:

@@ -15,7 +15,9 @@ from ..communicator import parse_size as parse_bytes
 from .report import HEADER, format_size, plot, summary, write_json
 
 COLLECTIVES = ["all_reduce", "reduce_scatter", "all_gather", "broadcast"]
-ALGOS = ["ring", "tree", "direct", "hierarchical", "auto"]
+# "c10d": torch.distributed calls on a group whose backend is "pycomm"
+# (what a script gets from init_process_group("cpu:pycomm")).
+ALGOS = ["ring", "tree", "direct", "hierarchical", "auto", "c10d"]
 
 
 def parse_size(text: str) -> int:
@@ -39,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--stepfactor", type=int, default=4, help="multiply the size by this each step (default 4)")
     p.add_argument("-c", "--collective", choices=COLLECTIVES, default="all_reduce")
     p.add_argument("-a", "--algorithms", default="ring,tree,direct,auto",
-                   help="comma-separated pycomm algorithms (ring, tree, direct, hierarchical, auto)")
+                   help="comma-separated pycomm algorithms (ring, tree, direct, hierarchical, auto), "
+                        "and c10d: dist.* calls on a \"pycomm\" process group")
     p.add_argument("-d", "--dtype", default="float32", help="float32, float64, float16, bfloat16, int32, int64")
     p.add_argument("-o", "--op", default="sum", choices=["sum", "avg", "max", "min"])
     p.add_argument("-n", "--iters", type=int, default=None, help="timed iterations per point (default: by size)")
@@ -113,6 +116,8 @@ def _rank_main(rank: int, world: int, port: Optional[int], args: argparse.Namesp
         print(HEADER, flush=True)
     cfg = BenchConfig(args.collective, sizes(args), algos, args.dtype, args.op, args.iters, args.warmup,
                       not args.no_baseline)
+    if "c10d" in algos:
+        cfg.c10d_group = dist.new_group(backend="pycomm", timeout=datetime.timedelta(seconds=args.timeout))
     rows = run_rank(cfg, comm)
     if rank == 0 and rows is not None:
         print("#")

@@ -19,7 +19,7 @@ DTYPES = {
     "float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
     "int32": torch.int32, "int": torch.int32, "int64": torch.int64, "long": torch.int64,
 }
-DIST_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+DIST_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 @dataclass
@@ -32,6 +32,7 @@ class BenchConfig:
     iters: Optional[int]
     warmup: Optional[int]
     baseline: bool
+    c10d_group: Optional["dist.ProcessGroup"] = None  # for the "c10d" rows
 
 
 def auto_iters(size: int) -> int:
@@ -98,21 +99,24 @@ def _pycomm_call(comm: "pycomm.Communicator", case: Case, algorithm: str) -> Cal
     return lambda: comm.broadcast(case.inp, 0, algorithm=algorithm)
 
 
-def _baseline_call(case: Case) -> Callable[[], None]:
-    """The torch.distributed equivalent; all-reduce is in place for both."""
+def _baseline_call(case: Case, group: Optional["dist.ProcessGroup"] = None) -> Callable[[], None]:
+    """The torch.distributed equivalent on `group` (default: the default
+    group); all-reduce is in place for both."""
     c = case.collective
     op = DIST_OPS.get(case.op, dist.ReduceOp.SUM)
     if c == "all_reduce":
-        def run() -> None:
-            dist.all_reduce(case.inp, op)
-            if case.op == "avg":  # gloo has no AVG: sum, then divide
+        native_avg = group is not None  # the pycomm backend has AVG; gloo does not
+        if case.op == "avg" and not native_avg:
+            def run() -> None:
+                dist.all_reduce(case.inp, dist.ReduceOp.SUM)
                 case.inp.div_(case.world)
-        return run
+            return run
+        return lambda: dist.all_reduce(case.inp, op, group=group)
     if c == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(case.out, case.inp, op)
+        return lambda: dist.reduce_scatter_tensor(case.out, case.inp, op, group=group)
     if c == "all_gather":
-        return lambda: dist.all_gather_into_tensor(case.out, case.inp)
-    return lambda: dist.broadcast(case.inp, 0)
+        return lambda: dist.all_gather_into_tensor(case.out, case.inp, group=group)
+    return lambda: dist.broadcast(case.inp, 0, group=group)
 
 
 def _time(fn: Callable[[], None], iters: int, warmup: int) -> float:
@@ -138,7 +142,8 @@ def run_rank(cfg: BenchConfig, comm: "pycomm.Communicator") -> Optional[List[Dic
         case = Case(cfg.collective, size, dtype, cfg.op, rank, world)
         iters = cfg.iters or auto_iters(case.size_bytes)
         warmup = cfg.warmup if cfg.warmup is not None else max(2, iters // 10)
-        runs = [("pycomm", a, _pycomm_call(comm, case, a)) for a in cfg.algorithms]
+        runs = [("pycomm", a, _baseline_call(case, cfg.c10d_group) if a == "c10d" else _pycomm_call(comm, case, a))
+                for a in cfg.algorithms]
         if cfg.baseline:
             runs.append((backend, backend, _baseline_call(case)))
         point = []
