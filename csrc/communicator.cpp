@@ -294,7 +294,8 @@ std::string what_of(std::exception_ptr e) {
 }
 
 // The rank a failure message blames ("... waiting for rank 3 ...", "rank 3
-// called something it could not run"), or -1.
+// called something it could not run", "rank 3 shut down its communicator"),
+// or -1.
 int blamed_rank(const std::string& msg) {
   auto number_at = [&](size_t pos) {
     return pos < msg.size() && std::isdigit(static_cast<unsigned char>(msg[pos])) ? std::atoi(msg.c_str() + pos) : -1;
@@ -302,11 +303,13 @@ int blamed_rank(const std::string& msg) {
   const std::string waiting = "waiting for rank ";
   size_t at = msg.find(waiting);
   if (at != std::string::npos) return number_at(at + waiting.size());
-  const std::string tail = " called something it could not run";
   for (at = msg.find("rank "); at != std::string::npos; at = msg.find("rank ", at + 1)) {
     const int r = number_at(at + 5);
     const size_t after = msg.find_first_not_of("0123456789", at + 5);
-    if (r >= 0 && after != std::string::npos && msg.compare(after, tail.size(), tail) == 0) return r;
+    if (r < 0 || after == std::string::npos) continue;
+    for (const std::string tail : {" called something it could not run", " shut down its communicator"}) {
+      if (msg.compare(after, tail.size(), tail) == 0) return r;
+    }
   }
   return -1;
 }

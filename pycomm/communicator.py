@@ -49,6 +49,10 @@ Op = Union[str, "dist.ReduceOp", "dist.ReduceOp.RedOpType"]
 
 
 def _op_id(op: Op) -> Optional[int]:
+    # A bare int would match torch's RedOpType of the same value (3 is MIN):
+    # a silent reinterpretation, so it is refused like any unknown op.
+    if type(op) in (int, bool):
+        return None
     try:
         return _OPS[op if not isinstance(op, str) else op.lower()]
     except (KeyError, TypeError):

@@ -405,6 +405,10 @@ def _layout(n: int, dtype: torch.dtype, layout: str, device: str, rank: int, sal
     return base.clone()
 
 
+def _other_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype == torch.float64 else torch.float64
+
+
 def _op(op):
     if isinstance(op, str) and op.startswith("ReduceOp."):
         return getattr(dist.ReduceOp, op.split(".")[1])
@@ -431,7 +435,7 @@ def fuzz_one(rank: int, world: int, name: str, case: Dict[str, Any]) -> tuple:
             elif kind == "wrong size":
                 out = torch.empty(n + 1, dtype=dtype, device=device)
             elif kind == "wrong dtype":
-                out = torch.empty(n, dtype=torch.float64 if dtype != torch.float64 else torch.float32, device=device)
+                out = torch.empty(n, dtype=_other_dtype(dtype), device=device)
             elif kind == "overlap" and n > 1 and x.is_contiguous() and device == "cpu":
                 buf = torch.empty(n + 1, dtype=dtype)
                 buf[:n] = x
@@ -451,7 +455,7 @@ def fuzz_one(rank: int, world: int, name: str, case: Dict[str, Any]) -> tuple:
         elif coll == "reduce_scatter":
             x = _layout(n * world, dtype, layout, device, rank, salt)
             m = n + (1 if case["output"] == "wrong size" else 0)
-            odt = torch.float64 if case["output"] == "wrong dtype" else dtype
+            odt = _other_dtype(dtype) if case["output"] == "wrong dtype" else dtype
             res = torch.empty(m, dtype=odt, device=device)
             comm.reduce_scatter(res, x, op, algorithm=algo)
             full = _pattern(n * world, 0, torch.int64, salt)[rank * n:(rank + 1) * n]
@@ -462,7 +466,7 @@ def fuzz_one(rank: int, world: int, name: str, case: Dict[str, Any]) -> tuple:
         elif coll == "all_gather":
             x = _layout(n, dtype, layout, device, rank, salt)
             m = n * world + (1 if case["output"] == "wrong size" else 0)
-            odt = torch.float64 if case["output"] == "wrong dtype" else dtype
+            odt = _other_dtype(dtype) if case["output"] == "wrong dtype" else dtype
             res = torch.empty(m, dtype=odt, device=device)
             comm.all_gather(res, x, algorithm=algo)
             want = torch.cat([_pattern(n, r, torch.int64, salt) for r in range(world)])
