@@ -124,6 +124,27 @@ void C10dBackend::check_coalesced(const std::vector<at::Tensor>& shards, const s
   }
 }
 
+std::vector<at::Tensor> C10dBackend::rank_list(const std::vector<std::vector<at::Tensor>>& lists,
+                                               const at::Tensor& like, const char* what, const char* role) {
+  if (lists.size() != 1 || static_cast<int>(lists[0].size()) != getSize())
+    comm_->reject(name_of(what) + " needs one " + role + " list of world_size (" + std::to_string(getSize()) +
+                  ") tensors");
+  for (const auto& t : lists[0]) {
+    if (t.is_sparse()) comm_->reject(name_of(what) + " does not support sparse tensors");
+    if (t.numel() != like.numel() || t.scalar_type() != like.scalar_type())
+      comm_->reject(name_of(what) + ": every " + role + " tensor must have the size and dtype of the " +
+                    (std::string(role) == "output" ? "input" : "output"));
+  }
+  return lists[0];
+}
+
+int C10dBackend::root_of(int64_t root, const char* what) {
+  if (root < 0 || root >= getSize())
+    comm_->reject(name_of(what) + ": root " + std::to_string(root) + " is not a rank of this group (size " +
+                  std::to_string(getSize()) + ")");
+  return static_cast<int>(root);
+}
+
 c10d::Backend& C10dBackend::peer(const char* what) {
   TORCH_CHECK(peer_, name_of(what), " needs the point-to-point group, which this backend was created without");
   return *peer_;
@@ -152,7 +173,10 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allreduce_coalesced(std::vector<at::
   // check and full-size transfers instead of one small call per tensor.
   check_same_dtype(tensors, "all_reduce_coalesced");
   const RedOp op = reduce_op(opts.reduceOp, "all_reduce_coalesced");
-  if (tensors.empty()) return wrap(comm_->barrier(opts.asyncOp), c10d::OpType::ALLREDUCE_COALESCED, "pycomm:all_reduce_coalesced");
+  // An empty call still takes its turn, so a rank that passed tensors
+  // where another passed none fails on both.
+  if (tensors.empty())
+    return wrap(comm_->barrier(opts.asyncOp), c10d::OpType::ALLREDUCE_COALESCED, "pycomm:all_reduce_coalesced");
   const auto off = offsets_of(tensors);
   at::Tensor flat = flat_like(tensors[0], off.back());
   Staging s;
@@ -173,9 +197,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce(std::vector<at::Tensor>& tens
   // into scratch and leave their tensor untouched (as Gloo does).
   const at::Tensor& t = single(tensors, "reduce");
   const RedOp op = reduce_op(opts.reduceOp, "reduce");
-  if (opts.rootRank < 0 || opts.rootRank >= getSize())
-    comm_->reject(name_of("reduce") + ": root " + std::to_string(opts.rootRank) + " is not a rank of this group");
-  const at::Tensor out = opts.rootRank == getRank() ? t : at::empty_like(t);
+  const at::Tensor out = root_of(opts.rootRank, "reduce") == getRank() ? t : at::empty_like(t);
   return wrap(comm_->all_reduce(t, out, op, algo(Collective::kAllReduce), false, opts.asyncOp), c10d::OpType::REDUCE,
               "pycomm:reduce");
 }
@@ -184,15 +206,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allgather(std::vector<std::vector<at
                                                       std::vector<at::Tensor>& inputs,
                                                       const c10d::AllgatherOptions& opts) {
   const at::Tensor& in = single(inputs, "all_gather");
-  if (outputs.size() != 1 || static_cast<int>(outputs[0].size()) != getSize())
-    comm_->reject(name_of("all_gather") + " needs one output list of world_size (" + std::to_string(getSize()) +
-                  ") tensors");
-  std::vector<at::Tensor> outs = outputs[0];
-  check_same_dtype(outs, "all_gather");
-  for (const auto& o : outs) {
-    if (o.numel() != in.numel() || o.scalar_type() != in.scalar_type())
-      comm_->reject(name_of("all_gather") + ": every output tensor must match the input's size and dtype");
-  }
+  const std::vector<at::Tensor> outs = rank_list(outputs, in, "all_gather", "output");
   at::Tensor flat = flat_like(in, in.numel() * getSize());
   Staging s;
   s.after = [flat, outs, n = in.numel()] {
@@ -206,7 +220,8 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allgather(std::vector<std::vector<at
 
 c10::intrusive_ptr<c10d::Work> C10dBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                             const c10d::AllgatherOptions& opts) {
-  return wrap(comm_->all_gather(output, input, algo(Collective::kAllGather), false, opts.asyncOp), c10d::OpType::_ALLGATHER_BASE,
+  return wrap(comm_->all_gather(output, input, algo(Collective::kAllGather), false, opts.asyncOp),
+              c10d::OpType::_ALLGATHER_BASE,
               "pycomm:all_gather_into_tensor");
 }
 
@@ -243,19 +258,9 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::gather(std::vector<std::vector<at::T
                                                    std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
   // An all-gather whose result only the root keeps.
   const at::Tensor& in = single(inputs, "gather");
-  const int root = static_cast<int>(opts.rootRank);
-  if (root < 0 || root >= getSize())
-    comm_->reject(name_of("gather") + ": root " + std::to_string(root) + " is not a rank of this group");
+  const int root = root_of(opts.rootRank, "gather");
   std::vector<at::Tensor> outs;
-  if (getRank() == root) {
-    if (outputs.size() != 1 || static_cast<int>(outputs[0].size()) != getSize())
-      comm_->reject(name_of("gather") + ": the root needs one output list of world_size tensors");
-    outs = outputs[0];
-    for (const auto& o : outs) {
-      if (o.numel() != in.numel() || o.scalar_type() != in.scalar_type())
-        comm_->reject(name_of("gather") + ": every output tensor must match the input's size and dtype");
-    }
-  }
+  if (getRank() == root) outs = rank_list(outputs, in, "gather", "output");
   at::Tensor flat = flat_like(in, in.numel() * getSize());
   Staging s;
   if (!outs.empty()) {
@@ -265,8 +270,8 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::gather(std::vector<std::vector<at::T
     s.keep = outs;
     s.result = outs;
   }
-  return wrap(comm_->all_gather(flat, in, algo(Collective::kAllGather), false, opts.asyncOp, std::move(s)), c10d::OpType::GATHER,
-              "pycomm:gather");
+  return wrap(comm_->all_gather(flat, in, algo(Collective::kAllGather), false, opts.asyncOp, std::move(s)),
+              c10d::OpType::GATHER, "pycomm:gather");
 }
 
 c10::intrusive_ptr<c10d::Work> C10dBackend::scatter(std::vector<at::Tensor>& outputs,
@@ -275,19 +280,9 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::scatter(std::vector<at::Tensor>& out
   // An all-to-all in which only the root's blocks matter: each rank keeps
   // block `root` of what it receives.
   const at::Tensor& out = single(outputs, "scatter");
-  const int root = static_cast<int>(opts.rootRank);
-  if (root < 0 || root >= getSize())
-    comm_->reject(name_of("scatter") + ": root " + std::to_string(root) + " is not a rank of this group");
+  const int root = root_of(opts.rootRank, "scatter");
   std::vector<at::Tensor> ins;
-  if (getRank() == root) {
-    if (inputs.size() != 1 || static_cast<int>(inputs[0].size()) != getSize())
-      comm_->reject(name_of("scatter") + ": the root needs one input list of world_size tensors");
-    ins = inputs[0];
-    for (const auto& t : ins) {
-      if (t.numel() != out.numel() || t.scalar_type() != out.scalar_type())
-        comm_->reject(name_of("scatter") + ": every input tensor must match the output's size and dtype");
-    }
-  }
+  if (getRank() == root) ins = rank_list(inputs, out, "scatter", "input");
   const int64_t n = out.numel();
   at::Tensor flat_in = flat_like(out, n * getSize());
   at::Tensor flat_out = flat_like(out, n * getSize());
@@ -310,14 +305,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce_scatter(std::vector<at::Tenso
                                                            const c10d::ReduceScatterOptions& opts) {
   const at::Tensor& out = single(outputs, "reduce_scatter");
   const RedOp op = reduce_op(opts.reduceOp, "reduce_scatter");
-  if (inputs.size() != 1 || static_cast<int>(inputs[0].size()) != getSize())
-    comm_->reject(name_of("reduce_scatter") + " needs one input list of world_size (" + std::to_string(getSize()) +
-                  ") tensors");
-  std::vector<at::Tensor> ins = inputs[0];
-  for (const auto& t : ins) {
-    if (t.numel() != out.numel() || t.scalar_type() != out.scalar_type())
-      comm_->reject(name_of("reduce_scatter") + ": every input tensor must match the output's size and dtype");
-  }
+  const std::vector<at::Tensor> ins = rank_list(inputs, out, "reduce_scatter", "input");
   const int64_t n = out.numel();
   at::Tensor flat = flat_like(out, n * getSize());
   Staging s;
@@ -343,7 +331,8 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce_scatter_tensor_coalesced(std:
   // r of every input, back to back, so rank r's flat output is its shards.
   const RedOp op = reduce_op(opts.reduceOp, "reduce_scatter_tensor_coalesced");
   check_coalesced(outputs, inputs, "reduce_scatter_tensor_coalesced");
-  if (inputs.empty()) return wrap(comm_->barrier(opts.asyncOp), c10d::OpType::COALESCED, "pycomm:reduce_scatter_coalesced");
+  if (inputs.empty())
+    return wrap(comm_->barrier(opts.asyncOp), c10d::OpType::COALESCED, "pycomm:reduce_scatter_coalesced");
   const auto off = offsets_of(outputs);
   const int64_t total = off.back();
   at::Tensor flat_in = flat_like(outputs[0], total * getSize());
@@ -361,7 +350,8 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce_scatter_tensor_coalesced(std:
   s.keep = inputs;
   s.keep.insert(s.keep.end(), outputs.begin(), outputs.end());
   s.result = outputs;
-  return wrap(comm_->reduce_scatter(flat_out, flat_in, op, algo(Collective::kReduceScatter), false, opts.asyncOp, std::move(s)),
+  return wrap(comm_->reduce_scatter(flat_out, flat_in, op, algo(Collective::kReduceScatter), false, opts.asyncOp,
+                                    std::move(s)),
               c10d::OpType::COALESCED, "pycomm:reduce_scatter_tensor_coalesced");
 }
 

@@ -112,6 +112,11 @@ class C10dBackend : public c10d::Backend {
   // elements (all-gather input/output, reduce-scatter output/input).
   void check_coalesced(const std::vector<at::Tensor>& shards, const std::vector<at::Tensor>& wholes,
                        const char* what);
+  // The one list of world_size tensors of a list collective (all_gather's
+  // outputs, scatter's inputs, ...), each with the size and dtype of `like`.
+  std::vector<at::Tensor> rank_list(const std::vector<std::vector<at::Tensor>>& lists, const at::Tensor& like,
+                                    const char* what, const char* role);
+  int root_of(int64_t root, const char* what);
   c10d::Backend& peer(const char* what);
   Algorithm algo(Collective coll) const { return algorithms_[static_cast<int>(coll)]; }
 

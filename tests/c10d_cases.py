@@ -173,6 +173,28 @@ def api(rank: int, world: int) -> Dict[str, object]:
     dist.broadcast_object_list(lst, src=world - 1, group=g)
     out["broadcast_object_list"] = lst == [f"from {world - 1}", world]
 
+    # Coalesced tensor pairs (what FSDP-style code calls on the group).
+    ag_in = [torch.full((3,), float(rank)), torch.arange(5.0) + 10 * rank]
+    ag_out = [torch.empty(world * 3), torch.empty(world * 5)]
+    g.allgather_into_tensor_coalesced(ag_out, ag_in).wait()
+    out["all_gather_into_tensor_coalesced"] = (
+        torch.equal(ag_out[0], torch.cat([torch.full((3,), float(r)) for r in range(world)]))
+        and torch.equal(ag_out[1], torch.cat([torch.arange(5.0) + 10 * r for r in range(world)])))
+    rs_in = [make_input(seed + 20 + i, rank, world * m, torch.float64) for i, m in enumerate((2, 7))]
+    rs_out = [torch.empty(2, dtype=torch.float64), torch.empty(7, dtype=torch.float64)]
+    g.reduce_scatter_tensor_coalesced(rs_out, rs_in).wait()
+    out["reduce_scatter_tensor_coalesced"] = all(
+        torch.allclose(rs_out[i], sum(make_input(seed + 20 + i, r, world * m, torch.float64)
+                                      for r in range(world))[rank * m:(rank + 1) * m])
+        for i, m in enumerate((2, 7)))
+
+    # A list of the wrong tensors: every rank raises, naming the call.
+    try:
+        dist.all_gather([torch.empty(4) for _ in range(world)], torch.ones(3), group=g)
+        out["bad list"] = "no error"
+    except RuntimeError as e:
+        out["bad list"] = "all_gather" in str(e) and "size and dtype" in str(e)
+
     # Unsupported: every rank raises, naming it; the group stays usable.
     try:
         dist.all_reduce(torch.ones(3), op=dist.ReduceOp.PRODUCT, group=g)
