@@ -1,7 +1,5 @@
 #include "backend.h"
 
-#include <sstream>
-
 namespace pycomm {
 
 namespace {
@@ -17,12 +15,26 @@ at::Tensor flat_like(const at::Tensor& like, int64_t numel) {
   return at::empty({numel}, like.options());
 }
 
-// Element-wise copies between a tensor of any layout and a flat slice.
-void copy_in(const at::Tensor& flat, int64_t offset, const at::Tensor& t) {
-  flat.narrow(0, offset, t.numel()).view(t.sizes()).copy_(t);
-}
+// Element-wise copy from a flat slice into a tensor of any layout.
 void copy_out(const at::Tensor& t, const at::Tensor& flat, int64_t offset) {
   t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+}
+
+// The tensors, back to back, into the start of `flat` (and back out): a
+// list of world_size equal tensors lands in the blocks of ranks 0, 1, ...
+void pack(const at::Tensor& flat, const std::vector<at::Tensor>& tensors) {
+  int64_t offset = 0;
+  for (const auto& t : tensors) {
+    flat.narrow(0, offset, t.numel()).view(t.sizes()).copy_(t);
+    offset += t.numel();
+  }
+}
+void unpack(const std::vector<at::Tensor>& tensors, const at::Tensor& flat) {
+  int64_t offset = 0;
+  for (const auto& t : tensors) {
+    copy_out(t, flat, offset);
+    offset += t.numel();
+  }
 }
 
 std::string name_of(const char* what) { return std::string("pycomm backend: ") + what; }
@@ -100,7 +112,7 @@ const at::Tensor& C10dBackend::single(const std::vector<at::Tensor>& tensors, co
     comm_->reject(name_of(what) + " takes exactly one tensor per call, got " + std::to_string(tensors.size()) +
                   " (for several, use the coalesced call)");
   }
-  if (tensors[0].is_sparse()) comm_->reject(name_of(what) + " does not support sparse tensors");
+  check_same_dtype(tensors, what);  // rejects sparse tensors
   return tensors[0];
 }
 
@@ -129,8 +141,8 @@ std::vector<at::Tensor> C10dBackend::rank_list(const std::vector<std::vector<at:
   if (lists.size() != 1 || static_cast<int>(lists[0].size()) != getSize())
     comm_->reject(name_of(what) + " needs one " + role + " list of world_size (" + std::to_string(getSize()) +
                   ") tensors");
+  check_same_dtype(lists[0], what);  // rejects sparse tensors
   for (const auto& t : lists[0]) {
-    if (t.is_sparse()) comm_->reject(name_of(what) + " does not support sparse tensors");
     if (t.numel() != like.numel() || t.scalar_type() != like.scalar_type())
       comm_->reject(name_of(what) + ": every " + role + " tensor must have the size and dtype of the " +
                     (std::string(role) == "output" ? "input" : "output"));
@@ -177,15 +189,10 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allreduce_coalesced(std::vector<at::
   // where another passed none fails on both.
   if (tensors.empty())
     return wrap(comm_->barrier(opts.asyncOp), c10d::OpType::ALLREDUCE_COALESCED, "pycomm:all_reduce_coalesced");
-  const auto off = offsets_of(tensors);
-  at::Tensor flat = flat_like(tensors[0], off.back());
+  at::Tensor flat = flat_like(tensors[0], offsets_of(tensors).back());
   Staging s;
-  s.before = [flat, tensors, off] {
-    for (size_t i = 0; i < tensors.size(); ++i) copy_in(flat, off[i], tensors[i]);
-  };
-  s.after = [flat, tensors, off] {
-    for (size_t i = 0; i < tensors.size(); ++i) copy_out(tensors[i], flat, off[i]);
-  };
+  s.before = [flat, tensors] { pack(flat, tensors); };
+  s.after = [flat, tensors] { unpack(tensors, flat); };
   s.keep = tensors;
   s.result = tensors;
   return wrap(comm_->all_reduce(flat, flat, op, algo(Collective::kAllReduce), false, opts.asyncOp, std::move(s)),
@@ -209,9 +216,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allgather(std::vector<std::vector<at
   const std::vector<at::Tensor> outs = rank_list(outputs, in, "all_gather", "output");
   at::Tensor flat = flat_like(in, in.numel() * getSize());
   Staging s;
-  s.after = [flat, outs, n = in.numel()] {
-    for (size_t r = 0; r < outs.size(); ++r) copy_out(outs[r], flat, static_cast<int64_t>(r) * n);
-  };
+  s.after = [flat, outs] { unpack(outs, flat); };
   s.keep = outs;
   s.result = outs;
   return wrap(comm_->all_gather(flat, in, algo(Collective::kAllGather), false, opts.asyncOp, std::move(s)),
@@ -237,9 +242,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allgather_into_tensor_coalesced(std:
   at::Tensor flat_in = flat_like(inputs[0], total);
   at::Tensor flat_out = flat_like(inputs[0], total * getSize());
   Staging s;
-  s.before = [flat_in, inputs, off] {
-    for (size_t i = 0; i < inputs.size(); ++i) copy_in(flat_in, off[i], inputs[i]);
-  };
+  s.before = [flat_in, inputs] { pack(flat_in, inputs); };
   s.after = [flat_out, outputs, off, total, world = getSize()] {
     for (size_t i = 0; i < outputs.size(); ++i) {
       const int64_t n = off[i + 1] - off[i];
@@ -264,9 +267,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::gather(std::vector<std::vector<at::T
   at::Tensor flat = flat_like(in, in.numel() * getSize());
   Staging s;
   if (!outs.empty()) {
-    s.after = [flat, outs, n = in.numel()] {
-      for (size_t r = 0; r < outs.size(); ++r) copy_out(outs[r], flat, static_cast<int64_t>(r) * n);
-    };
+    s.after = [flat, outs] { unpack(outs, flat); };
     s.keep = outs;
     s.result = outs;
   }
@@ -287,11 +288,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::scatter(std::vector<at::Tensor>& out
   at::Tensor flat_in = flat_like(out, n * getSize());
   at::Tensor flat_out = flat_like(out, n * getSize());
   Staging s;
-  if (!ins.empty()) {
-    s.before = [flat_in, ins, n] {
-      for (size_t r = 0; r < ins.size(); ++r) copy_in(flat_in, static_cast<int64_t>(r) * n, ins[r]);
-    };
-  }
+  if (!ins.empty()) s.before = [flat_in, ins] { pack(flat_in, ins); };
   s.after = [flat_out, out, n, root] { copy_out(out, flat_out, static_cast<int64_t>(root) * n); };
   s.keep = ins;
   s.keep.push_back(out);
@@ -309,9 +306,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce_scatter(std::vector<at::Tenso
   const int64_t n = out.numel();
   at::Tensor flat = flat_like(out, n * getSize());
   Staging s;
-  s.before = [flat, ins, n] {
-    for (size_t r = 0; r < ins.size(); ++r) copy_in(flat, static_cast<int64_t>(r) * n, ins[r]);
-  };
+  s.before = [flat, ins] { pack(flat, ins); };
   s.keep = ins;
   return wrap(comm_->reduce_scatter(out, flat, op, algo(Collective::kReduceScatter), false, opts.asyncOp, std::move(s)),
               c10d::OpType::REDUCE_SCATTER, "pycomm:reduce_scatter");
@@ -344,9 +339,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce_scatter_tensor_coalesced(std:
       flat_in.view({world, total}).narrow(1, off[i], n).copy_(inputs[i].reshape({world, n}));
     }
   };
-  s.after = [flat_out, outputs, off] {
-    for (size_t i = 0; i < outputs.size(); ++i) copy_out(outputs[i], flat_out, off[i]);
-  };
+  s.after = [flat_out, outputs] { unpack(outputs, flat_out); };
   s.keep = inputs;
   s.keep.insert(s.keep.end(), outputs.begin(), outputs.end());
   s.result = outputs;
@@ -388,12 +381,8 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::alltoall(std::vector<at::Tensor>& ou
   at::Tensor flat_in = flat_like(inputs[0], n * getSize());
   at::Tensor flat_out = flat_like(inputs[0], n * getSize());
   Staging s;
-  s.before = [flat_in, inputs, n] {
-    for (size_t r = 0; r < inputs.size(); ++r) copy_in(flat_in, static_cast<int64_t>(r) * n, inputs[r]);
-  };
-  s.after = [flat_out, outputs, n] {
-    for (size_t r = 0; r < outputs.size(); ++r) copy_out(outputs[r], flat_out, static_cast<int64_t>(r) * n);
-  };
+  s.before = [flat_in, inputs] { pack(flat_in, inputs); };
+  s.after = [flat_out, outputs] { unpack(outputs, flat_out); };
   s.keep = inputs;
   s.keep.insert(s.keep.end(), outputs.begin(), outputs.end());
   s.result = outputs;

@@ -105,8 +105,8 @@ class C10dBackend : public c10d::Backend {
   // One tensor per call (torch's multi-device lists are gone from CPU
   // backends); rejects anything else in turn.
   const at::Tensor& single(const std::vector<at::Tensor>& tensors, const char* what);
-  // The tensors of a coalesced call as one flat buffer's pieces, or a
-  // rejection when they cannot share one (mixed dtypes).
+  // Rejects tensors of one call that cannot share a flat buffer (mixed
+  // dtypes or devices) or are sparse.
   void check_same_dtype(const std::vector<at::Tensor>& tensors, const char* what);
   // Pairs of a coalesced call: shard i has 1/world_size of whole i's
   // elements (all-gather input/output, reduce-scatter output/input).

@@ -283,6 +283,10 @@ namespace {
 // answer (its host died) must not delay the error much.
 constexpr auto kExplainBudget = std::chrono::milliseconds(500);
 
+// How the shared-memory transport reports a death it detected
+// ("rank 3 (pid 4242) died; detected by ..."): a known root cause.
+constexpr const char* kDiedMarker = ") died;";
+
 std::string what_of(std::exception_ptr e) {
   try {
     std::rethrow_exception(e);
@@ -336,12 +340,11 @@ std::exception_ptr Communicator::explain(std::exception_ptr error) {
     } catch (...) {
       return std::string();
     }
-    if (mine.find(") died;") != std::string::npos) return std::string();
     std::string msg = mine;
     std::vector<int> seen{rank};
     const auto deadline = std::chrono::steady_clock::now() + kExplainBudget;
     while (true) {
-      if (msg.find(") died;") != std::string::npos) return msg;
+      if (msg.find(kDiedMarker) != std::string::npos) return msg;
       const int p = blamed_rank(msg);
       if (p < 0 || std::find(seen.begin(), seen.end(), p) != seen.end()) return std::string();
       try {

@@ -43,6 +43,19 @@ def _pattern(n: int, rank: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
     return ((torch.arange(n) * 7 + salt) % 5 + rank).to(dtype)
 
 
+def _reduced(base: torch.Tensor, op: object, world: int) -> torch.Tensor:
+    """The reduction over ranks r = 0..world-1 of base + r (what _pattern
+    gives each rank), for op "sum", "avg", "max" or "min" in any spelling
+    (a dist.ReduceOp too); unknown spellings count as sum."""
+    name = str(op).lower()
+    if "max" in name:
+        return base + world - 1
+    if "min" in name:
+        return base
+    total = base * world + world * (world - 1) // 2
+    return total.double() / world if "avg" in name else total
+
+
 def random_call(comm, rng: random.Random, rank: int, world: int, step: int,
                 sizes: List[int] = SIZES) -> Optional[str]:
     """One random collective (the same on every rank: rng is seeded alike),
@@ -62,13 +75,12 @@ def random_call(comm, rng: random.Random, rank: int, world: int, step: int,
         op = rng.choice(["sum", "max"])
         x = _pattern(n, rank, dtype, salt)
         finish(comm.all_reduce(x, op, algorithm=algo, async_op=use_async))
-        base = _pattern(n, 0, torch.int64, salt)
-        want = base * world + world * (world - 1) // 2 if op == "sum" else base + world - 1
+        want = _reduced(_pattern(n, 0, torch.int64, salt), op, world)
     elif coll == "reduce_scatter":
         x = torch.cat([_pattern(n, rank, dtype, salt + c) for c in range(world)])
         out = torch.empty(n, dtype=dtype)
         finish(comm.reduce_scatter(out, x, algorithm=algo, async_op=use_async))
-        x, want = out, _pattern(n, 0, torch.int64, salt + rank) * world + world * (world - 1) // 2
+        x, want = out, _reduced(_pattern(n, 0, torch.int64, salt + rank), "sum", world)
     elif coll == "all_gather":
         out = torch.empty(n * world, dtype=dtype)
         finish(comm.all_gather(out, _pattern(n, rank, dtype, salt), algorithm=algo, async_op=use_async))
@@ -442,27 +454,14 @@ def fuzz_one(rank: int, world: int, name: str, case: Dict[str, Any]) -> tuple:
                 x, out = buf[:n], buf[1:]
             comm.all_reduce(x, op, output=out, algorithm=algo)
             res = x if out is None else out
-            base = _pattern(n, 0, torch.int64, salt)
-            name_ = str(op).lower().replace("reduceop.", "").replace("redoptype.", "")
-            if "avg" in name_:
-                want = (base * world + world * (world - 1) // 2).double() / world
-            elif "max" in name_:
-                want = base + world - 1
-            elif "min" in name_:
-                want = base
-            else:
-                want = base * world + world * (world - 1) // 2
+            want = _reduced(_pattern(n, 0, torch.int64, salt), op, world)
         elif coll == "reduce_scatter":
             x = _layout(n * world, dtype, layout, device, rank, salt)
             m = n + (1 if case["output"] == "wrong size" else 0)
             odt = _other_dtype(dtype) if case["output"] == "wrong dtype" else dtype
             res = torch.empty(m, dtype=odt, device=device)
             comm.reduce_scatter(res, x, op, algorithm=algo)
-            full = _pattern(n * world, 0, torch.int64, salt)[rank * n:(rank + 1) * n]
-            name_ = str(op).lower()
-            want = full + world - 1 if "max" in name_ else full if "min" in name_ else full * world + world * (world - 1) // 2
-            if "avg" in name_:
-                want = want.double() / world
+            want = _reduced(_pattern(n * world, 0, torch.int64, salt)[rank * n:(rank + 1) * n], op, world)
         elif coll == "all_gather":
             x = _layout(n, dtype, layout, device, rank, salt)
             m = n * world + (1 if case["output"] == "wrong size" else 0)
