@@ -181,6 +181,27 @@ def test_dequantize_accumulate_matches_reference():
 
 
 @pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("magnitude", [1e-36, 7e-37, 1e-38, 1e-41, 1e-45])
+def test_tiny_blocks_stay_finite(bits, magnitude):
+    """ReLU networks produce blocks of zeros and denormal gradients: a block
+    whose largest magnitude is below 2^-120 is sent as zeros (its values stay
+    in the residual), never as NaN."""
+    x = torch.randn(1024, generator=gen(40)) * magnitude
+    x[torch.rand(1024, generator=gen(41)) < 0.5] = 0
+    x[:256] = torch.randn(256, generator=gen(42))  # a normal block beside them
+    res = torch.zeros(1024)
+    y = C.dequantize(C.quantize(x, bits=bits, block=256, residual=res))
+    assert y.isfinite().all() and res.isfinite().all()
+    assert torch.equal(y + res, x) or (y + res - x).abs().max() <= 1e-6 * x.abs().max()
+    for b in range(1, 4):
+        blk = slice(256 * b, 256 * (b + 1))
+        if x[blk].abs().max() < 2.0 ** -120:
+            assert torch.equal(y[blk], torch.zeros(256)) and torch.equal(res[blk], x[blk])
+    out = C.dequant_reduce_requant([C.quantize(x, bits=bits, block=256)] * 2, residual=torch.zeros(1024))
+    assert out.dequantize().isfinite().all()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
 def test_dequant_reduce_requant_is_fused_reference(bits):
     """Bit-identical to dequantize, sum in order, scale, add residual, quantize (with the same residual update)."""
     n, block = 5003, 64

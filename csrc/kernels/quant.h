@@ -64,11 +64,19 @@ struct BlockQuant {
   bool flagged;  // block holds NaN/Inf
 };
 
+// Blocks whose largest finite magnitude is below this are sent as zeros: at
+// 2^-120 (7.5e-37) qrange / absmax still fits a float; below it the inverse
+// overflows to Inf and 0 * Inf would turn the block's zeros into NaN. Such
+// values (ReLU networks produce them) are far below any gradient that
+// matters, and with error feedback they stay in the residual.
+constexpr float kMinBlockAbsmax = 7.52316384526264e-37f;  // 2^-120
+
 PYCOMM_HOST_DEVICE BlockQuant make_block_quant(float absmax_finite, bool flagged, int bits) {
   BlockQuant b;
   b.flagged = flagged;
   b.qmax = quant_qmax(bits);
   b.qrange = b.qmax - (flagged ? 1 : 0);
+  if (!(absmax_finite >= kMinBlockAbsmax)) absmax_finite = 0.f;
   b.scale = absmax_finite / static_cast<float>(b.qrange);
   // inv from absmax, not 1/scale: x * inv then lands within an ulp of
   // +-qrange at the block's extreme, and the clamp absorbs the rest.
