@@ -81,7 +81,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              "Bytes this rank handed to its peers (compressed all-reduce; 0 otherwise).")
       .def_property_readonly("bytes_uncompressed", [](Work& w) { return w.stats().bytes_uncompressed; },
                              "Bytes the uncompressed all-reduce would have sent from this rank.")
-      .def_property_readonly("algorithm", [](Work& w) { return std::string(algorithm_name(w.algorithm())); });
+      .def_property_readonly("algorithm", [](Work& w) { return std::string(algorithm_name(w.algorithm())); })
+      .def_property_readonly("run_seconds", &Work::run_seconds,
+                             "Seconds the op ran, from its turn to its completion (0 until it completed).");
 
   // Shared: a torch.distributed backend built on a communicator keeps it.
   py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")

@@ -1,10 +1,13 @@
 #include "communicator.h"
 
+#include <ATen/record_function.h>
+
 #include <algorithm>
 #include <cctype>
 #include <climits>
 #include <cstring>
 #include <future>
+#include <optional>
 #include <sstream>
 
 #include "algorithms/algorithms.h"
@@ -74,6 +77,7 @@ void Work::finish(std::exception_ptr error) {
   c10::intrusive_ptr<c10::ivalue::Future> fut;
   {
     std::lock_guard<std::mutex> lk(mu_);
+    finished_ = std::chrono::steady_clock::now();
     done_ = true;
     error_ = error;
     fut = future_;
@@ -92,6 +96,12 @@ void Work::finish(std::exception_ptr error) {
   body_ = nullptr;
   before_ = nullptr;
   after_ = nullptr;
+  caller_state_.reset();
+}
+
+double Work::run_seconds() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return done_ ? std::chrono::duration<double>(finished_ - started_).count() : 0.0;
 }
 
 bool Work::wait(double timeout_s) {
@@ -259,9 +269,44 @@ void Communicator::progress_loop() {
   }
 }
 
+namespace {
+
+// Profiler range names: RecordFunction keeps the pointer, so literals.
+const char* range_name(Collective coll) {
+  switch (coll) {
+    case Collective::kAllReduce: return "pycomm::all_reduce";
+    case Collective::kReduceScatter: return "pycomm::reduce_scatter";
+    case Collective::kAllGather: return "pycomm::all_gather";
+    case Collective::kBroadcast: return "pycomm::broadcast";
+    case Collective::kAllToAll: return "pycomm::all_to_all";
+    default: return "pycomm::barrier";
+  }
+}
+
+// One profiler range at a time for the stages of a composite op: entering
+// a stage closes the previous one.
+class StageRanges {
+ public:
+  void enter(const char* name) {
+    current_.reset();
+    if (name == nullptr) return;
+    current_ = std::make_unique<at::RecordFunction>(at::RecordScope::USER_SCOPE);
+    if (current_->isActive()) current_->before(name);
+  }
+
+ private:
+  std::unique_ptr<at::RecordFunction> current_;
+};
+
+}  // namespace
+
 void Communicator::execute(Work& work) {
+  work.started_ = std::chrono::steady_clock::now();
+  std::optional<at::ThreadLocalStateGuard> caller_state;
+  if (work.caller_state_) caller_state.emplace(*work.caller_state_);
   std::exception_ptr error;
   try {
+    RECORD_USER_SCOPE(range_name(work.desc_.coll));
     if (work.before_) work.before_();
     if (work.body_) {
       work.body_(work.seq_);
@@ -384,6 +429,7 @@ std::shared_ptr<Work> Communicator::submit(std::shared_ptr<Work> work, bool asyn
     if (!queue_.empty() || stop_) cv_.notify_all();
     lk.unlock();
   } else {
+    if (at::hasCallbacks()) work->caller_state_ = std::make_shared<at::ThreadLocalState>();
     queue_.push_back(work);
     lk.unlock();
     cv_.notify_all();
@@ -614,6 +660,9 @@ std::shared_ptr<Work> Communicator::all_reduce_compressed(const at::Tensor& inpu
   call.output = output.data_ptr();
   call.worker_residual = worker_residual.defined() ? worker_residual.data_ptr<float>() : nullptr;
   call.server_residual = codec.quantized() && server_residual.defined() ? server_residual.data_ptr<float>() : nullptr;
+  // Stage ranges live with the call; the algorithm runs once, on one thread.
+  auto ranges = std::make_shared<StageRanges>();
+  call.stage = [ranges](const char* name) { ranges->enter(name); };
 
   auto work = std::make_shared<Work>();
   work->desc_.coll = coll;

@@ -8,8 +8,10 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/ivalue.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -59,6 +61,9 @@ class Work {
   // Bytes this rank sends, and what the uncompressed collective would send
   // (compressed all-reduce only; zeros otherwise).
   const CompressionStats& stats() const { return stats_; }
+  // Seconds the op itself ran (from its turn to its completion, without the
+  // time it queued behind earlier ops); 0 until it completed.
+  double run_seconds();
 
  private:
   friend class Communicator;
@@ -79,6 +84,11 @@ class Work {
   bool done_ = false;
   std::exception_ptr error_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  // The submitting thread's profiler and record-function state, when it has
+  // any: the op's ranges then show up in torch.profiler even though the op
+  // runs on the progress thread (as autograd does for its worker threads).
+  std::shared_ptr<at::ThreadLocalState> caller_state_;
+  std::chrono::steady_clock::time_point started_, finished_;
 };
 
 struct CommunicatorOptions {

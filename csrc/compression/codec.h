@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -104,6 +105,11 @@ struct CompressedCall {
   void* output = nullptr;         // may equal input
   float* worker_residual = nullptr;  // n floats: error feedback of this rank's contribution
   float* server_residual = nullptr;  // shard floats: error feedback of the reduced shard
+  // Called with a stage name ("pycomm::compress", "pycomm::communicate",
+  // "pycomm::reduce", "pycomm::decompress") as each stage begins and with
+  // nullptr when the call ends; the communicator turns these into profiler
+  // ranges. May be empty.
+  std::function<void(const char*)> stage;
 };
 
 // What the compressed all-reduces share: the call, its codec, the transport
@@ -126,6 +132,10 @@ class CompressedAllReduce {
   virtual CompressionStats stats() const = 0;
 
  protected:
+  void stage(const char* name) const {
+    if (call_.stage) call_.stage(name);
+  }
+
   Transport& transport_;
   Workspace& workspace_;
   Codec codec_;

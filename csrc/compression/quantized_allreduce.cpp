@@ -52,6 +52,7 @@ void QuantizedAllReduce::run(uint64_t seq) {
 
   // 1. Quantize every shard of (input + worker residual), one slot per
   //    destination rank; the worker residual keeps what rounding lost.
+  stage("pycomm::compress");
   kernels::QuantSpec spec{bits, codec_.block, codec_.stochastic, rounding_seed(codec_.seed, seq, rank_, 0)};
   const auto* in = static_cast<const char*>(call_.input);
   for (int q = 0; q < world_; ++q) {
@@ -64,10 +65,12 @@ void QuantizedAllReduce::run(uint64_t seq) {
 
   // 2. Exchange: slot q goes to rank q; we receive every rank's version of
   //    our shard.
+  stage("pycomm::communicate");
   transport_.run(payload_step(Collective::kAllToAll, codec_, CodecStep::kScatter, call_.op, slot_, send, recv), seq);
 
   // 3. Reduce our shard in float32 (rank order: deterministic), average if
   //    asked, and requantize it with the server residual, in one pass.
+  stage("pycomm::reduce");
   std::vector<const uint8_t*> srcs(world_);
   for (int q = 0; q < world_; ++q) srcs[q] = recv + q * slot_;
   kernels::DequantReduce red;
@@ -85,15 +88,18 @@ void QuantizedAllReduce::run(uint64_t seq) {
   clear_slot_tail(mine, red.n);
 
   // 4. Gather every rank's reduced shard.
+  stage("pycomm::communicate");
   transport_.run(payload_step(Collective::kAllGather, codec_, CodecStep::kGather, call_.op, slot_, mine, gathered),
                  seq + 1);
 
   // 5. Every rank, this one included, decodes the same bytes: identical
   //    results everywhere.
+  stage("pycomm::decompress");
   auto* out = static_cast<char*>(call_.output);
   for (int q = 0; q < world_; ++q)
     kernels::dequantize_cpu(bits, codec_.block, gathered + q * slot_, shard_len(q), call_.dtype,
                             out + q * shard_ * es, false);
+  stage(nullptr);
 }
 
 }  // namespace pycomm

@@ -40,6 +40,7 @@ void SparseAllReduce::run(uint64_t seq) {
 
   // 1. Select this rank's top-k of (input + residual); the residual keeps
   //    everything not sent.
+  stage("pycomm::compress");
   kernels::TopK spec;
   spec.k = k_;
   spec.exact = codec_.exact;
@@ -53,11 +54,13 @@ void SparseAllReduce::run(uint64_t seq) {
   std::memcpy(mine, &count, sizeof count);
 
   // 2. Everybody gets everybody's (value, index) list.
+  stage("pycomm::communicate");
   transport_.run(payload_step(Collective::kAllGather, codec_, CodecStep::kGather, call_.op, slot_, mine, gathered),
                  seq);
 
   // 3. Scatter-add all lists in rank order into float32, then average if
   //    asked and round once into the output dtype.
+  stage("pycomm::decompress");
   std::fill(acc, acc + n, 0.f);
   for (int q = 0; q < world_; ++q) {
     const uint8_t* slot = gathered + q * slot_;
@@ -72,6 +75,7 @@ void SparseAllReduce::run(uint64_t seq) {
   }
   if (call_.op == RedOp::kAvg) kernels::divide_cpu(DType::kFloat32, acc, n, static_cast<double>(world_));
   kernels::convert_cpu(DType::kFloat32, acc, call_.dtype, call_.output, n);
+  stage(nullptr);
 }
 
 }  // namespace pycomm

@@ -1,0 +1,302 @@
+"""Worker-side cases for the DDP comm hooks (run inside harness workers).
+Every worker joins one default Gloo group; DDP runs on subgroups of it, and
+each subgroup has one pycomm communicator, built once per worker."""
+from __future__ import annotations
+
+import datetime
+import threading
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import pycomm
+from harness import worker_store
+from pycomm import hooks
+
+_GROUPS: Dict[int, Tuple[object, Optional[pycomm.Communicator]]] = {}
+
+
+def init_default(rank: int, world: int, name: str) -> str:
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.PrefixStore(name, worker_store()), rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+    # Subgroups (every pool rank takes part in creating each one) and their
+    # communicators, up front: torch names groups by creation order.
+    for w in (2, 4):
+        g = dist.new_group(list(range(w)))
+        comm = pycomm.Communicator(g, timeout=60) if rank < w else None
+        _GROUPS[w] = (g, comm)
+    return dist.get_backend()
+
+
+def _group(world: int):
+    return _GROUPS[world]
+
+
+# ---------------------------------------------------------------- models
+
+
+def make_model(name: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if name == "mlp":
+        return torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.Tanh(), torch.nn.Linear(96, 96), torch.nn.Tanh(),
+                                   torch.nn.Linear(96, 8))
+    if name == "cnn":
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                                   torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.ReLU(),
+                                   torch.nn.AdaptiveAvgPool2d(2), torch.nn.Flatten(), torch.nn.Linear(64, 8))
+    if name == "mixed":  # embedding, norm, bias-free layer
+        return torch.nn.Sequential(torch.nn.Embedding(50, 24), torch.nn.LayerNorm(24), torch.nn.Flatten(),
+                                   torch.nn.Linear(24 * 4, 40, bias=False), torch.nn.GELU(), torch.nn.Linear(40, 8))
+    raise ValueError(name)
+
+
+def make_batch(name: str, gen: torch.Generator, batch: int = 8):
+    if name == "cnn":
+        x = torch.randn(batch, 3, 8, 8, generator=gen)
+    elif name == "mixed":
+        x = torch.randint(0, 50, (batch, 4), generator=gen)
+    else:
+        x = torch.randn(batch, 32, generator=gen)
+    return x, torch.randn(batch, 8, generator=gen)
+
+
+def _state(hook: str, comm, **kw):
+    if hook in ("allreduce", "bf16"):
+        return hooks.AllReduceState(communicator=comm, wire_dtype=torch.bfloat16 if hook == "bf16" else None)
+    if hook == "local_sgd":
+        return hooks.LocalSGDState(communicator=comm, **kw)
+    codec = {"int8": pycomm.Int8(), "int4": pycomm.Int4(), "topk": pycomm.TopK(0.25)}[hook]
+    return hooks.CompressionState(codec=codec, communicator=comm, start_iter=kw.get("start_iter", 0))
+
+
+HOOKS = {"allreduce": hooks.allreduce_hook, "bf16": hooks.allreduce_hook, "int8": hooks.int8_hook,
+         "int4": hooks.int4_hook, "topk": hooks.topk_hook, "local_sgd": hooks.local_sgd_hook}
+
+
+def _counting(hook, seen: list):
+    """``hook`` that also records (iteration, bucket index) of each call."""
+    def spy(state, bucket):
+        seen.append((state.iteration, bucket.index()))
+        return hook(state, bucket)
+    return spy
+
+
+def _grads(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+# ---------------------------------------------------------------- cases
+
+
+def grads_match(rank: int, world: int, model_name: str, bucket_mb: float, steps: int = 3) -> Dict[str, float]:
+    """DDP without a hook and DDP with allreduce_hook, side by side on the
+    same data: gradients of every step and the final parameters."""
+    g, comm = _group(world)
+    if rank >= world:
+        return {}
+    ref = DDP(make_model(model_name), process_group=g, bucket_cap_mb=bucket_mb)
+    ours = DDP(make_model(model_name), process_group=g, bucket_cap_mb=bucket_mb)
+    seen: list = []
+    ours.register_comm_hook(hooks.AllReduceState(communicator=comm), _counting(hooks.allreduce_hook, seen))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours)]
+    gen = torch.Generator().manual_seed(1000 + rank)
+    worst = 0.0
+    for _ in range(steps):
+        x, y = make_batch(model_name, gen)
+        for m, opt in zip((ref, ours), opts):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+        worst = max(worst, (_grads(ref.module) - _grads(ours.module)).abs().max().item())
+        for opt in opts:
+            opt.step()
+    pdiff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), ours.parameters()))
+    return {"grad_diff": worst, "param_diff": pdiff, "grad_scale": _grads(ref.module).abs().max().item(),
+            "buckets": len({i for _, i in seen})}
+
+
+def compose(rank: int, world: int, hook: str, option: str, iters: int = 3) -> Dict[str, object]:
+    """A hook under one DDP option (gradient_as_bucket_view, static_graph or
+    no_sync accumulation), against DDP without a hook on the same data and
+    parameters (no optimizer step: every iteration's gradients are comparable).
+    Returns the relative error of the summed gradients (error feedback makes
+    the sum, not each step, close) and this rank's gradients."""
+    g, comm = _group(world)
+    if rank >= world:
+        return {}
+    kw = dict(process_group=g, bucket_cap_mb=0.002)
+    if option == "bucket_view":
+        kw["gradient_as_bucket_view"] = True
+    if option == "static_graph":
+        kw["static_graph"] = True
+    ref = DDP(make_model("mlp"), **kw)
+    ours = DDP(make_model("mlp"), **kw)
+    ours.register_comm_hook(_state(hook, comm), HOOKS[hook])
+    gen = torch.Generator().manual_seed(2000 + rank)
+    sums = [None, None]
+    per_iter = []
+    for _ in range(iters):
+        micro = [make_batch("mlp", gen) for _ in range(3 if option == "no_sync" else 1)]
+        for i, m in enumerate((ref, ours)):
+            for p in m.parameters():
+                p.grad = None
+            for j, (x, y) in enumerate(micro):
+                if j < len(micro) - 1:
+                    with m.no_sync():
+                        torch.nn.functional.mse_loss(m(x), y).backward()
+                else:
+                    torch.nn.functional.mse_loss(m(x), y).backward()
+            gr = _grads(m.module).clone()
+            sums[i] = gr if sums[i] is None else sums[i] + gr
+            if i == 1:
+                per_iter.append(gr)
+    err = ((sums[1] - sums[0]).norm() / sums[0].norm()).item()
+    return {"rel_err": err, "grads": per_iter, "finite": all(bool(t.isfinite().all()) for t in per_iter)}
+
+
+def completion_threads(rank: int, world: int) -> Dict[str, object]:
+    """Which thread runs the hook, and which completes its future."""
+    g, comm = _group(world)
+    if rank >= world:
+        return {}
+    seen = {"hook": set(), "done": set()}
+    state = hooks.CompressionState(codec=pycomm.Int8(), communicator=comm, start_iter=0)
+
+    def spy(st, bucket):
+        seen["hook"].add(threading.get_ident())
+        fut = hooks.int8_hook(st, bucket)
+
+        def mark(f):
+            seen["done"].add(threading.get_ident())
+            return f.value()
+        return fut.then(mark)
+
+    m = DDP(make_model("mlp"), process_group=g, bucket_cap_mb=0.002)
+    m.register_comm_hook(state, spy)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        x, y = make_batch("mlp", gen)
+        torch.nn.functional.mse_loss(m(x), y).backward()
+    return {"main": threading.get_ident(), "hook": sorted(seen["hook"]), "done": sorted(seen["done"])}
+
+
+def profile_ranges(rank: int, world: int, hook: str) -> List[str]:
+    """Names of the pycomm:: ranges torch.profiler recorded over two steps."""
+    g, comm = _group(world)
+    if rank >= world:
+        return []
+    m = DDP(make_model("mlp"), process_group=g, bucket_cap_mb=0.002)
+    m.register_comm_hook(_state(hook, comm), HOOKS[hook])
+    gen = torch.Generator().manual_seed(rank)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            x, y = make_batch("mlp", gen)
+            torch.nn.functional.mse_loss(m(x), y).backward()
+    return sorted({e.name for e in prof.events() if e.name.startswith("pycomm::")})
+
+
+def stats_case(rank: int, world: int) -> Dict[str, object]:
+    """Running statistics through the warm-up and the bucket rebuild."""
+    g, comm = _group(world)
+    if rank >= world:
+        return {}
+    m = DDP(make_model("mlp"), process_group=g, bucket_cap_mb=0.002)
+    state = hooks.CompressionState(codec=pycomm.Int8(), communicator=comm, start_iter=2)
+    seen: list = []
+    m.register_comm_hook(state, _counting(hooks.int8_hook, seen))
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(5):
+        x, y = make_batch("mlp", gen)
+        torch.nn.functional.mse_loss(m(x), y).backward()
+    return {"stats": state.stats(), "calls": len(seen), "after_warm_up": sum(1 for it, _ in seen if it >= 2),
+            "last_buckets": sum(1 for it, _ in seen if it == 4), "ef_keys": len(state.error_feedback)}
+
+
+def local_sgd_case(rank: int, world: int, period: int, warmup: int, steps: int) -> Dict[str, object]:
+    """DDP with local_sgd_hook and LocalSGD: returns, per step, every rank's
+    parameters (gathered), and the averages the wrapper made."""
+    g, comm = _group(world)
+    if rank >= world:
+        return {}
+    m = DDP(make_model("mlp"), process_group=g)
+    m.register_comm_hook(hooks.LocalSGDState(communicator=comm, start_iter=warmup), hooks.local_sgd_hook)
+    opt = hooks.LocalSGD(torch.optim.SGD(m.parameters(), lr=0.2), period=period, warmup_steps=warmup,
+                         communicator=comm)
+    gen = torch.Generator().manual_seed(300 + rank)
+    spreads = []
+    for _ in range(steps):
+        x, y = make_batch("mlp", gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(gathered, flat, group=g)
+        spreads.append(max((t - gathered[0]).abs().max().item() for t in gathered))
+    return {"spreads": spreads, "averages": opt.averages}
+
+
+def local_sgd_average(rank: int, world: int) -> float:
+    """LocalSGD.average on random per-rank parameters equals their mean."""
+    g, comm = _group(world)
+    if rank >= world:
+        return 0.0
+    torch.manual_seed(50 + rank)
+    params = [torch.nn.Parameter(torch.randn(37)), torch.nn.Parameter(torch.randn(5, 3))]
+    opt = hooks.LocalSGD(torch.optim.SGD(params, lr=0.1), period=1, communicator=comm)
+    expected = [p.detach().clone() for p in params]
+    for e in expected:
+        dist.all_reduce(e, group=g)
+        e /= world
+    opt.average()
+    return max((p - e).abs().max().item() for p, e in zip(params, expected))
+
+
+# ---------------------------------------------------------------- convergence
+
+
+def _digits():
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(d.target)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    x, y = x[perm], y[perm]
+    n_test = 450
+    return x[n_test:], y[n_test:], x[:n_test], y[:n_test]
+
+
+def digits_accuracy(rank: int, world: int, hook: Optional[str], steps: int, start_iter: int = 0,
+                    ratio: float = 0.01, seed: int = 0, exact: bool = True) -> float:
+    """An MLP on scikit-learn's digits: each rank trains on its quarter of a
+    global batch of 64 for ``steps`` steps (SGD with momentum, cosine decay to
+    zero, so every run ends converged); accuracy on a held-out split."""
+    g, comm = _group(world)
+    if rank >= world:
+        return 0.0
+    xtr, ytr, xte, yte = _digits()
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
+                                torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    m = DDP(model, process_group=g)
+    if hook == "int8":
+        m.register_comm_hook(hooks.CompressionState(codec=pycomm.Int8(), communicator=comm, start_iter=start_iter),
+                             hooks.int8_hook)
+    elif hook == "topk":
+        m.register_comm_hook(hooks.CompressionState(codec=pycomm.TopK(ratio, exact=exact), communicator=comm,
+                                                    start_iter=start_iter), hooks.topk_hook)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    gen = torch.Generator().manual_seed(7 + seed)  # the same global batches on every rank
+    per_rank = 64 // world
+    for _ in range(steps):
+        idx = torch.randint(0, len(xtr), (64,), generator=gen)[rank * per_rank:(rank + 1) * per_rank]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(m(xtr[idx]), ytr[idx]).backward()
+        opt.step()
+        sched.step()
+    with torch.no_grad():
+        return (model(xte).argmax(1) == yte).float().mean().item() * 100

@@ -1,0 +1,212 @@
+"""DDP comm hooks: allreduce_hook equals DDP without a hook, every hook
+composes with DDP's options, futures complete on the progress thread,
+profiler ranges, statistics, residuals across the bucket rebuild, local SGD,
+bad states, and convergence parity on scikit-learn's digits."""
+import pytest
+import torch
+
+import hooks_cases
+import pycomm
+from harness import RankPool
+from pycomm import hooks
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = RankPool(4)
+    assert pool.run(hooks_cases.init_default, 4, pool.new_name("hooks")) == ["gloo"] * 4
+    yield pool
+    pool.close()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("model", ["mlp", "cnn", "mixed"])
+@pytest.mark.parametrize("bucket_mb", [0.001, 25])
+def test_allreduce_hook_equals_ddp_without_hook(pool, world, model, bucket_mb):
+    for rank, res in enumerate(pool.run(hooks_cases.grads_match, world, model, bucket_mb)[:world]):
+        if bucket_mb == 0.001:
+            assert res["buckets"] > 2, res  # several buckets, not one
+        # Same average; only the order of the float sums differs.
+        assert res["grad_diff"] <= 1e-6 * max(1.0, res["grad_scale"]), (rank, res)
+        assert res["param_diff"] <= 1e-6, (rank, res)
+
+
+# Relative error of the gradients summed over 3 iterations against DDP
+# without a hook. Error feedback carries what one iteration dropped into the
+# next, so the sum is off by one iteration's residual only. Bounds: float32
+# all-reduce (order of sums), bfloat16 (8 bits of mantissa), int8/int4 with
+# blocks of 256 (stated in pycomm.compression), top-k 25 % (what is still in
+# the residual after 3 iterations of random gradients).
+BOUNDS = {"allreduce": 1e-6, "bf16": 1e-2, "int8": 2e-2, "int4": 0.25, "topk": 0.8}
+
+
+@pytest.mark.parametrize("option", ["bucket_view", "static_graph", "no_sync"])
+@pytest.mark.parametrize("hook", ["allreduce", "bf16", "int8", "int4", "topk", "local_sgd"])
+def test_every_hook_composes_with_ddp_options(pool, hook, option):
+    world = 2
+    res = pool.run(hooks_cases.compose, world, hook, option)[:world]
+    for rank in range(world):
+        assert res[rank]["finite"], rank
+        if hook == "local_sgd":
+            # No warm-up: every rank keeps its own gradients.
+            if rank:
+                assert not torch.equal(res[rank]["grads"][0], res[0]["grads"][0])
+            continue
+        assert res[rank]["rel_err"] <= BOUNDS[hook], (rank, res[rank]["rel_err"])
+        for a, b in zip(res[rank]["grads"], res[0]["grads"]):
+            assert torch.equal(a, b), f"rank {rank}'s averaged gradients differ from rank 0's"
+
+
+def test_futures_complete_on_the_progress_thread(pool):
+    for rank, res in enumerate(pool.run(hooks_cases.completion_threads, 2)[:2]):
+        assert res["hook"] == [res["main"]], res  # DDP runs CPU hooks in backward's thread
+        assert res["done"] and res["main"] not in res["done"], res
+
+
+@pytest.mark.parametrize("hook,expected", [
+    ("int8", {"pycomm::int8_hook", "pycomm::compress", "pycomm::communicate", "pycomm::reduce",
+              "pycomm::decompress", "pycomm::all_reduce"}),
+    ("topk", {"pycomm::topk_hook", "pycomm::compress", "pycomm::communicate", "pycomm::decompress"}),
+    ("bf16", {"pycomm::allreduce_hook", "pycomm::compress", "pycomm::decompress", "pycomm::all_reduce"}),
+])
+def test_profiler_shows_each_stage(pool, hook, expected):
+    names = pool.run(hooks_cases.profile_ranges, 2, hook)[0]
+    assert expected <= set(names), names
+
+
+def test_stats_warm_up_and_rebuilt_buckets(pool):
+    for rank, res in enumerate(pool.run(hooks_cases.stats_case, 2)[:2]):
+        s = res["stats"]
+        assert s["iterations"] == 5 and s["buckets"] == res["calls"], res
+        assert s["compressed_buckets"] == res["after_warm_up"] > 0, res  # start_iter=2
+        # int8 with a float32 scale per 256 values: 1/4 + 1/256 of the bytes,
+        # against float32 for the warm-up buckets.
+        assert 1.3 < s["compression_ratio"] < 4.0, res
+        assert s["comm_seconds"] > 0, res
+        # Residuals of the pre-rebuild buckets are gone: one per bucket.
+        assert res["last_buckets"] > 2 and res["ef_keys"] == res["last_buckets"], res
+
+
+def test_local_sgd_averages_every_period(pool):
+    period, warmup, steps = 3, 2, 8
+    res = pool.run(hooks_cases.local_sgd_case, 2, period, warmup, steps)[:2]
+    spreads = res[0]["spreads"]
+    for step, spread in enumerate(spreads, start=1):
+        averaged = step <= warmup or (step - warmup) % period == 0
+        if averaged:
+            assert spread <= 1e-6, (step, spreads)
+        else:
+            assert spread > 1e-4, (step, spreads)
+    assert res[0]["averages"] == (steps - warmup) // period
+
+
+def test_local_sgd_average_is_the_mean(pool):
+    assert max(pool.run(hooks_cases.local_sgd_average, 4)) <= 1e-6
+
+
+def test_convergence_parity_on_digits(pool):
+    """4 ranks, 500 steps of an MLP on scikit-learn's digits (450 held out):
+    int8 within 0.5 and top-k 1 % within 2 accuracy points of DDP without a
+    hook. Top-k starts after 10 uncompressed iterations, as PowerSGD does,
+    and selects exactly (the sampled selection's draws depend on how many
+    calls the communicator made before, so it would make the test depend on
+    test order; benchmarks/RESULTS.md has both over six seeds)."""
+    base = pool.run(hooks_cases.digits_accuracy, 4, None, 500)
+    int8 = pool.run(hooks_cases.digits_accuracy, 4, "int8", 500, 0)
+    topk = pool.run(hooks_cases.digits_accuracy, 4, "topk", 500, 10, 0.01)
+    for accs in (base, int8, topk):
+        assert len(set(accs)) == 1  # every rank holds the same model
+    assert base[0] > 95, base
+    assert abs(int8[0] - base[0]) <= 0.5, (base[0], int8[0])
+    assert base[0] - topk[0] <= 2.0, (base[0], topk[0])
+
+
+# ---------------------------------------------------------------- in-process
+
+
+class FakeBucket:
+    def __init__(self, index, params, last):
+        self._index, self._params, self._last = index, params, last
+        self._buf = torch.cat([p.detach().reshape(-1) for p in params])
+
+    def index(self):
+        return self._index
+
+    def parameters(self):
+        return self._params
+
+    def buffer(self):
+        return self._buf
+
+    def is_last(self):
+        return self._last
+
+
+@pytest.fixture(scope="module")
+def solo():
+    store = torch.distributed.HashStore()
+    comm = pycomm.Communicator(store=store, rank=0, world_size=1, timeout=10)
+    yield comm
+    comm.close()
+
+
+def test_residuals_follow_parameters_into_rebuilt_buckets(solo):
+    torch.manual_seed(0)
+    a, b, c = (torch.nn.Parameter(torch.randn(n)) for n in (300, 500, 200))
+    state = hooks.CompressionState(codec=pycomm.TopK(0.1), communicator=solo, start_iter=0)
+    # Iteration 0: DDP's first layout.
+    for i, (params, last) in enumerate((([c, b], False), ([a], True))):
+        state._residual_key(FakeBucket(i, params, last), FakeBucket(i, params, last).buffer(), state.codec)
+        state._end_bucket(FakeBucket(i, params, last))
+    ef = state.error_feedback
+    old = {k: ef.get(k).worker for k in ef.keys()}
+    for k, w in old.items():
+        w.copy_(torch.randn(w.numel()))  # what compression dropped
+    by_param = {}
+    for key, w in old.items():
+        offset = 0
+        for pid in key[1]:
+            n = {id(a): 300, id(b): 500, id(c): 200}[pid]
+            by_param[pid] = w[offset:offset + n].clone()
+            offset += n
+    # Iteration 1: rebuilt buckets in another order and grouping.
+    new_keys = []
+    for i, (params, last) in enumerate((([a, b], False), ([c], True))):
+        fb = FakeBucket(i, params, last)
+        new_keys.append(state._residual_key(fb, fb.buffer(), state.codec))
+        state._end_bucket(fb)
+    assert set(ef.keys()) == set(new_keys)  # the old layout's residuals are gone
+    w0, w1 = ef.get(new_keys[0]).worker, ef.get(new_keys[1]).worker
+    assert torch.equal(w0[:300], by_param[id(a)]) and torch.equal(w0[300:], by_param[id(b)])
+    assert torch.equal(w1, by_param[id(c)])
+    assert state.iteration == 2
+
+
+def test_bad_states_say_what_to_do(solo):
+    bucket = FakeBucket(0, [torch.nn.Parameter(torch.randn(10))], True)
+    with pytest.raises(TypeError, match="CompressionState"):
+        hooks.int8_hook(hooks.AllReduceState(communicator=solo), bucket)
+    with pytest.raises(TypeError, match="int4_hook needs a pycomm.Int4"):
+        hooks.int4_hook(hooks.CompressionState(codec=pycomm.Int8(), communicator=solo), bucket)
+    with pytest.raises(TypeError, match="AllReduceState"):
+        hooks.allreduce_hook(object(), bucket)
+    with pytest.raises(ValueError, match="wire_dtype"):
+        hooks.AllReduceState(communicator=solo, wire_dtype=torch.int8)
+    with pytest.raises(TypeError, match="not a codec"):
+        hooks.CompressionState(codec="int8", communicator=solo)
+    with pytest.raises(ValueError, match="start_iter"):
+        hooks.CompressionState(communicator=solo, start_iter=-1)
+    with pytest.raises(ValueError, match="period"):
+        hooks.LocalSGD(torch.optim.SGD([torch.nn.Parameter(torch.randn(3))], lr=0.1), 0, communicator=solo)
+    with pytest.raises(ValueError, match="not both"):
+        hooks.AllReduceState(solo, communicator=solo)
+
+
+def test_hook_signatures_are_what_ddp_checks():
+    import inspect
+
+    for hook in (hooks.allreduce_hook, hooks.bf16_hook, hooks.int8_hook, hooks.int4_hook, hooks.topk_hook,
+                 hooks.compression_hook, hooks.local_sgd_hook):
+        sig = inspect.signature(hook)
+        assert sig.parameters["bucket"].annotation is torch.distributed.GradBucket, hook
+        assert sig.return_annotation == torch.futures.Future[torch.Tensor], hook
