@@ -253,6 +253,16 @@ def ddp_train(rank: int, world: int, backend: str, hook: Optional[str] = None, s
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         ddp.register_comm_hook(g, default_hooks.fp16_compress_hook)
+    elif hook in ("pycomm", "pycomm-int8"):
+        import pycomm
+        from pycomm import hooks
+
+        if hook == "pycomm":
+            state = hooks.AllReduceState(g)
+            ddp.register_comm_hook(state, hooks.allreduce_hook)
+        else:
+            state = hooks.CompressionState(g, pycomm.Int8(), start_iter=0)
+            ddp.register_comm_hook(state, hooks.int8_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(100 + rank)
     for _ in range(steps):
@@ -263,5 +273,7 @@ def ddp_train(rank: int, world: int, backend: str, hook: Optional[str] = None, s
         opt.step()
     params = [p.detach().clone() for p in model.parameters()]
     del ddp
+    if hook in ("pycomm", "pycomm-int8"):
+        state.communicator.close()
     dist.destroy_process_group(g)
     return params

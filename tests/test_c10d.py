@@ -55,7 +55,8 @@ def test_mismatch_raises_on_every_rank(pool):
         assert err.startswith("CommError") and "disagree" in err, (rank, err)
 
 
-@pytest.mark.parametrize("hook", [None, "allreduce", "fp16"])
+# torch's hooks, and pycomm's own (their communicator built on the group).
+@pytest.mark.parametrize("hook", [None, "allreduce", "fp16", "pycomm", "pycomm-int8"])
 def test_ddp_matches_gloo(pool, hook):
     world = 4
     ours = pool.run(c10d_cases.ddp_train, world, "pycomm", hook)[:world]
