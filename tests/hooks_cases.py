@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -157,16 +158,21 @@ def compose(rank: int, world: int, hook: str, option: str, iters: int = 3) -> Di
 
 
 def completion_threads(rank: int, world: int) -> Dict[str, object]:
-    """Which thread runs the hook, and which completes its future."""
+    """Which thread runs the hook, and which completes its future when it
+    was still pending on return (rank 1 starts backward late, so rank 0's
+    buckets are)."""
     g, comm = _group(world)
     if rank >= world:
         return {}
-    seen = {"hook": set(), "done": set()}
+    seen = {"hook": set(), "done": set(), "pending": 0}
     state = hooks.CompressionState(codec=pycomm.Int8(), communicator=comm, start_iter=0)
 
     def spy(st, bucket):
         seen["hook"].add(threading.get_ident())
         fut = hooks.int8_hook(st, bucket)
+        if fut.done():  # completed before we looked: a callback would run here
+            return fut
+        seen["pending"] += 1
 
         def mark(f):
             seen["done"].add(threading.get_ident())
@@ -178,8 +184,12 @@ def completion_threads(rank: int, world: int) -> Dict[str, object]:
     gen = torch.Generator().manual_seed(rank)
     for _ in range(2):
         x, y = make_batch("mlp", gen)
-        torch.nn.functional.mse_loss(m(x), y).backward()
-    return {"main": threading.get_ident(), "hook": sorted(seen["hook"]), "done": sorted(seen["done"])}
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        if rank == 1:
+            time.sleep(0.2)
+        loss.backward()
+    return {"main": threading.get_ident(), "hook": sorted(seen["hook"]), "done": sorted(seen["done"]),
+            "pending": seen["pending"]}
 
 
 def profile_ranges(rank: int, world: int, hook: str) -> List[str]:

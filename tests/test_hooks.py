@@ -58,9 +58,12 @@ def test_every_hook_composes_with_ddp_options(pool, hook, option):
 
 
 def test_futures_complete_on_the_progress_thread(pool):
-    for rank, res in enumerate(pool.run(hooks_cases.completion_threads, 2)[:2]):
+    results = pool.run(hooks_cases.completion_threads, 2)[:2]
+    assert results[0]["pending"] > 0, results  # rank 0 waited for late rank 1
+    for rank, res in enumerate(results):
         assert res["hook"] == [res["main"]], res  # DDP runs CPU hooks in backward's thread
-        assert res["done"] and res["main"] not in res["done"], res
+        if res["pending"]:
+            assert res["done"] and res["main"] not in res["done"], res
 
 
 @pytest.mark.parametrize("hook,expected", [
