@@ -290,22 +290,24 @@ class CompressionState(HookState):
         self._used_keys.add(key)
         ef = self.error_feedback
         assert ef is not None
-        fresh = ef.get(key) is None
-        shard = (self.communicator._c.compressed_shard_elems(buf.numel(), codec.block)
-                 if _compression.is_quantizer(codec) else 0)
-        worker, _ = ef.residuals(key, buf, codec, shard)
-        offset = 0
+        # Where this bucket's parameters sit: (offset, numel, previous home).
+        layout, offset = [], 0
         for p in params:
-            n = p.numel()
-            if fresh and id(p) in self._homes:
-                old_key, old_off, old_n = self._homes[id(p)]
-                old = ef.get(old_key)
-                if old is not None and old_n == n and old_key != key:
-                    # The server residual belongs to another rank's shard
-                    # layout: it restarts from zero, once.
-                    worker[offset:offset + n].copy_(old.worker[old_off:old_off + n])
-            self._next_homes[id(p)] = (key, offset, n)
-            offset += n
+            layout.append((offset, p.numel(), self._homes.get(id(p))))
+            self._next_homes[id(p)] = (key, offset, p.numel())
+            offset += p.numel()
+        if ef.get(key) is None and any(home is not None for _, _, home in layout):
+            # A rebuilt bucket: create its residual now (the all-reduce
+            # would create it zero) and move each parameter's slice in. The
+            # server residual belongs to another shard layout: it restarts
+            # from zero, once.
+            shard = (self.communicator._c.compressed_shard_elems(buf.numel(), codec.block)
+                     if _compression.is_quantizer(codec) else 0)
+            worker, _ = ef.residuals(key, buf, codec, shard)
+            for off, n, home in layout:
+                old = ef.get(home[0]) if home is not None else None
+                if old is not None and home[2] == n:
+                    worker[off:off + n].copy_(old.worker[home[1]:home[1] + n])
         return key
 
     def _end_bucket(self, bucket: dist.GradBucket) -> None:

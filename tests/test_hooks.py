@@ -159,8 +159,10 @@ def test_residuals_follow_parameters_into_rebuilt_buckets(solo):
     state = hooks.CompressionState(codec=pycomm.TopK(0.1), communicator=solo, start_iter=0)
     # Iteration 0: DDP's first layout.
     for i, (params, last) in enumerate((([c, b], False), ([a], True))):
-        state._residual_key(FakeBucket(i, params, last), FakeBucket(i, params, last).buffer(), state.codec)
-        state._end_bucket(FakeBucket(i, params, last))
+        fb = FakeBucket(i, params, last)
+        key = state._residual_key(fb, fb.buffer(), state.codec)
+        state.error_feedback.residuals(key, fb.buffer(), state.codec, 0)  # what the all-reduce does
+        state._end_bucket(fb)
     ef = state.error_feedback
     old = {k: ef.get(k).worker for k in ef.keys()}
     for k, w in old.items():
