@@ -91,7 +91,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        const std::string& name, const std::string& token, bool create, size_t round_bytes, int host,
                        std::vector<std::vector<int>> host_ranks,
                        std::optional<c10::intrusive_ptr<c10d::Backend>> backend, size_t pg_round_bytes,
-                       int pg_window, std::optional<c10::intrusive_ptr<c10d::Store>> store) {
+                       int pg_window, std::optional<c10::intrusive_ptr<c10d::Store>> store, size_t p2p_bytes) {
              CommunicatorOptions o;
              o.rank = rank;
              o.world = world;
@@ -109,6 +109,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              o.pg_round_bytes = pg_round_bytes;
              o.pg_window = pg_window;
              if (store) o.store = *store;
+             o.p2p_bytes = p2p_bytes;
              return std::shared_ptr<Communicator>(new Communicator(o), GilFreeDelete());
            }),
            py::arg("rank"), py::arg("world"), py::arg("timeout"), py::arg("use_shm") = true,
@@ -116,7 +117,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("create") = false, py::arg("round_bytes") = 1 << 20, py::arg("host") = 0,
            py::arg("host_ranks") = std::vector<std::vector<int>>{}, py::arg("backend") = py::none(),
            py::arg("pg_round_bytes") = 4 << 20, py::arg("pg_window") = 4, py::arg("store") = py::none(),
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("p2p_bytes") = 4 << 20, py::call_guard<py::gil_scoped_release>())
       .def("all_reduce",
            [](Communicator& c, const at::Tensor& in, const at::Tensor& out, int op, int algo, bool strict,
               bool async_op) { return c.all_reduce(in, out, to_op(op), to_algo(algo), strict, async_op); },
@@ -162,6 +163,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("sample_fraction"), py::arg("worker_residual"), py::arg("server_residual"), py::arg("async_op"),
            py::call_guard<py::gil_scoped_release>())
       .def("compressed_shard_elems", &Communicator::compressed_shard_elems, py::arg("numel"), py::arg("block"))
+      .def("send", &Communicator::send, py::arg("tensors"), py::arg("dst"), py::arg("tag"), py::arg("async_op"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("recv", &Communicator::recv, py::arg("out"), py::arg("src"), py::arg("tag"), py::arg("async_op"),
+           py::call_guard<py::gil_scoped_release>())
       .def("barrier", &Communicator::barrier, py::arg("async_op"), py::call_guard<py::gil_scoped_release>())
       .def("resolve",
            [](Communicator& c, int coll, int algo, size_t bytes) {

@@ -13,6 +13,7 @@
 #include "algorithms/algorithms.h"
 #include "compression/quantized_allreduce.h"
 #include "compression/sparse_allreduce.h"
+#include "transport/futex.h"
 
 namespace pycomm {
 
@@ -158,6 +159,225 @@ c10::intrusive_ptr<c10::ivalue::Future> Work::get_future() {
   return future_;
 }
 
+// ------------------------------------------------------- point-to-point
+
+namespace {
+
+constexpr uint32_t kP2PErrorMagic = 0x52524550u;  // "PERR": the sender failed; a message follows
+
+std::string p2p_prefix(Collective coll) { return std::string("pycomm.") + collective_name(coll) + ": "; }
+
+}  // namespace
+
+// The messages of one direction with one peer run in order on their own
+// thread: a receive waiting for its data never holds up collectives or
+// traffic with other peers, and a send blocked on a full ring never holds
+// up receives (so two ranks can send each other large messages at once).
+struct Communicator::Lane {
+  explicit Lane(Communicator* comm) : thread([this, comm] { loop(comm); }) {}
+  ~Lane() { stop(); }
+
+  void push(std::shared_ptr<Work> work) {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      queue.push_back(std::move(work));
+    }
+    cv.notify_one();
+  }
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      stopping = true;
+    }
+    cv.notify_one();
+    if (thread.joinable()) thread.join();
+  }
+  void loop(Communicator* comm) {
+    std::unique_lock<std::mutex> lk(mu);
+    while (true) {
+      cv.wait(lk, [&] { return !queue.empty() || stopping; });
+      if (queue.empty()) return;
+      auto work = std::move(queue.front());
+      queue.pop_front();
+      lk.unlock();
+      comm->execute(*work);
+      lk.lock();
+    }
+  }
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::shared_ptr<Work>> queue;
+  bool stopping = false;
+  uint64_t messages = 0;  // numbers this direction's messages, for errors
+  std::thread thread;
+};
+
+int Communicator::p2p_peer(int peer, Collective coll) const {
+  const char* dir = coll == Collective::kSend ? "dst" : "src";
+  if (peer < 0 || peer >= world_)
+    throw CommError(p2p_prefix(coll) + dir + "=" + std::to_string(peer) + " is not a rank of this communicator (0.." +
+                    std::to_string(world_ - 1) + ")");
+  if (peer == rank_) throw CommError(p2p_prefix(coll) + dir + " is this rank itself (" + std::to_string(rank_) + ")");
+  if (!p2p_ || local_of_[peer] < 0)
+    throw CommError(p2p_prefix(coll) + "rank " + std::to_string(peer) +
+                    (p2p_ ? " is on another host" : " is reachable through the process group only (transport='pg')") +
+                    "; pycomm's point-to-point runs over shared memory between ranks of one host "
+                    "(use torch.distributed.send/recv across hosts)");
+  return local_of_[peer];
+}
+
+void Communicator::submit_p2p(int peer, bool incoming, std::shared_ptr<Work> work, bool async_op) {
+  Lane* lane;
+  {
+    std::lock_guard<std::mutex> lk(lanes_mu_);
+    if (stop_) throw CommError("pycomm: the communicator has been shut down");
+    auto& slot = lanes_[{peer, incoming}];
+    if (!slot) slot = std::make_unique<Lane>(this);
+    lane = slot.get();
+    // Numbered at submission, in the order the caller issued them.
+    work->seq_ = ++lane->messages;
+  }
+  if (at::hasCallbacks()) work->caller_state_ = std::make_shared<at::ThreadLocalState>();
+  lane->push(work);
+  if (!async_op) work->wait();
+}
+
+std::shared_ptr<Work> Communicator::send(const std::vector<at::Tensor>& tensors, int dst, uint32_t tag,
+                                         bool async_op) {
+  const int peer = p2p_peer(dst, Collective::kSend);
+  auto work = std::make_shared<Work>();
+  work->desc_.coll = Collective::kSend;
+  work->desc_.root = dst;
+  // A send this rank cannot make still goes out, as an error message, so
+  // that the receiver raises now instead of waiting for the timeout.
+  std::string why;
+  if (tensors.empty()) why = "nothing to send (an empty list of tensors)";
+  for (size_t i = 0; i < tensors.size() && why.empty(); ++i) {
+    const at::Tensor& t = tensors[i];
+    std::ostringstream os;
+    if (!t.defined()) {
+      os << "tensor " << i << " is undefined";
+    } else if (!t.device().is_cpu()) {
+      os << "tensor " << i << " is on device '" << t.device() << "'; this pycomm build sends CPU tensors only";
+    } else if (t.is_sparse() || t.is_quantized() || t.layout() != at::kStrided) {
+      os << "tensor " << i << " must be a dense tensor";
+    } else if (t.dim() > kP2PMaxDims) {
+      os << "tensor " << i << " has " << t.dim() << " dimensions; at most " << kP2PMaxDims << " are supported";
+    }
+    why = os.str();
+  }
+  if (!why.empty()) {
+    why = p2p_prefix(Collective::kSend) + why;
+    work->body_ = [this, peer, why](uint64_t seq) {
+      P2PHeader h{};
+      h.magic = kP2PErrorMagic;
+      h.nbytes = why.size();
+      OpContext ctx{Collective::kSend, seq, 0, deadline_after(timeout_s_)};
+      p2p_->write(peer, &h, sizeof h, ctx);
+      p2p_->write(peer, why.data(), why.size(), ctx);
+    };
+    try {
+      submit_p2p(dst, false, work, /*async_op=*/false);
+    } catch (const CommError&) {
+      // The peer is gone too; our own reason is the useful one.
+    }
+    throw CommError(why);
+  }
+  // Non-contiguous tensors travel as contiguous copies, made now: the data
+  // sent is the data at the time of the call, as for collectives.
+  for (const auto& t : tensors) work->inputs_.push_back(t.contiguous());
+  work->body_ = [this, w = work.get(), peer, tag](uint64_t) { send_body(*w, peer, tag); };
+  submit_p2p(dst, false, work, async_op);
+  return work;
+}
+
+void Communicator::send_body(Work& work, int peer, uint32_t tag) {
+  OpContext ctx{Collective::kSend, work.seq_, 0, deadline_after(timeout_s_)};
+  const auto n = static_cast<uint32_t>(work.inputs_.size());
+  for (uint32_t i = 0; i < n; ++i) {
+    const at::Tensor& t = work.inputs_[i];
+    P2PHeader h{};
+    h.magic = kP2PMagic;
+    h.tag = tag;
+    h.index = i;
+    h.total = n;
+    h.nbytes = static_cast<uint64_t>(t.numel()) * t.element_size();
+    h.dtype = static_cast<uint8_t>(t.scalar_type());
+    h.ndim = static_cast<uint8_t>(t.dim());
+    for (int64_t d = 0; d < t.dim(); ++d) h.shape[d] = t.size(d);
+    p2p_->write(peer, &h, sizeof h, ctx);
+    if (h.nbytes) p2p_->write(peer, t.data_ptr(), h.nbytes, ctx);
+  }
+}
+
+std::shared_ptr<Work> Communicator::recv(const std::vector<at::Tensor>& out, int src, uint32_t tag, bool async_op) {
+  const int peer = p2p_peer(src, Collective::kRecv);
+  for (size_t i = 0; i < out.size(); ++i) {
+    const at::Tensor& t = out[i];
+    if (!t.defined() || !t.device().is_cpu() || t.layout() != at::kStrided || !t.is_contiguous())
+      throw CommError(p2p_prefix(Collective::kRecv) + "out tensor " + std::to_string(i) +
+                      " must be a defined, dense, contiguous CPU tensor");
+  }
+  auto work = std::make_shared<Work>();
+  work->desc_.coll = Collective::kRecv;
+  work->desc_.root = src;
+  work->outputs_ = out;
+  const bool allocate = out.empty();
+  work->body_ = [this, w = work.get(), peer, tag, allocate](uint64_t) { recv_body(*w, peer, tag, allocate); };
+  submit_p2p(src, true, work, async_op);
+  return work;
+}
+
+void Communicator::recv_body(Work& work, int peer, uint32_t tag, bool allocate) {
+  OpContext ctx{Collective::kRecv, work.seq_, 0, deadline_after(timeout_s_)};
+  const int src = work.desc_.root;
+  auto where = [&] {
+    std::ostringstream os;
+    os << "pycomm.recv #" << work.seq_ << " on rank " << rank_ << " from rank " << src << ": ";
+    return os.str();
+  };
+  uint32_t total = 1;
+  for (uint32_t i = 0; i < total; ++i) {
+    P2PHeader h{};
+    p2p_->read(peer, &h, sizeof h, ctx);
+    if (h.magic == kP2PErrorMagic) {
+      std::string msg(h.nbytes, '\0');
+      p2p_->read(peer, msg.data(), msg.size(), ctx);
+      throw CommError(where() + "the sender failed: " + msg);
+    }
+    // From here on a mismatch leaves the channel out of step with the
+    // sender: it fails the communicator on every local rank (as collectives
+    // whose headers disagree do) rather than deliver the wrong bytes later.
+    if (h.magic != kP2PMagic || h.index != i || h.total == 0 || h.ndim > kP2PMaxDims ||
+        h.dtype >= static_cast<uint8_t>(at::ScalarType::NumOptions))
+      local_->fail(where() + "the channel is out of step (corrupt message header)");
+    if (h.tag != tag)
+      local_->fail(where() + "expected tag " + std::to_string(tag) + " but the next message from rank " +
+                   std::to_string(src) + " has tag " + std::to_string(h.tag) +
+                   " (messages between two ranks arrive in the order they were sent)");
+    total = h.total;
+    std::vector<int64_t> shape(h.shape, h.shape + h.ndim);
+    const auto dtype = static_cast<at::ScalarType>(h.dtype);
+    if (i == 0 && !allocate && work.outputs_.size() != total)
+      local_->fail(where() + "rank " + std::to_string(src) + " sent " + std::to_string(total) +
+                   " tensors but " + std::to_string(work.outputs_.size()) + " out tensors were given");
+    if (allocate) {
+      work.outputs_.push_back(at::empty(shape, at::TensorOptions().dtype(dtype)));
+    } else {
+      const at::Tensor& t = work.outputs_[i];
+      if (t.scalar_type() != dtype || t.sizes() != at::IntArrayRef(shape)) {
+        std::ostringstream os;
+        os << where() << "rank " << src << " sent tensor " << i << " as "
+           << c10::getDtypeNames(dtype).first << at::IntArrayRef(shape) << " but out tensor " << i << " is "
+           << c10::getDtypeNames(t.scalar_type()).first << t.sizes();
+        local_->fail(os.str());
+      }
+    }
+    if (h.nbytes) p2p_->read(peer, work.outputs_[i].data_ptr(), h.nbytes, ctx);
+  }
+}
+
 // ---------------------------------------------------------- Communicator
 
 Communicator::Communicator(const CommunicatorOptions& o)
@@ -218,6 +438,16 @@ Communicator::Communicator(const CommunicatorOptions& o)
     top_ = multi_.get();
   }
   if (!top_) throw CommError("pycomm: a communicator needs shared memory or a process group");
+  local_of_.assign(world_, -1);
+  if (local_) {
+    if (o.host_ranks.empty()) {
+      for (int r = 0; r < world_; ++r) local_of_[r] = r;
+    } else {
+      const auto& mine = o.host_ranks.at(o.host);
+      for (size_t j = 0; j < mine.size(); ++j) local_of_.at(mine[j]) = static_cast<int>(j);
+    }
+    p2p_ = std::make_unique<ShmChannels>(*local_, o.shm_name + ".p2p", o.token, o.p2p_bytes);
+  }
   progress_ = std::thread([this] { progress_loop(); });
 }
 
@@ -248,6 +478,14 @@ void Communicator::shutdown() {
   }
   cv_.notify_all();
   if (progress_.joinable()) progress_.join();
+  // Point-to-point lanes finish what was queued, like the progress thread.
+  std::map<std::pair<int, bool>, std::unique_ptr<Lane>> lanes;
+  {
+    std::lock_guard<std::mutex> lk(lanes_mu_);
+    lanes.swap(lanes_);
+  }
+  for (auto& [key, lane] : lanes) lane->stop();
+  if (p2p_) p2p_->close();
   if (local_) local_->shutdown();
 }
 
@@ -279,6 +517,8 @@ const char* range_name(Collective coll) {
     case Collective::kAllGather: return "pycomm::all_gather";
     case Collective::kBroadcast: return "pycomm::broadcast";
     case Collective::kAllToAll: return "pycomm::all_to_all";
+    case Collective::kSend: return "pycomm::send";
+    case Collective::kRecv: return "pycomm::recv";
     default: return "pycomm::barrier";
   }
 }
@@ -696,3 +936,4 @@ std::shared_ptr<Work> Communicator::barrier(bool async_op) {
 }
 
 }  // namespace pycomm
+

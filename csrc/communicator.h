@@ -16,6 +16,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -25,6 +26,7 @@
 #include "collective.h"
 #include "compression/codec.h"
 #include "transport/multihost.h"
+#include "transport/p2p.h"
 #include "transport/process_group.h"
 #include "transport/shm.h"
 
@@ -117,6 +119,8 @@ struct CommunicatorOptions {
   // consequences (a closed connection, a peer that gave up) can name the
   // cause: "rank 3 died", not "rank 2 left".
   c10::intrusive_ptr<c10d::Store> store;
+  // Bytes of each point-to-point ring (one per ordered pair that talks).
+  size_t p2p_bytes = 4 << 20;
 };
 
 class Communicator {
@@ -139,6 +143,18 @@ class Communicator {
   std::shared_ptr<Work> all_to_all(const at::Tensor& output, const at::Tensor& input, bool async_op,
                                    Staging staging = {});
   std::shared_ptr<Work> barrier(bool async_op);
+
+  // Point-to-point, between ranks of one host (shared memory). Unlike
+  // collectives these involve two ranks only and do not take a sequence
+  // number: each ordered pair of ranks keeps its own order, in which a
+  // rank's sends to a peer arrive at that peer's receives from it. `send`
+  // completes once the data is in the channel. `tag` is checked, not
+  // matched: a receive whose tag differs from the next message's raises on
+  // both ranks. `recv` fills `out` when given (same number of tensors,
+  // dtypes and shapes as sent) and otherwise allocates what the message
+  // describes: the Work's result holds the tensors either way.
+  std::shared_ptr<Work> send(const std::vector<at::Tensor>& tensors, int dst, uint32_t tag, bool async_op);
+  std::shared_ptr<Work> recv(const std::vector<at::Tensor>& out, int src, uint32_t tag, bool async_op);
 
   // All-reduce (sum or avg) through a codec (Int8/Int4/TopK). The residuals
   // (float32, may be undefined) carry error feedback between calls: worker
@@ -192,6 +208,13 @@ class Communicator {
   void progress_loop();
   // Resolves `algo` (and, between hosts, the inter-host schedule).
   Algorithm choose(Collective coll, Algorithm algo, bool strict, size_t bytes, Algorithm* inter) const;
+  // Point-to-point: the local rank of `peer` (checked), and the lane that
+  // runs the messages of one direction with one peer, in order.
+  int p2p_peer(int peer, Collective coll) const;
+  struct Lane;
+  void submit_p2p(int peer, bool incoming, std::shared_ptr<Work> work, bool async_op);
+  void send_body(Work& work, int peer, uint32_t tag);
+  void recv_body(Work& work, int peer, uint32_t tag, bool allocate);
 
   int rank_ = 0;
   int world_ = 1;
@@ -210,6 +233,11 @@ class Communicator {
   bool stop_ = false;
   uint64_t next_seq_ = 1;
   std::thread progress_;
+
+  std::unique_ptr<ShmChannels> p2p_;
+  std::vector<int> local_of_;  // communicator rank -> local rank, -1 on other hosts
+  std::mutex lanes_mu_;
+  std::map<std::pair<int, bool>, std::unique_ptr<Lane>> lanes_;  // (peer, incoming)
 };
 
 }  // namespace pycomm

@@ -31,7 +31,9 @@ from .communicator import (
     destroy,
     get_default,
     init,
+    recv,
     reduce_scatter,
+    send,
 )
 
 __version__ = "0.1.0"
@@ -58,5 +60,7 @@ __all__ = [
     "get_default",
     "init",
     "load_core",
+    "recv",
     "reduce_scatter",
+    "send",
 ]

@@ -44,8 +44,18 @@ DEFAULT_ROUND_BYTES = 1 << 20
 # flight (benchmarks/RESULTS.md, "Several hosts").
 DEFAULT_PG_ROUND_BYTES = 4 << 20
 DEFAULT_PG_WINDOW = 4
+# Each ordered pair of ranks that exchange point-to-point messages maps one
+# ring of this size (a power of two): enough for a sender to stream while its
+# receiver copies out, small next to a pipeline's activations.
+DEFAULT_P2P_BYTES = 4 << 20
 
 Op = Union[str, "dist.ReduceOp", "dist.ReduceOp.RedOpType"]
+
+
+def _check_tag(tag: int) -> int:
+    if type(tag) is not int or not 0 <= tag < 2 ** 32:
+        raise CommError(f"pycomm: tag must be an int in [0, 2**32), got {tag!r}")
+    return tag
 
 
 def _op_id(op: Op) -> Optional[int]:
@@ -221,7 +231,8 @@ class Communicator:
                     round_bytes=round_bytes, host=self.host, host_ranks=host_ranks if use_pg else [],
                     backend=backend, pg_round_bytes=_env_size("PYCOMM_PG_ROUND_BYTES", DEFAULT_PG_ROUND_BYTES),
                     pg_window=int(os.environ.get("PYCOMM_PG_WINDOW", DEFAULT_PG_WINDOW)),
-                    store=store if use_pg else None)
+                    store=store if use_pg else None,
+                    p2p_bytes=_env_size("PYCOMM_P2P_BYTES", DEFAULT_P2P_BYTES))
 
         # 4. The host's first rank creates the segment, the others attach.
         if not use_shm:
@@ -459,6 +470,66 @@ class Communicator:
         work = self._c.barrier(async_op)
         return work if async_op else None
 
+    # --------------------------------------------------------- point-to-point
+
+    def send(
+        self,
+        tensor: Union[torch.Tensor, Sequence[torch.Tensor]],
+        dst: int,
+        *,
+        tag: int = 0,
+        async_op: bool = False,
+    ) -> Optional[Work]:
+        """Send a tensor (or a list of tensors, as one message) to rank ``dst`` of this host.
+
+        Messages between two ranks arrive in the order they were sent; the
+        receiver needs no shapes: each tensor travels with its dtype and shape.
+        Returns once the data is in the channel (the receiver may not have it
+        yet), or a Work that completes then. Only the two ranks take part:
+        unlike collectives, other ranks need not call anything. Between hosts
+        use ``torch.distributed.send``.
+
+        ``tag`` is checked, not matched: a ``recv`` whose tag differs from the
+        next message's raises :class:`pycomm.CommError` on both ranks.
+
+        Example::
+
+            if comm.rank == 0:
+                comm.send(torch.randn(4, 8), dst=1)
+            else:
+                x = comm.recv(src=0)          # a float32 tensor of shape (4, 8)
+        """
+        tensors = [tensor] if isinstance(tensor, torch.Tensor) else list(tensor)
+        work = self._c.send(tensors, int(dst), _check_tag(tag), async_op)
+        return work if async_op else None
+
+    def recv(
+        self,
+        src: int,
+        *,
+        out: Optional[Union[torch.Tensor, Sequence[torch.Tensor]]] = None,
+        tag: int = 0,
+        async_op: bool = False,
+    ) -> Union[torch.Tensor, List[torch.Tensor], Work]:
+        """Receive the next message from rank ``src``: its tensor, or its list of tensors.
+
+        With ``out`` (tensors of the dtypes and shapes sent) the data lands
+        there; otherwise new tensors are allocated from the message. With
+        ``async_op=True`` returns a Work whose ``result()`` (and future) holds
+        the list of tensors.
+
+        Example::
+
+            x = comm.recv(src=0)
+            work = comm.recv(src=0, async_op=True); ...; x, = work.wait() and work.result()
+        """
+        outs = [] if out is None else ([out] if isinstance(out, torch.Tensor) else list(out))
+        work = self._c.recv(outs, int(src), _check_tag(tag), async_op)
+        if async_op:
+            return work
+        result = work.result()
+        return result[0] if len(result) == 1 else result
+
     # ------------------------------------------------------------------- misc
 
     def resolve_algorithm(self, collective: str, algorithm: str, nbytes: int) -> str:
@@ -627,6 +698,16 @@ def broadcast(tensor: torch.Tensor, src: int = 0, **kwargs) -> Optional[Work]:
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, **kwargs) -> Optional[Work]:
     """:meth:`Communicator.all_to_all_single` on the default communicator."""
     return get_default().all_to_all_single(output, input, **kwargs)
+
+
+def send(tensor: Union[torch.Tensor, Sequence[torch.Tensor]], dst: int, **kwargs) -> Optional[Work]:
+    """:meth:`Communicator.send` on the default communicator."""
+    return get_default().send(tensor, dst, **kwargs)
+
+
+def recv(src: int, **kwargs) -> Union[torch.Tensor, List[torch.Tensor], Work]:
+    """:meth:`Communicator.recv` on the default communicator."""
+    return get_default().recv(src, **kwargs)
 
 
 def barrier(**kwargs) -> Optional[Work]:

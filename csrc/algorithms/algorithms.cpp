@@ -30,6 +30,8 @@ const char* collective_name(Collective c) {
     case Collective::kBarrier: return "barrier";
     case Collective::kInvalid: return "invalid";
     case Collective::kAllToAll: return "all_to_all";
+    case Collective::kSend: return "send";
+    case Collective::kRecv: return "recv";
   }
   return "?";
 }
@@ -127,6 +129,8 @@ bool algorithm_supports(Algorithm algo, Collective coll) {
     case Collective::kAllToAll: return algo == Algorithm::kTwoShot;
     case Collective::kBarrier:
     case Collective::kInvalid: return true;
+    case Collective::kSend:
+    case Collective::kRecv: return false;
   }
   return false;
 }

@@ -54,6 +54,10 @@ enum class Collective : uint8_t {
   // Rank r sends block p of its input to rank p, which stores it as block r
   // of its output (torch's all_to_all_single with equal splits).
   kAllToAll = 6,
+  // Point-to-point messages. They never run on a transport's schedules (no
+  // schedule supports them): the names serve the Work, messages and profiler.
+  kSend = 7,
+  kRecv = 8,
 };
 
 enum class OpKind : uint8_t { kSend = 0, kRecvReduce = 1, kRecvCopy = 2 };

@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "../kernels/kernels.h"
+#include "futex.h"
 #include "layout.h"
 
 namespace pycomm {
@@ -38,26 +39,6 @@ constexpr long kFutexSleepNs = 5 * 1000 * 1000;
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(50);
 
 size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
-
-long futex_op(std::atomic<uint32_t>* addr, int op, uint32_t val, const timespec* ts) {
-  // Not FUTEX_PRIVATE: the word lives in memory shared between processes.
-  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), op, val, ts, nullptr, 0);
-}
-
-void futex_wake_all(std::atomic<uint32_t>* addr) { futex_op(addr, FUTEX_WAKE, INT_MAX, nullptr); }
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
-// Counters wrap at 2^32; compare by signed distance.
-inline bool reached(uint32_t value, uint32_t target) {
-  return static_cast<int32_t>(value - target) >= 0;
-}
 
 // State and start time (clock ticks since boot) of a process from
 // /proc/<pid>/stat. The start time tells a recycled pid from the original.
@@ -92,11 +73,6 @@ uint64_t pid_namespace_id() {
   struct stat st;
   if (stat("/proc/self/ns/pid", &st) != 0) return 0;
   return static_cast<uint64_t>(st.st_ino);
-}
-
-std::chrono::steady_clock::time_point deadline_after(double seconds) {
-  return std::chrono::steady_clock::now() +
-         std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(seconds));
 }
 
 int usable_cpus() {

@@ -75,6 +75,9 @@ class ShmTransport : public Transport {
   // Makes every rank's current and future operations fail with `why`.
   void abort(const std::string& why) override;
 
+  // Aborts (as above) and throws the first abort's message.
+  [[noreturn]] void fail(const std::string& why);
+
   bool aborted() const;
   std::string abort_message() const;
   int rank() const override { return rank_; }
@@ -86,6 +89,9 @@ class ShmTransport : public Transport {
   const std::string& name() const { return name_; }
 
  private:
+  // Point-to-point channels share the segment's abort state, liveness
+  // checks and waiting policy.
+  friend class ShmChannels;
   void map_segment(const ShmConfig& config);
   void publish_header(const CollectiveDesc& desc, uint64_t seq, uint64_t op);
   int name(int local) const { return names_.empty() ? local : names_[local]; }
@@ -99,7 +105,6 @@ class ShmTransport : public Transport {
                Reached reached);
   void check_abort() const;
   std::string peer_gone(int peer, const OpContext& ctx);
-  [[noreturn]] void fail(const std::string& why);
   const ShmPlan& plan_for(const Schedule& schedule);
   char* mailbox(int rank, uint64_t round, int phase) const;
   void execute(const CollectiveDesc& desc, const OpContext& ctx, std::vector<bool>& checked,

@@ -1,0 +1,227 @@
+#include "p2p.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+#include <thread>
+
+#include "futex.h"
+
+namespace pycomm {
+
+namespace {
+
+constexpr uint64_t kChannelMagic = 0x3250324d4f435950ull;  // "PYCOM2P2"
+constexpr size_t kPage = 4096;
+// A writer publishes at most this much at a time, so that the reader copies
+// out one piece while the writer copies in the next (both stay in L2).
+constexpr size_t kGrainBytes = 256 * 1024;
+constexpr long kFutexSleepNs = 5 * 1000 * 1000;
+constexpr auto kLivenessPeriod = std::chrono::milliseconds(50);
+
+}  // namespace
+
+// The sender owns `written`, the receiver `consumed` (both count bytes
+// modulo 2^32; the capacity is a power of two, so they also give positions).
+struct ChannelSegment {
+  uint64_t magic;
+  uint64_t capacity;
+  char token[64];
+  std::atomic<uint32_t> attached;
+  alignas(64) std::atomic<uint32_t> written;
+  alignas(64) std::atomic<uint32_t> consumed;
+  alignas(64) std::atomic<uint32_t> writer_waiting;
+  alignas(64) std::atomic<uint32_t> reader_waiting;
+};
+
+ShmChannels::ShmChannels(ShmTransport& shm, std::string prefix, std::string token, size_t capacity)
+    : shm_(shm), prefix_(std::move(prefix)), token_(std::move(token)), capacity_(capacity) {
+  if (capacity_ < kPage || (capacity_ & (capacity_ - 1)) != 0 || capacity_ > (size_t{1} << 30))
+    throw CommError("pycomm: point-to-point ring size must be a power of two between 4 KiB and 1 GiB");
+  if (token_.size() >= sizeof(ChannelSegment::token)) throw CommError("pycomm: segment token too long");
+}
+
+ShmChannels::~ShmChannels() {
+  close();
+  for (auto& [key, ch] : channels_) munmap(ch.seg, ch.size);
+}
+
+void ShmChannels::close() {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (auto& [key, ch] : channels_)
+    if (ch.seg->attached.load() < 2) shm_unlink(ch.name.c_str());
+}
+
+ShmChannels::Channel& ShmChannels::channel(int src, int dst, const OpContext& ctx) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto it = channels_.find({src, dst});
+  if (it != channels_.end()) return it->second;
+
+  Channel ch;
+  ch.name = prefix_ + "." + std::to_string(shm_.name(src)) + "." + std::to_string(shm_.name(dst));
+  ch.size = kPage + capacity_;
+  // 1. Create it, or attach if the peer came first. O_EXCL and 0600 as for
+  //    the collective segment: never adopt somebody else's.
+  bool created = true;
+  int fd = shm_open(ch.name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0 && errno == EEXIST) {
+    created = false;
+    fd = shm_open(ch.name.c_str(), O_RDWR, 0);
+  }
+  if (fd < 0)
+    throw CommError("pycomm: cannot open point-to-point segment " + ch.name + ": " + std::strerror(errno));
+  if (created) {
+    if (ftruncate(fd, static_cast<off_t>(ch.size)) != 0) {
+      const int err = errno;
+      ::close(fd);
+      shm_unlink(ch.name.c_str());
+      throw CommError("pycomm: cannot size point-to-point segment " + ch.name + " (" + std::strerror(err) +
+                      "); free space in /dev/shm or lower PYCOMM_P2P_BYTES");
+    }
+  } else {
+    // The creator sizes it right after creating it.
+    struct stat st;
+    while (fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) < ch.size) {
+      if (std::chrono::steady_clock::now() >= ctx.deadline) break;
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    if (static_cast<size_t>(st.st_size) != ch.size) {
+      ::close(fd);
+      throw CommError("pycomm: point-to-point segment " + ch.name +
+                      " has the wrong size: ranks disagree on PYCOMM_P2P_BYTES");
+    }
+  }
+  void* base = mmap(nullptr, ch.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int map_err = errno;
+  ::close(fd);
+  if (base == MAP_FAILED) {
+    if (created) shm_unlink(ch.name.c_str());
+    throw CommError("pycomm: cannot map point-to-point segment " + ch.name + ": " + std::strerror(map_err));
+  }
+  ch.seg = static_cast<ChannelSegment*>(base);
+  ch.data = static_cast<char*>(base) + kPage;
+
+  // 2. The creator's fields, magic last; the attacher checks them.
+  if (created) {
+    ch.seg->capacity = capacity_;
+    std::memcpy(ch.seg->token, token_.data(), token_.size());
+    __atomic_store_n(&ch.seg->magic, kChannelMagic, __ATOMIC_RELEASE);
+  } else {
+    while (__atomic_load_n(&ch.seg->magic, __ATOMIC_ACQUIRE) != kChannelMagic &&
+           std::chrono::steady_clock::now() < ctx.deadline)
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    if (__atomic_load_n(&ch.seg->magic, __ATOMIC_ACQUIRE) != kChannelMagic || ch.seg->capacity != capacity_ ||
+        std::strncmp(ch.seg->token, token_.c_str(), sizeof(ch.seg->token)) != 0) {
+      munmap(base, ch.size);
+      throw CommError("pycomm: point-to-point segment " + ch.name +
+                      " does not belong to this job or ranks disagree on PYCOMM_P2P_BYTES");
+    }
+  }
+  // 3. The second side to map it removes the name, as for the collective
+  //    segment: a killed job leaves nothing in /dev/shm.
+  if (ch.seg->attached.fetch_add(1) + 1 == 2) shm_unlink(ch.name.c_str());
+  return channels_.emplace(std::make_pair(src, dst), std::move(ch)).first->second;
+}
+
+template <typename Ready>
+void ShmChannels::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* waiters, int peer, const OpContext& ctx,
+                       const char* what, Ready ready) {
+  // The collective transport's policy: spin while cores are free, then
+  // yield, then sleep on the futex in slices that re-check abort, liveness
+  // and the deadline.
+  const auto spin_until = std::chrono::steady_clock::now() + shm_.spin_;
+  for (int i = 1;; ++i) {
+    if (ready()) return;
+    cpu_relax();
+    if (i % 64 == 0 && std::chrono::steady_clock::now() >= spin_until) break;
+  }
+  auto next_liveness = std::chrono::steady_clock::now();
+  for (int i = 0;; ++i) {
+    shm_.check_abort();
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= next_liveness) {
+      const std::string gone = shm_.peer_gone(peer, ctx);
+      if (!gone.empty()) {
+        if (ready()) return;
+        shm_.fail(gone);
+      }
+      next_liveness = now + kLivenessPeriod;
+    }
+    if (now >= ctx.deadline) {
+      std::ostringstream os;
+      os << "pycomm: " << collective_name(ctx.coll) << " #" << ctx.seq << " timed out after " << shm_.timeout()
+         << " s on rank " << shm_.name(shm_.rank_) << " waiting for rank " << shm_.name(peer) << " (" << what
+         << ")";
+      shm_.fail(os.str());
+    }
+    if (i < shm_.yield_iters_) {
+      sched_yield();
+    } else {
+      // Dekker pair with the other side's publish: either it sees our
+      // waiter count and wakes us, or we see its new value before sleeping.
+      waiters->fetch_add(1, std::memory_order_seq_cst);
+      const uint32_t v = word->load(std::memory_order_seq_cst);
+      if (!ready()) {
+        timespec ts{0, kFutexSleepNs};
+        futex_op(word, FUTEX_WAIT, v, &ts);
+      }
+      waiters->fetch_sub(1, std::memory_order_seq_cst);
+    }
+    if (ready()) return;
+  }
+}
+
+void ShmChannels::write(int peer, const void* data, size_t n, const OpContext& ctx) {
+  Channel& ch = channel(shm_.rank_, peer, ctx);
+  ChannelSegment& s = *ch.seg;
+  const auto* src = static_cast<const char*>(data);
+  const uint32_t cap = static_cast<uint32_t>(capacity_);
+  uint32_t w = s.written.load(std::memory_order_relaxed);
+  while (n > 0) {
+    const uint32_t want = static_cast<uint32_t>(std::min({n, kGrainBytes, capacity_}));
+    auto free_bytes = [&] { return cap - (w - s.consumed.load(std::memory_order_acquire)); };
+    if (free_bytes() < want)
+      wait(&s.consumed, &s.writer_waiting, peer, ctx, "it to read earlier data", [&] { return free_bytes() >= want; });
+    const uint32_t k = std::min<uint32_t>(want, free_bytes());
+    const uint32_t pos = w & (cap - 1);
+    const uint32_t first = std::min(k, cap - pos);
+    std::memcpy(ch.data + pos, src, first);
+    std::memcpy(ch.data, src + first, k - first);
+    w += k;
+    src += k;
+    n -= k;
+    s.written.store(w, std::memory_order_seq_cst);
+    if (s.reader_waiting.load(std::memory_order_seq_cst) > 0) futex_wake_all(&s.written);
+  }
+}
+
+void ShmChannels::read(int peer, void* data, size_t n, const OpContext& ctx) {
+  Channel& ch = channel(peer, shm_.rank_, ctx);
+  ChannelSegment& s = *ch.seg;
+  auto* dst = static_cast<char*>(data);
+  const uint32_t cap = static_cast<uint32_t>(capacity_);
+  uint32_t c = s.consumed.load(std::memory_order_relaxed);
+  while (n > 0) {
+    auto avail = [&] { return s.written.load(std::memory_order_acquire) - c; };
+    if (avail() == 0) wait(&s.written, &s.reader_waiting, peer, ctx, "its data", [&] { return avail() > 0; });
+    const uint32_t k = static_cast<uint32_t>(std::min<size_t>(n, avail()));
+    const uint32_t pos = c & (cap - 1);
+    const uint32_t first = std::min(k, cap - pos);
+    std::memcpy(dst, ch.data + pos, first);
+    std::memcpy(dst + first, ch.data, k - first);
+    c += k;
+    dst += k;
+    n -= k;
+    s.consumed.store(c, std::memory_order_seq_cst);
+    if (s.writer_waiting.load(std::memory_order_seq_cst) > 0) futex_wake_all(&s.consumed);
+  }
+}
+
+}  // namespace pycomm

@@ -1,0 +1,294 @@
+"""Worker-side cases for point-to-point messages and the pipeline runner
+(run inside harness workers). Every worker joins one default Gloo group;
+the pipelines run on pycomm communicators over subsets of the pool."""
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import pycomm
+from harness import make_comm, worker_store
+from pycomm.pipeline import Pipeline, StageModule, grid, stage_layers
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
+          torch.uint8, torch.bool, torch.complex64]
+
+
+def init_default(rank: int, world: int, name: str) -> str:
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.PrefixStore(name, worker_store()), rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+    return dist.get_backend()
+
+
+def _random(dtype: torch.dtype, shape, gen: torch.Generator) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=gen) > 0.5
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=gen, dtype=dtype)
+    return torch.randint(0, 100, shape, generator=gen).to(dtype)
+
+
+# ------------------------------------------------------- point-to-point
+
+
+def p2p_matrix(rank: int, world: int, name: str, seed: int) -> Dict[str, int]:
+    """Every rank sends every other rank messages of every dtype and shape
+    (empty, 0-d, non-contiguous, lists, larger than the ring) and checks what
+    it receives against the sender's generator."""
+    comm = make_comm(rank, world, name, timeout=60)
+    shapes = [(0,), (), (7,), (3, 5), (2, 3, 4, 5)]
+
+    def message(src: int, dst: int) -> List[List[torch.Tensor]]:
+        gen = torch.Generator().manual_seed(seed * 1000 + src * 10 + dst)
+        msgs = [[_random(d, s, gen)] for d in DTYPES for s in shapes]
+        msgs.append([_random(torch.float32, (5, 6), gen).t(), _random(torch.int64, (4,), gen)])
+        # 3 rings' worth: the sender streams while the receiver drains.
+        msgs.append([_random(torch.float32, (3 * (1 << 20) + 17,), gen)])
+        return msgs
+
+    works = []
+    for dst in range(world):
+        if dst != rank:
+            for i, msg in enumerate(message(rank, dst)):
+                works.append(comm.send(msg, dst, tag=i, async_op=True))
+    checked = 0
+    for src in range(world):
+        if src == rank:
+            continue
+        for i, want in enumerate(message(src, rank)):
+            if i % 2:
+                got = comm.recv(src, tag=i)
+                got = [got] if isinstance(got, torch.Tensor) else got
+            else:
+                got = [torch.empty(t.shape, dtype=t.dtype) for t in want]
+                comm.recv(src, out=got if len(got) > 1 else got[0], tag=i)
+            assert len(got) == len(want), (src, i)
+            for g, w in zip(got, want):
+                assert g.dtype == w.dtype and g.shape == w.shape, (src, i, g.dtype, g.shape, w.dtype, w.shape)
+                assert torch.equal(g, w), (src, i)
+                checked += 1
+    for w in works:
+        w.wait()
+    comm.close()
+    return {"checked": checked}
+
+
+def p2p_crossing_large(rank: int, name: str) -> bool:
+    """Two ranks send each other 64 MiB at once, synchronously on one side:
+    neither blocks the other's receive (each direction has its own lane)."""
+    comm = make_comm(rank, 2, name, timeout=60)
+    peer = 1 - rank
+    mine = torch.full((16 << 20,), float(rank + 1))
+    work = comm.send(mine, peer, async_op=True)
+    got = comm.recv(peer)
+    work.wait()
+    comm.close()
+    return bool(torch.all(got == float(peer + 1)))
+
+
+def p2p_errors(rank: int, name: str) -> Dict[str, str]:
+    """Bad calls raise on the caller with a clear message, and a failed send
+    or a tag mismatch reaches the receiver instead of leaving it waiting."""
+    comm = make_comm(rank, 2, name, timeout=30)
+    out: Dict[str, str] = {}
+
+    def catch(key, fn):
+        t0 = time.perf_counter()
+        try:
+            fn()
+            out[key] = "no error"
+        except pycomm.CommError as e:
+            out[key] = str(e)
+        out[key + "_s"] = time.perf_counter() - t0
+
+    catch("self", lambda: comm.send(torch.ones(2), rank))
+    catch("range", lambda: comm.recv(5))
+    catch("tag", lambda: comm.send(torch.ones(1), 1 - rank, tag=-1))
+    if rank == 0:
+        catch("bad_send", lambda: comm.send(torch.ones(2).to_sparse(), 1))
+        comm.send(torch.ones(2, 3), 1)
+        catch("mismatch", lambda: comm.recv(1))  # rank 1 fails the channel; the abort reaches us
+    else:
+        catch("bad_send", lambda: comm.recv(0))
+        catch("mismatch", lambda: comm.recv(0, out=torch.empty(3, 2)))
+    comm.close()
+    return out
+
+
+# ------------------------------------------------------------- pipeline
+
+
+class Fork(nn.Module):
+    """Returns two tensors (and an integer one), so that tuples cross stages."""
+
+    def forward(self, x):
+        return x, 0.5 * x, (x[:, 0] > 0).long()
+
+
+class TwoLinear(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+
+    def forward(self, x, y, idx):
+        return torch.tanh(self.a(x)), self.b(y) + idx.to(y.dtype)[:, None] * 1e-3, idx
+
+
+class Join(nn.Module):
+    def forward(self, x, y, idx):
+        return x + y
+
+
+class Boom(nn.Module):
+    """Raises on the chosen micro-batch call (the error-propagation test)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = -1
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.armed:
+            raise ValueError("boom in the forward")
+        return x
+
+
+WIDTH = 12
+
+
+def make_layers(seed: int = 0) -> List[nn.Module]:
+    torch.manual_seed(seed)
+    w = WIDTH
+    return [nn.Linear(w, w), nn.Tanh(), Fork(), TwoLinear(w), TwoLinear(w), Join(), nn.Linear(w, w), nn.Tanh(),
+            nn.Linear(w, 4)]
+
+
+# Cuts that pass the tuple between stages (after Fork, between the TwoLinears).
+BALANCE = {1: [9], 2: [3, 6], 4: [3, 1, 2, 3]}
+
+
+def _reference(layers: List[nn.Module], x, y, loss_fn):
+    model = StageModule(*layers)
+    model.zero_grad()
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _stage_params(layers, stage, num_stages, balance):
+    start = sum(balance[:stage])
+    return list(nn.Sequential(*layers[start:start + balance[stage]]).parameters())
+
+
+def pipeline_matches(rank: int, num_stages: int, name: str) -> List[dict]:
+    """Loss and every gradient equal the single-process run, for both
+    schedules, 1/2/4/8 micro-batches, with and without checkpointing, and a
+    batch that does not divide evenly."""
+    if rank >= num_stages:
+        return []
+    comm = make_comm(rank, num_stages, name, timeout=60)
+    torch.set_default_dtype(torch.float64)
+    try:
+        balance = BALANCE[num_stages]
+        results = []
+        gen = torch.Generator().manual_seed(7 + num_stages)
+        for schedule in ("gpipe", "1f1b"):
+            for m in (1, 2, 4, 8):
+                for ckpt in (False, True):
+                    layers = make_layers(seed=m)
+                    batch = 8 * m + 3  # micro-batches of unequal size
+                    x = torch.randn(batch, WIDTH, generator=gen)
+                    y = torch.randn(batch, 4, generator=gen)
+                    ref_loss, ref_grads = _reference(layers, x, y, nn.functional.mse_loss)
+                    mine = stage_layers(layers, rank, num_stages, balance)
+                    mine.zero_grad()
+                    pipe = Pipeline(mine, comm, num_microbatches=m, schedule=schedule,
+                                    loss_fn=nn.functional.mse_loss, checkpoint=ckpt)
+                    loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+                    ref_stage = _stage_params(layers, rank, num_stages, balance)
+                    start = sum(len(list(layers[i].parameters())) for i in range(sum(balance[:rank])))
+                    grads = [p.grad for p in mine.parameters()]
+                    want = ref_grads[start:start + len(grads)]
+                    assert len(grads) == len(ref_stage) == len(want)
+                    err = max([(g - w).abs().max().item() / max(1e-12, w.abs().max().item())
+                               for g, w in zip(grads, want)] or [0.0])
+                    results.append({"schedule": schedule, "m": m, "ckpt": ckpt, "grad_rel_err": err,
+                                    "has_grads": all(g is not None for g in grads),
+                                    "loss_err": abs(loss.item() - ref_loss.item()) if loss is not None else None})
+        return results
+    finally:
+        torch.set_default_dtype(torch.float32)
+        comm.close()
+
+
+_GRID: Dict[str, tuple] = {}
+
+
+def pp_dp_matches(rank: int, steps: int) -> dict:
+    """2 stages x 2 replicas on 4 ranks trains like one process on the
+    whole batch: the parameters agree after several optimizer steps."""
+    pipe_comm, dp_comm = grid(2, timeout=60)
+    torch.set_default_dtype(torch.float64)
+    try:
+        layers = make_layers(seed=3)
+        ref_layers = make_layers(seed=3)
+        ref = StageModule(*ref_layers)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        mine = stage_layers(layers, pipe_comm.rank, 2, BALANCE[2])
+        pipe = Pipeline(mine, pipe_comm, num_microbatches=4, schedule="1f1b", loss_fn=nn.functional.mse_loss,
+                        dp_comm=dp_comm)
+        opt = torch.optim.SGD(mine.parameters(), lr=0.1, momentum=0.9)
+        gen = torch.Generator().manual_seed(11)
+        replica = dist.get_rank() // 2
+        losses = []
+        for _ in range(steps):
+            x = torch.randn(32, WIDTH, generator=gen)
+            y = torch.randn(32, 4, generator=gen)
+            ref_opt.zero_grad()
+            ref_loss = nn.functional.mse_loss(ref(x), y)
+            ref_loss.backward()
+            ref_opt.step()
+            xs, ys = x[16 * replica:16 * (replica + 1)], y[16 * replica:16 * (replica + 1)]
+            opt.zero_grad()
+            loss = pipe.step(xs if pipe.is_first else None, ys if pipe.is_last else None)
+            opt.step()
+            losses.append((None if loss is None else loss.item(), ref_loss.item()))
+        ref_params = _stage_params(ref_layers, pipe_comm.rank, 2, BALANCE[2])
+        err = max((a - b).abs().max().item() for a, b in zip(mine.parameters(), ref_params))
+        moved = max((a - b).abs().max().item()
+                    for a, b in zip(mine.parameters(), _stage_params(make_layers(seed=3), pipe_comm.rank, 2,
+                                                                     BALANCE[2])))
+        return {"param_err": err, "moved": moved, "losses": losses, "stage": pipe_comm.rank}
+    finally:
+        torch.set_default_dtype(torch.float32)
+        pipe_comm.close()
+        dp_comm.close()
+
+
+def stage_raises(rank: int, bad_rank: int) -> dict:
+    """One stage of a 2 x 2 layout raises in its forward: every rank raises
+    within seconds (its own error, or CommError naming that stage)."""
+    pipe_comm, dp_comm = grid(2, timeout=60)
+    layers = [nn.Linear(WIDTH, WIDTH), Boom(), nn.Linear(WIDTH, WIDTH), Boom(), nn.Linear(WIDTH, 4)]
+    mine = stage_layers(layers, pipe_comm.rank, 2, [2, 3])
+    if rank == bad_rank:
+        next(m for m in mine if isinstance(m, Boom)).armed = 2  # the second micro-batch
+    pipe = Pipeline(mine, pipe_comm, num_microbatches=4, loss_fn=nn.functional.mse_loss, dp_comm=dp_comm)
+    x, y = torch.randn(16, WIDTH), torch.randn(16, 4)
+    t0 = time.perf_counter()
+    try:
+        pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+        return {"error": None, "seconds": time.perf_counter() - t0}
+    except BaseException as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - t0}
+    finally:
+        pipe_comm.close()
+        dp_comm.close()
