@@ -25,6 +25,10 @@ constexpr size_t kPage = 4096;
 constexpr size_t kGrainBytes = 256 * 1024;
 constexpr long kFutexSleepNs = 5 * 1000 * 1000;
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(50);
+// Receives are posted long before their data comes (a pipeline posts a
+// step's worth at once), so a waiting lane spins only briefly: a longer spin
+// would take the core from the computation that produces the data.
+constexpr auto kMaxSpin = std::chrono::microseconds(50);
 
 }  // namespace
 
@@ -136,7 +140,7 @@ void ShmChannels::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* waite
   // The collective transport's policy: spin while cores are free, then
   // yield, then sleep on the futex in slices that re-check abort, liveness
   // and the deadline.
-  const auto spin_until = std::chrono::steady_clock::now() + shm_.spin_;
+  const auto spin_until = std::chrono::steady_clock::now() + std::min<std::chrono::steady_clock::duration>(shm_.spin_, kMaxSpin);
   for (int i = 1;; ++i) {
     if (ready()) return;
     cpu_relax();
