@@ -18,6 +18,8 @@ throughput: batches per second of a real MLP with pycomm's runner and with
   model, ranks, micro-batches and data, interleaved rounds, median step
   times. The first step's loss of both runners must agree (#wrong counts
   disagreements).
+p2p (on request): one-way time of a ping-pong between ranks 0 and 1 through
+  pycomm's channel and through gloo's send/recv, with the echo checked.
 """
 import argparse
 import statistics
@@ -130,7 +132,6 @@ def bench_throughput(comm, p, args):
         f"in {m} micro-batches, {args.steps} steps x {args.rounds} rounds")
     log("| schedule | torch.distributed.pipelining (ms/step) | pycomm (ms/step) | speed-up | #wrong |")
     log("| --- | ---: | ---: | ---: | ---: |")
-    layers = mlp_layers(args.width, args.depth)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(args.batch * m, args.width, generator=gen)
     y = torch.randn(args.batch * m, args.width, generator=gen)
@@ -182,9 +183,57 @@ def bench_throughput(comm, p, args):
     return results
 
 
+def bench_p2p(comm, p, args):
+    """Ping-pong between ranks 0 and 1: pycomm's channel against gloo's send/recv."""
+    log("\n## point-to-point: ranks 0 and 1, one message each way per iteration (median of "
+        f"{args.steps * args.rounds})")
+    log("| size (B) | gloo (us) | pycomm (us) | gloo GB/s | pycomm GB/s | speed-up | #wrong |")
+    log("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    rank = comm.rank
+    for size in (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20):
+        n = size // 4
+        msg = torch.randn(n, generator=torch.Generator().manual_seed(size))
+        buf = torch.empty(n)
+        wrong = 0
+
+        def ours():
+            if rank == 0:
+                comm.send(msg, 1)
+                comm.recv(1, out=buf)
+            elif rank == 1:
+                comm.recv(0, out=buf)
+                comm.send(buf, 0)
+
+        def theirs():
+            if rank == 0:
+                dist.send(msg, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+
+        times = {}
+        for name, fn in (("gloo", theirs), ("pycomm", ours)):
+            fn()  # warm-up, then check what came back
+            if rank == 0 and not torch.equal(buf, msg):
+                wrong += 1
+            samples = []
+            for _ in range(args.steps * args.rounds):
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t0)
+            times[name] = statistics.median(samples) / 2  # one way
+        wrong = sum(gather(wrong))
+        g, o = times["gloo"], times["pycomm"]
+        log(f"| {size} | {g * 1e6:.0f} | {o * 1e6:.0f} | {size / g / 1e9:.2f} | {size / o / 1e9:.2f} | "
+            f"{g / o:.2f}x | {wrong} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("modes", nargs="*", default=["bubble", "memory", "throughput"])
+    ap.add_argument("modes", nargs="*", default=["bubble", "memory", "throughput"],
+                    help="bubble, memory, throughput (default: all three), p2p")
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=8, help="Linear+ReLU pairs (throughput, memory)")
     ap.add_argument("--batch", type=int, default=32, help="rows per micro-batch")
@@ -198,6 +247,8 @@ def main():
     p = dist.get_world_size()
     comm = pycomm.Communicator()
     log(f"# pipeline benchmarks: {p} stages, torch {torch.__version__}")
+    if "p2p" in args.modes:
+        bench_p2p(comm, p, args)
     if "bubble" in args.modes:
         for sleep_ms in args.sleep_ms.split(","):
             bench_bubble(comm, p, args, float(sleep_ms))

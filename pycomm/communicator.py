@@ -521,7 +521,7 @@ class Communicator:
         Example::
 
             x = comm.recv(src=0)
-            work = comm.recv(src=0, async_op=True); ...; x, = work.wait() and work.result()
+            work = comm.recv(src=0, async_op=True); work.wait(); x, = work.result()
         """
         outs = [] if out is None else ([out] if isinstance(out, torch.Tensor) else list(out))
         work = self._c.recv(outs, int(src), _check_tag(tag), async_op)

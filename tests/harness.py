@@ -67,6 +67,13 @@ def worker_store():
     return _STATE["store"]
 
 
+def join_default_group(rank: int, world: int, name: str) -> None:
+    """Joins this worker to a default Gloo group of the pool's ranks (once per worker)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.PrefixStore(name, worker_store()), rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+
+
 def make_comm(rank: int, world: int, name: str, **kwargs: Any):
     """A pycomm.Communicator over ranks 0..world-1 of the pool (call inside a worker)."""
     import pycomm

@@ -3,7 +3,6 @@ Every worker joins one default Gloo group; DDP runs on subgroups of it, and
 each subgroup has one pycomm communicator, built once per worker."""
 from __future__ import annotations
 
-import datetime
 import threading
 import time
 from typing import Dict, List, Optional, Tuple
@@ -13,16 +12,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pycomm
-from harness import worker_store
+from harness import join_default_group
 from pycomm import hooks
 
 _GROUPS: Dict[int, Tuple[object, Optional[pycomm.Communicator]]] = {}
 
 
 def init_default(rank: int, world: int, name: str) -> str:
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.PrefixStore(name, worker_store()), rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
+    join_default_group(rank, world, name)
     # Subgroups (every pool rank takes part in creating each one) and their
     # communicators, up front: torch names groups by creation order.
     for w in (2, 4):

@@ -3,7 +3,6 @@
 the pipelines run on pycomm communicators over subsets of the pool."""
 from __future__ import annotations
 
-import datetime
 import time
 from typing import Dict, List
 
@@ -12,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pycomm
-from harness import make_comm, worker_store
+from harness import join_default_group, make_comm
 from pycomm.pipeline import Pipeline, StageModule, grid, stage_layers
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
@@ -20,9 +19,7 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 
 
 def init_default(rank: int, world: int, name: str) -> str:
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.PrefixStore(name, worker_store()), rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
+    join_default_group(rank, world, name)
     return dist.get_backend()
 
 

@@ -3,7 +3,6 @@ processes), and the pipeline runner against single-process training."""
 import functools
 
 import pytest
-import torch
 from torch import nn
 
 import pipeline_cases
