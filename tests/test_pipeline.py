@@ -156,4 +156,5 @@ def test_a_stage_that_raises_fails_every_rank(pool, bad_rank):
         if rank == bad_rank:
             assert r["error"].startswith("ValueError: boom"), r
         else:
-            assert "CommError" in r["error"] and f"stage {bad_rank % 2} of 2 raised ValueError" in r["error"], r
+            assert "CommError" in r["error"], r
+            assert f"stage {bad_rank % 2} of 2 (rank {bad_rank}) raised ValueError: boom" in r["error"], r

@@ -205,15 +205,19 @@ class Pipeline:
 
     def _abort(self, error: BaseException) -> None:
         if isinstance(error, CommError):
-            why = str(error)  # a peer's failure (or ours, already published): pass it on
+            why = str(error)  # a peer's failure (or ours, already published): pass it on as it is
         else:
-            why = (f"pycomm.pipeline: stage {self.stage} of {self.num_stages} raised "
+            where = f" (rank {dist.get_rank()})" if dist.is_available() and dist.is_initialized() else ""
+            why = (f"pycomm.pipeline: stage {self.stage} of {self.num_stages}{where} raised "
                    f"{type(error).__name__}: {error}")
         logger.error("%s; aborting the pipeline", why)
         for comm in (self.comm, self.dp_comm):
             if comm is not None:
                 try:
-                    comm.abort(why)
+                    # The core's abort, not Communicator.abort: the reason
+                    # already names its origin, and a sub-communicator's rank
+                    # would only confuse it.
+                    comm._c.abort(why)
                 except Exception:  # noqa: BLE001 - already failing; the first reason wins
                     pass
 
