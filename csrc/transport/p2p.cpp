@@ -137,10 +137,11 @@ ShmChannels::Channel& ShmChannels::channel(int src, int dst, const OpContext& ct
 template <typename Ready>
 void ShmChannels::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* waiters, int peer, const OpContext& ctx,
                        const char* what, Ready ready) {
-  // The collective transport's policy: spin while cores are free, then
+  // The collective transport's policy (spin at most kMaxSpin here), then
   // yield, then sleep on the futex in slices that re-check abort, liveness
   // and the deadline.
-  const auto spin_until = std::chrono::steady_clock::now() + std::min<std::chrono::steady_clock::duration>(shm_.spin_, kMaxSpin);
+  const std::chrono::steady_clock::duration spin = std::min<std::chrono::steady_clock::duration>(shm_.spin_, kMaxSpin);
+  const auto spin_until = std::chrono::steady_clock::now() + spin;
   for (int i = 1;; ++i) {
     if (ready()) return;
     cpu_relax();
