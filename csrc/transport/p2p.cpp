@@ -2,7 +2,6 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -23,8 +22,6 @@ constexpr size_t kPage = 4096;
 // A writer publishes at most this much at a time, so that the reader copies
 // out one piece while the writer copies in the next (both stay in L2).
 constexpr size_t kGrainBytes = 256 * 1024;
-constexpr long kFutexSleepNs = 5 * 1000 * 1000;
-constexpr auto kLivenessPeriod = std::chrono::milliseconds(50);
 // Receives are posted long before their data comes (a pipeline posts a
 // step's worth at once), so a waiting lane spins only briefly: a longer spin
 // would take the core from the computation that produces the data.
@@ -137,50 +134,16 @@ ShmChannels::Channel& ShmChannels::channel(int src, int dst, const OpContext& ct
 template <typename Ready>
 void ShmChannels::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* waiters, int peer, const OpContext& ctx,
                        const char* what, Ready ready) {
-  // The collective transport's policy (spin at most kMaxSpin here), then
-  // yield, then sleep on the futex in slices that re-check abort, liveness
-  // and the deadline.
-  const std::chrono::steady_clock::duration spin = std::min<std::chrono::steady_clock::duration>(shm_.spin_, kMaxSpin);
-  const auto spin_until = std::chrono::steady_clock::now() + spin;
-  for (int i = 1;; ++i) {
-    if (ready()) return;
-    cpu_relax();
-    if (i % 64 == 0 && std::chrono::steady_clock::now() >= spin_until) break;
-  }
+  // Lanes run concurrently, so each wait keeps its own liveness timer.
   auto next_liveness = std::chrono::steady_clock::now();
-  for (int i = 0;; ++i) {
-    shm_.check_abort();
-    const auto now = std::chrono::steady_clock::now();
-    if (now >= next_liveness) {
-      const std::string gone = shm_.peer_gone(peer, ctx);
-      if (!gone.empty()) {
-        if (ready()) return;
-        shm_.fail(gone);
-      }
-      next_liveness = now + kLivenessPeriod;
-    }
-    if (now >= ctx.deadline) {
-      std::ostringstream os;
-      os << "pycomm: " << collective_name(ctx.coll) << " #" << ctx.seq << " timed out after " << shm_.timeout()
-         << " s on rank " << shm_.name(shm_.rank_) << " waiting for rank " << shm_.name(peer) << " (" << what
-         << ")";
-      shm_.fail(os.str());
-    }
-    if (i < shm_.yield_iters_) {
-      sched_yield();
-    } else {
-      // Dekker pair with the other side's publish: either it sees our
-      // waiter count and wakes us, or we see its new value before sleeping.
-      waiters->fetch_add(1, std::memory_order_seq_cst);
-      const uint32_t v = word->load(std::memory_order_seq_cst);
-      if (!ready()) {
-        timespec ts{0, kFutexSleepNs};
-        futex_op(word, FUTEX_WAIT, v, &ts);
-      }
-      waiters->fetch_sub(1, std::memory_order_seq_cst);
-    }
-    if (ready()) return;
-  }
+  shm_.wait_until(word, waiters, peer, ctx, std::min<std::chrono::steady_clock::duration>(shm_.spin_, kMaxSpin),
+                  &next_liveness, ready, [&] {
+                    std::ostringstream os;
+                    os << "pycomm: " << collective_name(ctx.coll) << " #" << ctx.seq << " timed out after "
+                       << shm_.timeout() << " s on rank " << shm_.name(shm_.rank_) << " waiting for rank "
+                       << shm_.name(peer) << " (" << what << ")";
+                    return os.str();
+                  });
 }
 
 void ShmChannels::write(int peer, const void* data, size_t n, const OpContext& ctx) {

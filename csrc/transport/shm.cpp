@@ -33,10 +33,6 @@ constexpr size_t kPage = 4096;
 // published its header for s, so no two ranks are ever more than one
 // operation apart: two slots would do, four leave slack.
 constexpr int kHeaderSlots = 4;
-// A sleeping waiter re-checks abort, timeout and peer liveness this often
-// even if nobody wakes it.
-constexpr long kFutexSleepNs = 5 * 1000 * 1000;
-constexpr auto kLivenessPeriod = std::chrono::milliseconds(50);
 
 size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
@@ -484,58 +480,20 @@ std::string ShmTransport::peer_gone(int q, const OpContext& ctx) {
 template <typename Reached>
 void ShmTransport::wait_on(std::atomic<uint32_t>* word, int peer, const OpContext& ctx, const char* what,
                            Reached is_reached) {
-  if (is_reached(word->load(std::memory_order_acquire))) return;
-  // 1. Spin, for a time rather than a count: `pause` lasts 3 to 140 cycles
-  //    depending on the CPU.
-  const auto spin_until = std::chrono::steady_clock::now() + spin_;
-  for (int i = 1;; ++i) {
-    cpu_relax();
-    if (is_reached(word->load(std::memory_order_acquire))) return;
-    if (i % 64 == 0 && std::chrono::steady_clock::now() >= spin_until) break;
-  }
-  // 2. Then yield a few times, then sleep on the futex, waking at least every
-  //    kFutexSleepNs to check abort, liveness and the deadline.
   RankControl& pc = controls_[peer];
-  for (int i = 0;; ++i) {
-    check_abort();
-    const auto now = std::chrono::steady_clock::now();
-    if (now >= next_liveness_check_) {
-      // Only the awaited peer matters: a peer that finished this collective
-      // and left needs nothing from us, and one that died while others wait
-      // on it is reported by them (abort reaches us through check_abort).
-      // It may also have posted just before leaving: look once more.
-      const std::string gone = peer_gone(peer, ctx);
-      if (!gone.empty()) {
-        if (is_reached(word->load(std::memory_order_seq_cst))) return;
-        fail(gone);
-      }
-      next_liveness_check_ = now + kLivenessPeriod;
-    }
-    if (now >= ctx.deadline) {
-      const HeaderSlot* last = &pc.headers[0];
-      for (const auto& slot : pc.headers)
-        if (slot.call.op > last->call.op) last = &slot;
-      std::ostringstream os;
-      os << "pycomm: " << collective_name(ctx.coll) << " #" << ctx.seq << " timed out after " << timeout_s_
-         << " s on rank " << name(rank_) << " waiting for rank " << name(peer) << " (" << what << "); rank "
-         << name(peer) << " last entered collective #" << last->call.seq;
-      fail(os.str());
-    }
-    if (i < yield_iters_) {
-      sched_yield();
-    } else {
-      // Dekker pair with post(): either the poster sees our waiter count and
-      // wakes us, or we see its new value before sleeping.
-      pc.waiters.fetch_add(1, std::memory_order_seq_cst);
-      const uint32_t v = word->load(std::memory_order_seq_cst);
-      if (!is_reached(v)) {
-        timespec ts{0, kFutexSleepNs};
-        futex_op(word, FUTEX_WAIT, v, &ts);
-      }
-      pc.waiters.fetch_sub(1, std::memory_order_seq_cst);
-    }
-    if (is_reached(word->load(std::memory_order_acquire))) return;
-  }
+  wait_until(
+      word, &pc.waiters, peer, ctx, spin_, &next_liveness_check_,
+      [&] { return is_reached(word->load(std::memory_order_acquire)); },
+      [&] {
+        const HeaderSlot* last = &pc.headers[0];
+        for (const auto& slot : pc.headers)
+          if (slot.call.op > last->call.op) last = &slot;
+        std::ostringstream os;
+        os << "pycomm: " << collective_name(ctx.coll) << " #" << ctx.seq << " timed out after " << timeout_s_
+           << " s on rank " << name(rank_) << " waiting for rank " << name(peer) << " (" << what << "); rank "
+           << name(peer) << " last entered collective #" << last->call.seq;
+        return os.str();
+      });
 }
 
 void ShmTransport::post_step(uint64_t step) {

@@ -19,8 +19,11 @@
 #include <string>
 #include <vector>
 
+#include <sched.h>
+
 #include "../algorithms/algorithms.h"
 #include "../collective.h"
+#include "futex.h"
 #include "transport.h"
 
 namespace pycomm {
@@ -103,6 +106,20 @@ class ShmTransport : public Transport {
   template <typename Reached>
   void wait_on(std::atomic<uint32_t>* word, int peer, const OpContext& ctx, const char* what,
                Reached reached);
+  // Every wait on a peer, collective or point-to-point: returns once
+  // ready(); `word` is the futex word whose change signals it and `waiters`
+  // the count its poster checks before waking. Spins for `spin`, then
+  // yields, then sleeps in slices that re-check abort, the peer's liveness
+  // (at most every kLivenessPeriod, tracked in *next_liveness) and
+  // ctx.deadline, where it fails with timeout_message().
+  template <typename Ready, typename TimeoutMessage>
+  void wait_until(std::atomic<uint32_t>* word, std::atomic<uint32_t>* waiters, int peer, const OpContext& ctx,
+                  std::chrono::steady_clock::duration spin, std::chrono::steady_clock::time_point* next_liveness,
+                  Ready ready, TimeoutMessage timeout_message);
+  // A sleeping waiter re-checks abort, timeout and peer liveness this often
+  // even if nobody wakes it.
+  static constexpr long kFutexSleepNs = 5 * 1000 * 1000;
+  static constexpr std::chrono::milliseconds kLivenessPeriod{50};
   void check_abort() const;
   std::string peer_gone(int peer, const OpContext& ctx);
   const ShmPlan& plan_for(const Schedule& schedule);
@@ -131,5 +148,54 @@ class ShmTransport : public Transport {
   std::chrono::steady_clock::time_point next_liveness_check_{};
   std::vector<std::unique_ptr<ShmPlan>> plans_;
 };
+
+template <typename Ready, typename TimeoutMessage>
+void ShmTransport::wait_until(std::atomic<uint32_t>* word, std::atomic<uint32_t>* waiters, int peer,
+                              const OpContext& ctx, std::chrono::steady_clock::duration spin,
+                              std::chrono::steady_clock::time_point* next_liveness, Ready ready,
+                              TimeoutMessage timeout_message) {
+  if (ready()) return;
+  // 1. Spin, for a time rather than a count: `pause` lasts 3 to 140 cycles
+  //    depending on the CPU.
+  const auto spin_until = std::chrono::steady_clock::now() + spin;
+  for (int i = 1;; ++i) {
+    cpu_relax();
+    if (ready()) return;
+    if (i % 64 == 0 && std::chrono::steady_clock::now() >= spin_until) break;
+  }
+  // 2. Then yield a few times, then sleep on the futex, waking at least every
+  //    kFutexSleepNs to check abort, liveness and the deadline.
+  for (int i = 0;; ++i) {
+    check_abort();
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= *next_liveness) {
+      // Only the awaited peer matters: a peer that finished its part and
+      // left needs nothing from us, and one that died while others wait on
+      // it is reported by them (abort reaches us through check_abort). It
+      // may also have posted just before leaving: look once more.
+      const std::string gone = peer_gone(peer, ctx);
+      if (!gone.empty()) {
+        if (ready()) return;
+        fail(gone);
+      }
+      *next_liveness = now + kLivenessPeriod;
+    }
+    if (now >= ctx.deadline) fail(timeout_message());
+    if (i < yield_iters_) {
+      sched_yield();
+    } else {
+      // Dekker pair with the poster: either it sees our waiter count and
+      // wakes us, or we see its new value before sleeping.
+      waiters->fetch_add(1, std::memory_order_seq_cst);
+      const uint32_t v = word->load(std::memory_order_seq_cst);
+      if (!ready()) {
+        timespec ts{0, kFutexSleepNs};
+        futex_op(word, FUTEX_WAIT, v, &ts);
+      }
+      waiters->fetch_sub(1, std::memory_order_seq_cst);
+    }
+    if (ready()) return;
+  }
+}
 
 }  // namespace pycomm

@@ -246,9 +246,10 @@ class Pipeline:
         if self.is_last and self.loss_fn is not None:
             if targets is None:
                 raise ValueError("pycomm.pipeline: the last stage's step() needs the targets")
-            tgt_chunks = [c[0] if isinstance(targets, torch.Tensor) else c for c in self._split(targets, "targets")]
+            parts = self._split(targets, "targets")
+            tgt_chunks = [c[0] for c in parts] if isinstance(targets, torch.Tensor) else parts
             if self.loss_reduction == "mean":
-                rows = [len(c[0]) if isinstance(c, list) else len(c) for c in tgt_chunks]
+                rows = [len(c[0]) for c in parts]
                 weights = [r / sum(rows) for r in rows]
         elif self.is_last and self.loss_reduction == "mean":
             weights = [1.0 / m] * m
