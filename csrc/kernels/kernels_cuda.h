@@ -1,4 +1,4 @@
-// Host-callable CUDA twins of the compression kernels in kernels.h: same
+// Host-callable CUDA twins of the kernels in kernels.h: same
 // arguments and the same per-element math (quant.h), so a payload made on
 // the GPU decodes bit for bit on the CPU and back. Device pointers, an
 // explicit stream; nothing here allocates: callers pass workspace.
@@ -13,6 +13,13 @@ namespace kernels {
 
 // Sources one dequant_reduce_cuda call can sum (passed by value to the kernel).
 constexpr int kMaxCudaSources = 64;
+
+// Like reduce_cpu; srcs is a host array of device pointers (at most
+// kMaxCudaSources; peers' IPC-mapped buffers are fine).
+void reduce_cuda(DType dtype, RedOp op, void* out0, void* out1, const void* const* srcs, int nsrc, size_t count,
+                 cudaStream_t stream);
+void copy_cuda(void* out0, void* out1, const void* src, size_t bytes, cudaStream_t stream);
+void divide_cuda(DType dtype, void* data, size_t count, double divisor, cudaStream_t stream);
 
 void quantize_cuda(const QuantSpec& spec, DType dtype, const void* x, float* residual, size_t n, uint8_t* payload,
                    uint64_t index_base, cudaStream_t stream);

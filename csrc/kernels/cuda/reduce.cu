@@ -1,0 +1,171 @@
+// CUDA reduction, copy and divide: the twins of kernels/cpu/reduce.cpp, on
+// the same per-element math (reduce.h), so a GPU reduces a set of sources to
+// the same bits as the CPU (with --fmad=false, as setup.py builds).
+//
+// Memory-bound: each thread moves 16 bytes per source per iteration
+// (uint4 loads and stores) when every pointer is 16-byte aligned, which
+// caching-allocator and IPC buffers are; anything else takes the
+// element-wise loop. Grid-stride loops, so one launch covers any count.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "../kernels_cuda.h"
+#include "common.cuh"
+
+namespace pycomm {
+namespace kernels {
+namespace {
+
+using cuda_detail::check;
+using cuda_detail::grid_for;
+using cuda_detail::kThreads;
+
+// Passed by value: kernel parameters live in constant memory, so the source
+// table costs no extra copy or allocation.
+struct SourceTable {
+  const void* p[kMaxCudaSources];
+  int n;
+};
+
+template <typename T, RedOp kOp>
+__device__ __forceinline__ T reduce_at(const SourceTable& s, size_t i) {
+  auto acc = load_acc(static_cast<const T*>(s.p[0])[i]);
+  for (int k = 1; k < s.n; ++k) acc = combine<kOp>(acc, load_acc(static_cast<const T*>(s.p[k])[i]));
+  return store_acc<T>(acc);
+}
+
+// Elements [0, vecs * kPer) in 16-byte vectors, then the tail one by one.
+template <typename T, RedOp kOp>
+__global__ void reduce_vec_kernel(SourceTable s, T* out0, T* out1, size_t vecs, size_t count) {
+  constexpr int kPer = 16 / sizeof(T);
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (size_t v = tid; v < vecs; v += stride) {
+    union {
+      uint4 raw;
+      T e[kPer];
+    } a, b;
+    a.raw = static_cast<const uint4*>(s.p[0])[v];
+    typename Acc<T>::type acc[kPer];
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) acc[j] = load_acc(a.e[j]);
+    for (int k = 1; k < s.n; ++k) {
+      b.raw = static_cast<const uint4*>(s.p[k])[v];
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) acc[j] = combine<kOp>(acc[j], load_acc(b.e[j]));
+    }
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) a.e[j] = store_acc<T>(acc[j]);
+    reinterpret_cast<uint4*>(out0)[v] = a.raw;
+    if (out1) reinterpret_cast<uint4*>(out1)[v] = a.raw;
+  }
+  for (size_t i = vecs * kPer + tid; i < count; i += stride) {
+    const T r = reduce_at<T, kOp>(s, i);
+    out0[i] = r;
+    if (out1) out1[i] = r;
+  }
+}
+
+template <typename T, RedOp kOp>
+__global__ void reduce_scalar_kernel(SourceTable s, T* out0, T* out1, size_t count) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
+    const T r = reduce_at<T, kOp>(s, i);
+    out0[i] = r;
+    if (out1) out1[i] = r;
+  }
+}
+
+template <typename T>
+__global__ void divide_kernel(T* data, size_t count, typename Acc<T>::type d) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride)
+    data[i] = store_acc<T>(load_acc(data[i]) / d);
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+template <typename T, RedOp kOp>
+void launch_reduce(const SourceTable& s, void* out0, void* out1, size_t count, cudaStream_t stream) {
+  bool vec = aligned16(out0) && (!out1 || aligned16(out1));
+  for (int k = 0; k < s.n; ++k) vec = vec && aligned16(s.p[k]);
+  auto* o0 = static_cast<T*>(out0);
+  auto* o1 = static_cast<T*>(out1);
+  if (vec) {
+    const size_t vecs = count / (16 / sizeof(T));
+    reduce_vec_kernel<T, kOp><<<grid_for(vecs > 0 ? vecs : count), kThreads, 0, stream>>>(s, o0, o1, vecs, count);
+  } else {
+    reduce_scalar_kernel<T, kOp><<<grid_for(count), kThreads, 0, stream>>>(s, o0, o1, count);
+  }
+}
+
+template <typename T>
+void reduce_op(RedOp op, const SourceTable& s, void* out0, void* out1, size_t count, cudaStream_t stream) {
+  switch (op) {
+    case RedOp::kSum:
+    case RedOp::kAvg: return launch_reduce<T, RedOp::kSum>(s, out0, out1, count, stream);
+    case RedOp::kMax: return launch_reduce<T, RedOp::kMax>(s, out0, out1, count, stream);
+    case RedOp::kMin: return launch_reduce<T, RedOp::kMin>(s, out0, out1, count, stream);
+  }
+}
+
+}  // namespace
+
+void reduce_cuda(DType dtype, RedOp op, void* out0, void* out1, const void* const* srcs, int nsrc, size_t count,
+                 cudaStream_t stream) {
+  if (count == 0 || nsrc <= 0) return;
+  if (nsrc > kMaxCudaSources)
+    throw CommError("pycomm: a CUDA reduce takes at most " + std::to_string(kMaxCudaSources) + " sources, got " +
+                    std::to_string(nsrc));
+  if (nsrc == 1) {
+    copy_cuda(out0, out1, srcs[0], count * dtype_size(dtype), stream);
+    return;
+  }
+  SourceTable s{};
+  s.n = nsrc;
+  for (int k = 0; k < nsrc; ++k) s.p[k] = srcs[k];
+  switch (dtype) {
+    case DType::kFloat32: reduce_op<float>(op, s, out0, out1, count, stream); break;
+    case DType::kFloat64: reduce_op<double>(op, s, out0, out1, count, stream); break;
+    case DType::kFloat16: reduce_op<Half>(op, s, out0, out1, count, stream); break;
+    case DType::kBFloat16: reduce_op<BFloat16>(op, s, out0, out1, count, stream); break;
+    case DType::kInt32: reduce_op<int32_t>(op, s, out0, out1, count, stream); break;
+    case DType::kInt64: reduce_op<int64_t>(op, s, out0, out1, count, stream); break;
+    case DType::kUInt8: reduce_op<uint8_t>(op, s, out0, out1, count, stream); break;
+  }
+  check(cudaGetLastError(), "reduce");
+}
+
+void copy_cuda(void* out0, void* out1, const void* src, size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return;
+  if (out0 != src) check(cudaMemcpyAsync(out0, src, bytes, cudaMemcpyDefault, stream), "copy");
+  if (out1 && out1 != src) check(cudaMemcpyAsync(out1, src, bytes, cudaMemcpyDefault, stream), "copy");
+}
+
+void divide_cuda(DType dtype, void* data, size_t count, double divisor, cudaStream_t stream) {
+  if (count == 0) return;
+  const unsigned grid = grid_for(count);
+  switch (dtype) {
+    case DType::kFloat32:
+      divide_kernel<<<grid, kThreads, 0, stream>>>(static_cast<float*>(data), count, static_cast<float>(divisor));
+      break;
+    case DType::kFloat64:
+      divide_kernel<<<grid, kThreads, 0, stream>>>(static_cast<double*>(data), count, divisor);
+      break;
+    case DType::kFloat16:
+      divide_kernel<<<grid, kThreads, 0, stream>>>(static_cast<Half*>(data), count, static_cast<float>(divisor));
+      break;
+    case DType::kBFloat16:
+      divide_kernel<<<grid, kThreads, 0, stream>>>(static_cast<BFloat16*>(data), count,
+                                                   static_cast<float>(divisor));
+      break;
+    default:
+      throw CommError("pycomm: avg is only defined for floating-point dtypes");
+  }
+  check(cudaGetLastError(), "divide");
+}
+
+}  // namespace kernels
+}  // namespace pycomm
