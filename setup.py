@@ -29,8 +29,11 @@ def _sources(pattern: str) -> list:
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
 
 
-cpp_sources = _sources("csrc/**/*.cpp")
-cuda_sources = _sources("csrc/kernels/cuda/*.cu")
+# *_cuda.cpp files are torch glue for the CUDA kernels (they include CUDA
+# headers): CUDA builds only.
+cuda_glue = _sources("csrc/**/*_cuda.cpp")
+cpp_sources = [p for p in _sources("csrc/**/*.cpp") if p not in cuda_glue]
+cuda_sources = cuda_glue + _sources("csrc/kernels/cuda/*.cu")
 # No contraction into fused multiply-adds: the default and AVX2 clones of a
 # kernel, and its CUDA twin, must round identically, so that ranks on
 # different CPUs (or a GPU) compute the same bits.

@@ -13,24 +13,12 @@
 #include "algorithms/algorithms.h"
 #include "compression/quantized_allreduce.h"
 #include "compression/sparse_allreduce.h"
+#include "torch_dtype.h"
 #include "transport/futex.h"
 
 namespace pycomm {
 
 namespace {
-
-bool to_dtype(at::ScalarType t, DType* out) {
-  switch (t) {
-    case at::kFloat: *out = DType::kFloat32; return true;
-    case at::kDouble: *out = DType::kFloat64; return true;
-    case at::kHalf: *out = DType::kFloat16; return true;
-    case at::kBFloat16: *out = DType::kBFloat16; return true;
-    case at::kInt: *out = DType::kInt32; return true;
-    case at::kLong: *out = DType::kInt64; return true;
-    case at::kByte: *out = DType::kUInt8; return true;
-    default: return false;
-  }
-}
 
 // "" when `t` can take part in a collective, else why not.
 std::string check_tensor(const at::Tensor& t, const char* role, Collective coll) {

@@ -1,16 +1,20 @@
-// The compression kernels as torch operators: schemas declared once here,
-// implementations registered per device (CPU below; CUDA registers its own
-// beside the CUDA kernels). Callable as torch.ops.pycomm.<name>; the typed
-// Python wrappers are in pycomm/compression.py.
-#include <ATen/ATen.h>
+// The kernels as torch operators: schemas declared once here, the
+// device-generic bodies (ops.h) registered for CPU here and for CUDA in
+// ops_cuda.cpp. Callable as torch.ops.pycomm.<name>; the typed Python
+// wrappers are in pycomm/compression.py.
+#include "ops.h"
+
+#include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
+#include <string>
 #include <vector>
 
-#include "kernels/kernels.h"
 #include "kernels/quant.h"
+#include "torch_dtype.h"
 
 namespace pycomm {
+namespace ops {
 namespace {
 
 DType float_dtype(const at::Tensor& t, const char* op, const char* role) {
@@ -23,9 +27,10 @@ DType float_dtype(const at::Tensor& t, const char* op, const char* role) {
   }
 }
 
-void check_dense(const at::Tensor& t, const char* op, const char* role) {
-  TORCH_CHECK(t.device().is_cpu(), "pycomm.", op, ": ", role, " is on ", t.device(),
-              "; this operator runs on CPU tensors here");
+// Contiguous, and on `device` (the device of the operator's first tensor).
+void check_dense(const at::Tensor& t, const c10::Device& device, const char* op, const char* role) {
+  TORCH_CHECK(t.device() == device, "pycomm.", op, ": ", role, " is on ", t.device(), " but the input is on ",
+              device);
   TORCH_CHECK(t.is_contiguous(), "pycomm.", op, ": ", role, " must be contiguous");
 }
 
@@ -35,8 +40,9 @@ void check_quant_args(const char* op, int64_t bits, int64_t block) {
               ": block must be a multiple of 8 between 8 and 1048576, got ", block);
 }
 
-void check_payload(const at::Tensor& p, int64_t numel, int64_t bits, int64_t block, const char* op) {
-  check_dense(p, op, "payload");
+void check_payload(const at::Tensor& p, const c10::Device& device, int64_t numel, int64_t bits, int64_t block,
+                   const char* op) {
+  check_dense(p, device, op, "payload");
   TORCH_CHECK(p.scalar_type() == at::kByte, "pycomm.", op, ": payload must be uint8, got ", p.scalar_type());
   TORCH_CHECK(numel >= 0, "pycomm.", op, ": numel must be >= 0");
   const size_t want = kernels::quant_payload_bytes(numel, bits, block);
@@ -44,9 +50,9 @@ void check_payload(const at::Tensor& p, int64_t numel, int64_t bits, int64_t blo
               bits, " bits, block ", block, " needs ", want, " bytes, got ", p.numel());
 }
 
-float* residual_ptr(const c10::optional<at::Tensor>& r, int64_t numel, const char* op) {
+float* residual_ptr(const c10::optional<at::Tensor>& r, const c10::Device& device, int64_t numel, const char* op) {
   if (!r.has_value() || !r->defined()) return nullptr;
-  check_dense(*r, op, "residual");
+  check_dense(*r, device, op, "residual");
   TORCH_CHECK(r->scalar_type() == at::kFloat, "pycomm.", op, ": residual must be float32, got ", r->scalar_type());
   TORCH_CHECK(r->numel() == numel, "pycomm.", op, ": residual has ", r->numel(), " elements, expected ", numel);
   return r->data_ptr<float>();
@@ -62,38 +68,74 @@ auto guarded(F&& f) -> decltype(f()) {
   }
 }
 
+const DeviceKernels kCpu{
+    [](const kernels::QuantSpec& s, DType dt, const void* x, float* r, size_t n, uint8_t* payload) {
+      kernels::quantize_cpu(s, dt, x, r, n, payload, 0);
+    },
+    &kernels::dequantize_cpu,
+    &kernels::dequant_reduce_cpu,
+    [](const kernels::TopK& s, DType dt, const void* x, float* r, size_t n, size_t cap, void* values,
+       int32_t* indices, const at::Tensor&) { return kernels::topk_cpu(s, dt, x, r, n, cap, values, indices); },
+    [](DType vt, const void* values, const int32_t* indices, size_t count, DType dt, void* dense, size_t n,
+       const at::Tensor&) { kernels::scatter_add_cpu(vt, values, indices, count, dt, dense, n); },
+    [](DType dt, RedOp op, void* out, const void* const* srcs, int nsrc, size_t count) {
+      kernels::reduce_cpu(dt, op, out, nullptr, srcs, nsrc, count);
+    },
+    &kernels::divide_cpu,
+};
+
+// The kernels of `t`'s device; the caller holds a DeviceGuard for it.
+const DeviceKernels& kernels_for(const at::Tensor& t, const char* op) {
+#ifdef PYCOMM_WITH_CUDA
+  if (t.is_cuda()) return cuda_kernels();
+#endif
+#ifdef PYCOMM_WITH_CUDA
+  constexpr const char* kBuilt = "CPU and CUDA";
+#else
+  constexpr const char* kBuilt = "CPU only; CUDA kernels are built when torch has CUDA and nvcc is found";
+#endif
+  TORCH_CHECK(t.is_cpu(), "pycomm.", op, ": no kernels for tensors on ", t.device(), " in this build of pycomm (",
+              kBuilt, ")");
+  return kCpu;
+}
+
+}  // namespace
+
 at::Tensor quantize(const at::Tensor& x, int64_t bits, int64_t block, bool stochastic, int64_t seed,
                     const c10::optional<at::Tensor>& residual) {
   check_quant_args("quantize", bits, block);
-  check_dense(x, "quantize", "input");
+  check_dense(x, x.device(), "quantize", "input");
+  const c10::DeviceGuard guard(x.device());
+  const DeviceKernels& k = kernels_for(x, "quantize");
   const DType dt = float_dtype(x, "quantize", "input");
-  float* r = residual_ptr(residual, x.numel(), "quantize");
+  float* r = residual_ptr(residual, x.device(), x.numel(), "quantize");
   auto out = at::empty({static_cast<int64_t>(kernels::quant_payload_bytes(x.numel(), bits, block))},
                        x.options().dtype(at::kByte));
   kernels::QuantSpec s{static_cast<int>(bits), static_cast<int>(block), stochastic, static_cast<uint64_t>(seed)};
-  guarded([&] { kernels::quantize_cpu(s, dt, x.data_ptr(), r, x.numel(), out.data_ptr<uint8_t>(), 0); });
+  guarded([&] { k.quantize(s, dt, x.data_ptr(), r, x.numel(), out.data_ptr<uint8_t>()); });
   return out;
 }
 
 at::Tensor dequantize(const at::Tensor& payload, int64_t numel, int64_t bits, int64_t block, at::ScalarType dtype) {
   check_quant_args("dequantize", bits, block);
-  check_payload(payload, numel, bits, block, "dequantize");
+  check_payload(payload, payload.device(), numel, bits, block, "dequantize");
+  const c10::DeviceGuard guard(payload.device());
+  const DeviceKernels& k = kernels_for(payload, "dequantize");
   auto out = at::empty({numel}, payload.options().dtype(dtype));
   const DType dt = float_dtype(out, "dequantize", "dtype");
-  guarded([&] {
-    kernels::dequantize_cpu(bits, block, payload.data_ptr<uint8_t>(), numel, dt, out.data_ptr(), false);
-  });
+  guarded([&] { k.dequantize(bits, block, payload.data_ptr<uint8_t>(), numel, dt, out.data_ptr(), false); });
   return out;
 }
 
 void dequantize_accumulate(const at::Tensor& acc, const at::Tensor& payload, int64_t bits, int64_t block) {
-  check_quant_args("dequantize_accumulate", bits, block);
-  check_dense(acc, "dequantize_accumulate", "acc");
-  const DType dt = float_dtype(acc, "dequantize_accumulate", "acc");
-  check_payload(payload, acc.numel(), bits, block, "dequantize_accumulate");
-  guarded([&] {
-    kernels::dequantize_cpu(bits, block, payload.data_ptr<uint8_t>(), acc.numel(), dt, acc.data_ptr(), true);
-  });
+  const char* op = "dequantize_accumulate";
+  check_quant_args(op, bits, block);
+  check_dense(acc, acc.device(), op, "acc");
+  const c10::DeviceGuard guard(acc.device());
+  const DeviceKernels& k = kernels_for(acc, op);
+  const DType dt = float_dtype(acc, op, "acc");
+  check_payload(payload, acc.device(), acc.numel(), bits, block, op);
+  guarded([&] { k.dequantize(bits, block, payload.data_ptr<uint8_t>(), acc.numel(), dt, acc.data_ptr(), true); });
 }
 
 at::Tensor dequant_reduce_requant(at::TensorList payloads, const c10::optional<at::Tensor>& dense, int64_t numel,
@@ -101,11 +143,15 @@ at::Tensor dequant_reduce_requant(at::TensorList payloads, const c10::optional<a
                                   const c10::optional<at::Tensor>& residual) {
   const char* op = "dequant_reduce_requant";
   check_quant_args(op, bits, block);
+  TORCH_CHECK(!payloads.empty(), "pycomm.", op, ": needs at least one payload");
+  const c10::Device device = payloads[0].device();
   std::vector<const uint8_t*> srcs;
   for (const auto& p : payloads) {
-    check_payload(p, numel, bits, block, op);
+    check_payload(p, device, numel, bits, block, op);
     srcs.push_back(p.data_ptr<uint8_t>());
   }
+  const c10::DeviceGuard guard(device);
+  const DeviceKernels& k = kernels_for(payloads[0], op);
   kernels::DequantReduce a;
   a.bits = static_cast<int>(bits);
   a.block = static_cast<int>(block);
@@ -113,7 +159,7 @@ at::Tensor dequant_reduce_requant(at::TensorList payloads, const c10::optional<a
   a.nsrc = static_cast<int>(srcs.size());
   a.n = static_cast<size_t>(numel);
   if (dense.has_value() && dense->defined()) {
-    check_dense(*dense, op, "dense");
+    check_dense(*dense, device, op, "dense");
     TORCH_CHECK(dense->numel() == numel, "pycomm.", op, ": dense has ", dense->numel(), " elements, expected ",
                 numel);
     a.dense = dense->data_ptr();
@@ -121,24 +167,27 @@ at::Tensor dequant_reduce_requant(at::TensorList payloads, const c10::optional<a
   }
   a.post_scale = static_cast<float>(post_scale);
   auto out = at::empty({static_cast<int64_t>(kernels::quant_payload_bytes(numel, bits, block))},
-                       at::TensorOptions().dtype(at::kByte));
+                       payloads[0].options());
   a.out_payload = out.data_ptr<uint8_t>();
   a.requant = kernels::QuantSpec{a.bits, a.block, stochastic, static_cast<uint64_t>(seed)};
-  a.residual = residual_ptr(residual, numel, op);
-  guarded([&] { kernels::dequant_reduce_cpu(a); });
+  a.residual = residual_ptr(residual, device, numel, op);
+  guarded([&] { k.dequant_reduce(a); });
   return out;
 }
 
 std::tuple<at::Tensor, int64_t, int64_t> topk(const at::Tensor& x, int64_t k, bool exact, double tolerance,
-                                     double sample_fraction, int64_t seed, const c10::optional<at::Tensor>& residual) {
-  check_dense(x, "topk", "input");
+                                              double sample_fraction, int64_t seed,
+                                              const c10::optional<at::Tensor>& residual) {
+  check_dense(x, x.device(), "topk", "input");
+  const c10::DeviceGuard guard(x.device());
+  const DeviceKernels& dk = kernels_for(x, "topk");
   const DType dt = float_dtype(x, "topk", "input");
   TORCH_CHECK(k >= 0, "pycomm.topk: k must be >= 0, got ", k);
   TORCH_CHECK(tolerance >= 0 && tolerance < 1, "pycomm.topk: tolerance must be in [0, 1), got ", tolerance);
   const size_t n = x.numel();
   const size_t kk = std::min<size_t>(k, n);
   const size_t cap = kernels::topk_capacity(kk, n, exact, tolerance);
-  float* r = residual_ptr(residual, x.numel(), "topk");
+  float* r = residual_ptr(residual, x.device(), x.numel(), "topk");
   const size_t es = x.element_size();
   auto out = at::zeros({static_cast<int64_t>(kernels::topk_payload_bytes(cap, es))}, x.options().dtype(at::kByte));
   kernels::TopK s;
@@ -149,16 +198,19 @@ std::tuple<at::Tensor, int64_t, int64_t> topk(const at::Tensor& x, int64_t k, bo
   s.seed = static_cast<uint64_t>(seed);
   uint8_t* base = out.data_ptr<uint8_t>();
   size_t kept = guarded([&] {
-    return kernels::topk_cpu(s, dt, x.data_ptr(), r, n, cap, base,
-                             reinterpret_cast<int32_t*>(base + kernels::topk_values_bytes(cap, es)));
+    return dk.topk(s, dt, x.data_ptr(), r, n, cap, base,
+                   reinterpret_cast<int32_t*>(base + kernels::topk_values_bytes(cap, es)), x);
   });
   return {out, static_cast<int64_t>(kept), static_cast<int64_t>(cap)};
 }
 
 void scatter_add(const at::Tensor& dense, const at::Tensor& values, const at::Tensor& indices) {
-  check_dense(dense, "scatter_add", "dense");
-  check_dense(values, "scatter_add", "values");
-  check_dense(indices, "scatter_add", "indices");
+  const c10::Device device = dense.device();
+  check_dense(dense, device, "scatter_add", "dense");
+  check_dense(values, device, "scatter_add", "values");
+  check_dense(indices, device, "scatter_add", "indices");
+  const c10::DeviceGuard guard(device);
+  const DeviceKernels& k = kernels_for(dense, "scatter_add");
   TORCH_CHECK(indices.scalar_type() == at::kInt, "pycomm.scatter_add: indices must be int32, got ",
               indices.scalar_type());
   TORCH_CHECK(values.numel() == indices.numel(), "pycomm.scatter_add: ", values.numel(), " values but ",
@@ -166,12 +218,50 @@ void scatter_add(const at::Tensor& dense, const at::Tensor& values, const at::Te
   const DType vt = float_dtype(values, "scatter_add", "values");
   const DType dt = float_dtype(dense, "scatter_add", "dense");
   guarded([&] {
-    kernels::scatter_add_cpu(vt, values.data_ptr(), indices.data_ptr<int32_t>(), values.numel(), dt,
-                             dense.data_ptr(), dense.numel());
+    k.scatter_add(vt, values.data_ptr(), indices.data_ptr<int32_t>(), values.numel(), dt, dense.data_ptr(),
+                  dense.numel(), dense);
   });
 }
 
-}  // namespace
+at::Tensor reduce(at::TensorList srcs, c10::string_view op_name) {
+  const char* op = "reduce";
+  TORCH_CHECK(!srcs.empty(), "pycomm.reduce: needs at least one tensor");
+  const at::Tensor& first = srcs[0];
+  RedOp red;
+  if (op_name == "sum") {
+    red = RedOp::kSum;
+  } else if (op_name == "avg") {
+    red = RedOp::kAvg;
+  } else if (op_name == "max") {
+    red = RedOp::kMax;
+  } else if (op_name == "min") {
+    red = RedOp::kMin;
+  } else {
+    TORCH_CHECK(false, "pycomm.reduce: op must be sum, avg, max or min, got '", std::string(op_name), "'");
+  }
+  DType dt;
+  TORCH_CHECK(to_dtype(first.scalar_type(), &dt), "pycomm.reduce: dtype ", first.scalar_type(),
+              " is not supported (float32/64, float16, bfloat16, int32/64, uint8)");
+  TORCH_CHECK(red != RedOp::kAvg || dtype_is_floating(dt), "pycomm.reduce: avg needs a floating-point dtype, got ",
+              first.scalar_type());
+  std::vector<const void*> ptrs;
+  for (const auto& t : srcs) {
+    check_dense(t, first.device(), op, "every tensor");
+    TORCH_CHECK(t.scalar_type() == first.scalar_type() && t.sizes() == first.sizes(),
+                "pycomm.reduce: every tensor must have the first's dtype and shape");
+    ptrs.push_back(t.data_ptr());
+  }
+  const c10::DeviceGuard guard(first.device());
+  const DeviceKernels& k = kernels_for(first, op);
+  auto out = at::empty_like(first, at::MemoryFormat::Contiguous);
+  guarded([&] {
+    k.reduce(dt, red, out.data_ptr(), ptrs.data(), static_cast<int>(ptrs.size()), first.numel());
+    if (red == RedOp::kAvg) k.divide(dt, out.data_ptr(), first.numel(), static_cast<double>(ptrs.size()));
+  });
+  return out;
+}
+
+}  // namespace ops
 }  // namespace pycomm
 
 TORCH_LIBRARY(pycomm, m) {
@@ -187,13 +277,25 @@ TORCH_LIBRARY(pycomm, m) {
       "topk(Tensor x, int k, bool exact, float tolerance, float sample_fraction, int seed, Tensor(a!)? residual) "
       "-> (Tensor, int, int)");
   m.def("scatter_add(Tensor(a!) dense, Tensor values, Tensor indices) -> ()");
+  // The transports' reduction kernel, element-wise over same-shaped tensors
+  // in list order (the bits every rank computes): for tests and benchmarks.
+  m.def("reduce(Tensor[] srcs, str op='sum') -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pycomm, CPU, m) {
-  m.impl("quantize", &pycomm::quantize);
-  m.impl("dequantize", &pycomm::dequantize);
-  m.impl("dequantize_accumulate", &pycomm::dequantize_accumulate);
-  m.impl("dequant_reduce_requant", &pycomm::dequant_reduce_requant);
-  m.impl("topk", &pycomm::topk);
-  m.impl("scatter_add", &pycomm::scatter_add);
+namespace pycomm {
+namespace ops {
+
+void register_impls(torch::Library& m) {
+  m.impl("quantize", &quantize);
+  m.impl("dequantize", &dequantize);
+  m.impl("dequantize_accumulate", &dequantize_accumulate);
+  m.impl("dequant_reduce_requant", &dequant_reduce_requant);
+  m.impl("topk", &topk);
+  m.impl("scatter_add", &scatter_add);
+  m.impl("reduce", &reduce);
 }
+
+}  // namespace ops
+}  // namespace pycomm
+
+TORCH_LIBRARY_IMPL(pycomm, CPU, m) { pycomm::ops::register_impls(m); }

@@ -328,9 +328,70 @@ def test_bad_input_messages():
 
 
 def test_ops_are_registered_torch_operators():
-    for name in ("quantize", "dequantize", "dequantize_accumulate", "dequant_reduce_requant", "topk", "scatter_add"):
+    for name in ("quantize", "dequantize", "dequantize_accumulate", "dequant_reduce_requant", "topk", "scatter_add",
+                 "reduce"):
         assert hasattr(torch.ops.pycomm, name)
     assert "Tensor(a!)? residual" in str(torch.ops.pycomm.quantize.default._schema)
+
+
+REDUCE_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8]
+
+
+def reduce_reference(xs, op):
+    """What every rank must compute: sources combined in list order, 16-bit floats in float32, rounded once."""
+    acc_dtype = torch.float32 if xs[0].dtype in (torch.float16, torch.bfloat16) else xs[0].dtype
+    acc = xs[0].to(acc_dtype)
+    for x in xs[1:]:
+        x = x.to(acc_dtype)
+        acc = acc + x if op in ("sum", "avg") else torch.maximum(acc, x) if op == "max" else torch.minimum(acc, x)
+    out = acc.to(xs[0].dtype)
+    if op == "avg":
+        out = (out.to(acc_dtype) / len(xs)).to(xs[0].dtype)
+    return out
+
+
+def reduce_inputs(dtype, nsrc, n, seed):
+    g = gen(seed)
+    if dtype.is_floating_point:
+        xs = [(torch.randn(n, generator=g, dtype=torch.float64) * 100).to(dtype) for _ in range(nsrc)]
+        if n > 3:
+            xs[-1][1] = float("nan")  # max/min propagate NaN like torch.maximum
+    else:
+        lo, hi = (0, 256) if dtype == torch.uint8 else (-10**6, 10**6)
+        xs = [torch.randint(lo, hi, (n,), generator=g, dtype=torch.int64).to(dtype) for _ in range(nsrc)]
+    return xs
+
+
+@pytest.mark.parametrize("dtype", REDUCE_DTYPES, ids=str)
+def test_reduce_op_matches_ordered_reference_bitwise(dtype):
+    """torch.ops.pycomm.reduce: the transports' reduction kernel, bit for bit against the ordered reference
+    (uint8 sums wrap like torch's)."""
+    ops = ["sum", "max", "min"] + (["avg"] if dtype.is_floating_point else [])
+    for i, (nsrc, n) in enumerate([(1, 37), (2, 1), (2, 4099), (3, 513), (5, 100003)]):
+        xs = reduce_inputs(dtype, nsrc, n, 1000 + i)
+        for op in ops:
+            got = torch.ops.pycomm.reduce(xs, op)
+            exp = reduce_reference(xs, op)
+            assert got.dtype == dtype and got.shape == xs[0].shape
+            if dtype.is_floating_point:  # NaN where the reference has NaN (its payload bits may differ)
+                nan = exp.isnan()
+                assert torch.equal(got.isnan(), nan), (op, nsrc, n)
+                got, exp = got[~nan], exp[~nan]
+            assert torch.equal(got.view(torch.uint8), exp.view(torch.uint8)), (op, nsrc, n)
+
+
+def test_reduce_op_bad_input():
+    x = torch.randn(8)
+    for args, msg in (
+        (([x, x], "prod"), "op must be sum, avg, max or min"),
+        (([x, torch.randn(9)],), "dtype and shape"),
+        (([x, x.double()],), "dtype and shape"),
+        (([torch.ones(8, dtype=torch.int32)] * 2, "avg"), "floating-point"),
+        (([torch.ones(8, dtype=torch.complex64)] * 2,), "not supported"),
+        (([torch.randn(8, 2).t()] * 2,), "contiguous"),
+    ):
+        with pytest.raises(RuntimeError, match=msg):
+            torch.ops.pycomm.reduce(*args)
 
 
 CUDA_FILES = sorted(glob.glob(os.path.join(ROOT, "csrc", "kernels", "cuda", "*.cu")))
@@ -350,4 +411,4 @@ def test_cuda_kernels_compile(path, tmp_path):
 
 def test_cuda_sources_exist():
     names = {os.path.basename(p) for p in CUDA_FILES}
-    assert {"quant.cu", "topk.cu"} <= names
+    assert {"quant.cu", "topk.cu", "reduce.cu"} <= names
