@@ -33,7 +33,7 @@ def _sources(pattern: str) -> list:
 # headers): CUDA builds only.
 cuda_glue = _sources("csrc/**/*_cuda.cpp")
 cpp_sources = [p for p in _sources("csrc/**/*.cpp") if p not in cuda_glue]
-cuda_sources = cuda_glue + _sources("csrc/kernels/cuda/*.cu")
+cuda_sources = cuda_glue + _sources("csrc/**/*.cu")
 # No contraction into fused multiply-adds: the default and AVX2 clones of a
 # kernel, and its CUDA twin, must round identically, so that ranks on
 # different CPUs (or a GPU) compute the same bits.

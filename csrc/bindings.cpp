@@ -8,6 +8,14 @@
 #include "backend.h"
 #include "communicator.h"
 #include "kernels/kernels.h"
+#include "torch_dtype.h"
+
+#ifdef PYCOMM_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "transport/cuda_ipc.h"
+#endif
 
 namespace py = pybind11;
 
@@ -208,6 +216,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return std::make_pair(std::string(algorithm_name(r.algo)), std::string(algorithm_name(r.inter)));
   });
 #ifdef PYCOMM_WITH_CUDA
+  py::class_<CudaIpcAllReduce, std::shared_ptr<CudaIpcAllReduce>>(m, "CudaIpcAllReduce")
+      .def(py::init<int, int, size_t>(), py::arg("rank"), py::arg("world"), py::arg("buffer_bytes"),
+           "Allocates the staging buffer and signal block on the current CUDA device.")
+      .def("handles", [](const CudaIpcAllReduce& c) { return py::bytes(c.handles()); })
+      .def("open", &CudaIpcAllReduce::open, py::arg("handles"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "all_reduce",
+          [](CudaIpcAllReduce& c, const at::Tensor& in, const at::Tensor& out, int op, int algo) {
+            DType dt;
+            TORCH_CHECK(in.is_cuda() && out.is_cuda(), "pycomm: the CUDA IPC all-reduce takes CUDA tensors");
+            TORCH_CHECK(in.device() == out.device(), "pycomm: input and output must be on one device");
+            TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "pycomm: tensors must be contiguous");
+            TORCH_CHECK(in.scalar_type() == out.scalar_type() && in.numel() == out.numel(),
+                        "pycomm: output must match the input's dtype and size");
+            TORCH_CHECK(to_dtype(in.scalar_type(), &dt), "pycomm: dtype ", in.scalar_type(), " is not supported");
+            TORCH_CHECK(algo >= 0 && algo <= static_cast<int>(IpcAlgo::kTwoShot), "pycomm: unknown IPC algorithm");
+            const c10::cuda::CUDAGuard guard(in.device());
+            c.all_reduce(in.data_ptr(), out.data_ptr(), in.numel(), dt, to_op(op), static_cast<IpcAlgo>(algo),
+                         c10::cuda::getCurrentCUDAStream().stream());
+          },
+          py::arg("input"), py::arg("output"), py::arg("op"), py::arg("algorithm"),
+          py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("buffer_bytes", &CudaIpcAllReduce::buffer_bytes);
   m.attr("has_cuda") = true;
 #else
   m.attr("has_cuda") = false;

@@ -17,7 +17,7 @@ Example::
 
     dist.init_process_group("cpu:pycomm")    # or as a torch.distributed backend
 """
-from . import c10d, compression
+from . import c10d, compression, cuda_ipc
 from ._loader import CommError, Work, load_core
 from .compression import ErrorFeedback, Int4, Int8, TopK
 from .communicator import (

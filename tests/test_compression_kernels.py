@@ -394,7 +394,7 @@ def test_reduce_op_bad_input():
             torch.ops.pycomm.reduce(*args)
 
 
-CUDA_FILES = sorted(glob.glob(os.path.join(ROOT, "csrc", "kernels", "cuda", "*.cu")))
+CUDA_FILES = sorted(glob.glob(os.path.join(ROOT, "csrc", "**", "*.cu"), recursive=True))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -411,4 +411,4 @@ def test_cuda_kernels_compile(path, tmp_path):
 
 def test_cuda_sources_exist():
     names = {os.path.basename(p) for p in CUDA_FILES}
-    assert {"quant.cu", "topk.cu", "reduce.cu"} <= names
+    assert {"quant.cu", "topk.cu", "reduce.cu", "cuda_ipc.cu"} <= names

@@ -107,3 +107,35 @@ def test_reduce_matches_cpu(dtype):
 def test_mixed_devices_are_refused():
     with pytest.raises(RuntimeError, match="is on cpu but the input is on cuda"):
         OPS.reduce([torch.randn(8).cuda(), torch.randn(8)], "sum")
+
+
+@pytest.fixture(scope="module")
+def gpu_pool():
+    from harness import RankPool
+
+    pool = RankPool(4)
+    yield pool
+    pool.close()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ipc_all_reduce_on_one_gpu_matches_the_cpu_reduction(gpu_pool, world):
+    """Every rank on GPU 0 (NCCL refuses this): the result is the CPU kernel's reduction of every rank's input
+    in rank order, bit for bit, on every rank, for one-shot and two-shot, tails, several launches per call and
+    a misaligned output."""
+    from collective_cases import make_input
+    from cuda_cases import IPC_CASES, run_ipc
+
+    per_rank = gpu_pool.run(run_ipc, world, gpu_pool.new_name(), IPC_CASES, world=world)
+    for i, (dtype, op, n, algo) in enumerate(IPC_CASES):
+        exp = OPS.reduce([make_input(i, q, n, dtype) for q in range(world)], op)
+        for r in range(world):
+            for k in (2 * i, 2 * i + 1):
+                assert same_bits(per_rank[r][k], exp), (dtype, op, n, algo, r, k)
+
+
+def test_ipc_all_reduce_refuses_graph_capture(gpu_pool):
+    from cuda_cases import run_ipc_graph_capture
+
+    msgs = gpu_pool.run(run_ipc_graph_capture, 2, gpu_pool.new_name(), world=2)
+    assert all("CUDA graph" in m for m in msgs), msgs

@@ -18,3 +18,6 @@ PYCOMM_FORCE_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} "$PY" -m pip install -q --no-build-
 "$PY" -c "import pycomm, pycomm._C as c; assert c.has_cuda, 'built without CUDA'; print('pycomm built with CUDA')"
 "$PY" -m pytest -q -m cuda tests/test_cuda.py 2>&1 | tee "$LOG/tests.log" | tail -30
 "$PY" benchmarks/gpu/kernels.py 2>&1 | tee "$LOG/kernels.log"
+for w in 2 4; do
+  "$PY" benchmarks/gpu/allreduce.py --world "$w" --max-bytes $((64 << 20)) 2>&1 | tee "$LOG/allreduce_$w.log"
+done

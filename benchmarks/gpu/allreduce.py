@@ -1,0 +1,87 @@
+"""All-reduce among processes sharing one GPU: pycomm's CUDA IPC one-shot and
+two-shot against gloo on the same CUDA tensors, nccl-tests style, in one run.
+
+    python benchmarks/gpu/allreduce.py --world 2 [--max-bytes 268435456]
+
+busbw = algbw x 2(n-1)/n. Every point is checked (#wrong): rank r adds r + 1
+everywhere, so the sum is n(n+1)/2 exactly. All ranks share one GPU's HBM:
+compare against the copy bandwidth that benchmarks/gpu/kernels.py prints.
+"""
+import argparse
+import datetime
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import pycomm
+
+
+def timed(fn, repeats):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    t = torch.tensor([statistics.median(times)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's median
+    return t.item()
+
+
+def worker(rank, world, port, args):
+    torch.cuda.set_device(0)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world)
+    ipc = pycomm.cuda_ipc.IpcAllReduce(store, rank, world, device="cuda:0", buffer_bytes=args.max_bytes)
+    factor = 2 * (world - 1) / world
+    want = world * (world + 1) / 2
+    if rank == 0:
+        print(f"# {torch.cuda.get_device_name()} | {world} processes on one GPU | float32 sum")
+        print(f"{'size':>11} {'count':>10} {'algorithm':>9} | {'time us':>9} {'algbw GB/s':>10} "
+              f"{'busbw GB/s':>10} {'#wrong':>6}")
+    size = 4096
+    while size <= args.max_bytes:
+        n = size // 4
+        x = torch.empty(n, device="cuda")
+        for name in ("one_shot", "two_shot", "gloo"):
+            if name == "gloo":
+                def step():
+                    x.fill_(rank + 1)
+                    dist.all_reduce(x)
+            else:
+                def step(name=name):
+                    x.fill_(rank + 1)
+                    ipc.all_reduce(x, algorithm=name)
+            t = timed(step, args.repeats if name != "gloo" else max(3, args.repeats // 4))
+            step()
+            torch.cuda.synchronize()
+            wrong = int((x != want).sum())
+            if rank == 0:
+                algbw = size / t / 1e9
+                print(f"{size:>11} {n:>10} {name:>9} | {t * 1e6:9.1f} {algbw:10.2f} {algbw * factor:10.2f} "
+                      f"{wrong:>6}", flush=True)
+        size *= 4
+    dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--max-bytes", type=int, default=256 << 20)
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args()
+    port = 29500 + os.getpid() % 1000
+    mp.spawn(worker, args=(args.world, port, args), nprocs=args.world)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""All-reduce of CUDA tensors among one host's processes through CUDA IPC.
+
+Each rank registers one device staging buffer and a signal block once; ranks
+exchange their IPC handles through the Store, and each all-reduce is one
+kernel reading the peers' buffers (one-shot for small messages, two-shot
+reduce-scatter + all-gather for large ones, as vLLM's custom all-reduce).
+Several ranks may share one GPU, which NCCL refuses.
+
+Status: built in CUDA builds of pycomm and **not yet run on a GPU**;
+``tests/test_cuda.py`` and ``benchmarks/gpu/run.sh`` are where it first runs.
+The collectives of :class:`pycomm.Communicator` do not route CUDA tensors
+here yet.
+
+Example::
+
+    ipc = pycomm.cuda_ipc.IpcAllReduce(store, rank, world_size)
+    x = torch.randn(1 << 20, device="cuda")
+    ipc.all_reduce(x, op="avg")            # in place, on the current stream
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._loader import CommError, load_core
+from .communicator import Op, _op_id, _wait_keys
+
+IPC_ALGORITHMS = {"auto": 0, "one_shot": 1, "two_shot": 2}
+DEFAULT_BUFFER_BYTES = 64 << 20
+
+
+class IpcAllReduce:
+    """One IPC group: ``world_size`` processes of this host, any mix of GPUs.
+
+    Args:
+        store: a torch.distributed Store every rank reaches (handles travel there).
+        rank, world_size: this process's place in the group (at most 8 ranks).
+        device: the CUDA device of this rank's tensors (default: the current one).
+        buffer_bytes: staging memory per rank; larger calls run in several launches.
+        prefix: Store key prefix, unique per group.
+        timeout: seconds to wait for every rank's handles.
+    """
+
+    def __init__(self, store: "torch.distributed.Store", rank: int, world_size: int,
+                 device: Optional[torch.device] = None, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+                 prefix: str = "pycomm.ipc", timeout: float = 300.0) -> None:
+        core = load_core()
+        if not core.has_cuda:
+            raise CommError("pycomm: this build has no CUDA support (build with a CUDA torch and nvcc on the PATH)")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        with torch.cuda.device(self.device):
+            self._c = core.CudaIpcAllReduce(rank, world_size, buffer_bytes)
+        self.rank, self.world_size = rank, world_size
+        store.set(f"{prefix}/{rank}", self._c.handles())
+        keys = [f"{prefix}/{q}" for q in range(world_size)]
+        _wait_keys(store, keys, timeout, "every rank's CUDA IPC handles")
+        with torch.cuda.device(self.device):
+            self._c.open([store.get(k) for k in keys])
+
+    def all_reduce(self, tensor: torch.Tensor, op: Op = "sum", algorithm: str = "auto",
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Reduces ``tensor`` over the group into ``out`` (default: in place), on the current stream.
+
+        Every rank must call with the same size, dtype, op and algorithm, in the same order.
+        """
+        op_id = _op_id(op)
+        if op_id is None:
+            raise CommError(f"pycomm: unknown reduce op {op!r}; use sum, avg, max or min")
+        if algorithm not in IPC_ALGORITHMS:
+            raise CommError(f"pycomm: algorithm must be one of {', '.join(IPC_ALGORITHMS)}, got {algorithm!r}")
+        if tensor.device != self.device:
+            raise CommError(f"pycomm: tensor is on {tensor.device}, this IPC group on {self.device}")
+        out = tensor if out is None else out
+        self._c.all_reduce(tensor, out, op_id, IPC_ALGORITHMS[algorithm])
+        return out
