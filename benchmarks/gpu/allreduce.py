@@ -10,30 +10,19 @@ compare against the copy bandwidth that benchmarks/gpu/kernels.py prints.
 import argparse
 import datetime
 import os
-import statistics
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import pycomm
+from timing import event_median_ms
 
 
 def timed(fn, repeats):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    t = torch.tensor([statistics.median(times)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's median
+    """Seconds: the slowest rank's median."""
+    t = torch.tensor([event_median_ms(fn, repeats, before=dist.barrier) / 1e3])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
 

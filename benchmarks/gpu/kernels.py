@@ -9,28 +9,16 @@ run.
     python benchmarks/gpu/kernels.py [--elems 67108864] [--repeats 20]
 """
 import argparse
-import statistics
-
 import torch
 
 import pycomm  # noqa: F401  (loads the operators)
+from timing import event_median_ms
 
 OPS = torch.ops.pycomm
 
 
 def time_ms(fn, repeats):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return event_median_ms(fn, repeats)
 
 
 def main():
