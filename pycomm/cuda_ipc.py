@@ -15,10 +15,13 @@ Example::
 
     ipc = pycomm.cuda_ipc.IpcAllReduce(store, rank, world_size)
     x = torch.randn(1 << 20, device="cuda")
-    ipc.all_reduce(x, op="avg")            # in place, on the current stream
+    ipc.all_reduce(x, op="avg")            # in place; the current stream waits for it
+    work = ipc.all_reduce(x, async_op=True)
+    work.get_future().then(lambda f: ...)  # completed off the caller's thread
 """
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -57,12 +60,17 @@ class IpcAllReduce:
         _wait_keys(store, keys, timeout, "every rank's CUDA IPC handles")
         with torch.cuda.device(self.device):
             self._c.open([store.get(k) for k in keys])
+            self._stream = torch.cuda.Stream(self.device)
 
     def all_reduce(self, tensor: torch.Tensor, op: Op = "sum", algorithm: str = "auto",
-                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Reduces ``tensor`` over the group into ``out`` (default: in place), on the current stream.
+                   out: Optional[torch.Tensor] = None, async_op: bool = False):
+        """Reduces ``tensor`` over the group into ``out`` (default: in place).
 
-        Every rank must call with the same size, dtype, op and algorithm, in the same order.
+        The kernels run on this group's own stream, ordered after the caller's
+        current stream with an event, as NCCL's are. Synchronous calls then make
+        the caller's stream wait for them (the CPU does not block) and return
+        ``out``; ``async_op=True`` returns an :class:`IpcWork` instead. Every rank
+        must call with the same size, dtype, op and algorithm, in the same order.
         """
         op_id = _op_id(op)
         if op_id is None:
@@ -72,5 +80,56 @@ class IpcAllReduce:
         if tensor.device != self.device:
             raise CommError(f"pycomm: tensor is on {tensor.device}, this IPC group on {self.device}")
         out = tensor if out is None else out
-        self._c.all_reduce(tensor, out, op_id, IPC_ALGORITHMS[algorithm])
+        caller = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(caller)
+        with torch.cuda.stream(self._stream):
+            self._c.all_reduce(tensor, out, op_id, IPC_ALGORITHMS[algorithm])
+        # The caching allocator must not hand these tensors' memory to the
+        # caller's stream before this stream is done with it.
+        tensor.record_stream(self._stream)
+        out.record_stream(self._stream)
+        done = torch.cuda.Event()
+        done.record(self._stream)
+        work = IpcWork(done, out)
+        if async_op:
+            return work
+        work.wait()
         return out
+
+
+class IpcWork:
+    """Handle of an asynchronous IPC all-reduce (like a NCCL Work).
+
+    ``wait()`` makes the current stream wait for the result without blocking
+    the CPU; ``get_future()`` returns a torch Future completed by a helper
+    thread once the kernels finished; ``is_completed()`` polls.
+    """
+
+    def __init__(self, done: "torch.cuda.Event", result: torch.Tensor) -> None:
+        self._done, self._result = done, result
+        self._future: Optional[torch.futures.Future] = None
+
+    def wait(self) -> bool:
+        torch.cuda.current_stream(self._result.device).wait_event(self._done)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.query()
+
+    def result(self) -> torch.Tensor:
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            fut: torch.futures.Future = torch.futures.Future()
+
+            def complete() -> None:
+                try:
+                    self._done.synchronize()
+                    fut.set_result(self._result)
+                except Exception as e:  # a failed kernel surfaces here
+                    fut.set_exception(e)
+
+            threading.Thread(target=complete, name="pycomm-ipc-future", daemon=True).start()
+            self._future = fut
+        return self._future

@@ -52,3 +52,19 @@ def run_ipc_graph_capture(rank: int, world: int, name: str) -> str:
     except RuntimeError as e:
         return str(e)
     return "captured"
+
+
+def run_ipc_async(rank: int, world: int, name: str) -> dict:
+    """The all-reduce runs on the group's stream, after the caller's stream's work on the input; wait() orders
+    the caller's stream after it; the future completes off this thread."""
+    ipc = pycomm.cuda_ipc.IpcAllReduce(worker_store(), rank, world, device="cuda:0", buffer_bytes=1 << 20,
+                                       prefix=name)
+    x = torch.zeros(1 << 20, device="cuda")
+    torch.cuda._sleep(50_000_000)  # the fill below lands long after the call is issued
+    x.fill_(rank + 1)
+    work = ipc.all_reduce(x, async_op=True)
+    fut = work.get_future()
+    work.wait()
+    y = x * 2  # on the caller's stream, after wait()
+    got = fut.wait()
+    return {"y": y.cpu(), "future_is_x": got.data_ptr() == x.data_ptr(), "done": work.is_completed()}

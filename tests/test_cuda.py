@@ -139,3 +139,12 @@ def test_ipc_all_reduce_refuses_graph_capture(gpu_pool):
 
     msgs = gpu_pool.run(run_ipc_graph_capture, 2, gpu_pool.new_name(), world=2)
     assert all("CUDA graph" in m for m in msgs), msgs
+
+
+def test_ipc_all_reduce_is_stream_ordered_and_async(gpu_pool):
+    from cuda_cases import run_ipc_async
+
+    out = gpu_pool.run(run_ipc_async, 2, gpu_pool.new_name(), world=2)
+    for res in out:
+        assert torch.equal(res["y"], torch.full((1 << 20,), 6.0)), res["y"][:4]
+        assert res["future_is_x"] and res["done"]
