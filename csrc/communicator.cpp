@@ -924,4 +924,3 @@ std::shared_ptr<Work> Communicator::barrier(bool async_op) {
 }
 
 }  // namespace pycomm
-

@@ -227,18 +227,12 @@ at::Tensor reduce(at::TensorList srcs, c10::string_view op_name) {
   const char* op = "reduce";
   TORCH_CHECK(!srcs.empty(), "pycomm.reduce: needs at least one tensor");
   const at::Tensor& first = srcs[0];
-  RedOp red;
-  if (op_name == "sum") {
-    red = RedOp::kSum;
-  } else if (op_name == "avg") {
-    red = RedOp::kAvg;
-  } else if (op_name == "max") {
-    red = RedOp::kMax;
-  } else if (op_name == "min") {
-    red = RedOp::kMin;
-  } else {
-    TORCH_CHECK(false, "pycomm.reduce: op must be sum, avg, max or min, got '", std::string(op_name), "'");
-  }
+  // The ops by their names in common.cpp (redop_name), the one table of them.
+  int red_id = 0;
+  while (red_id <= static_cast<int>(RedOp::kMin) && op_name != redop_name(static_cast<RedOp>(red_id))) ++red_id;
+  TORCH_CHECK(red_id <= static_cast<int>(RedOp::kMin), "pycomm.reduce: op must be sum, avg, max or min, got '",
+              std::string(op_name), "'");
+  const RedOp red = static_cast<RedOp>(red_id);
   DType dt;
   TORCH_CHECK(to_dtype(first.scalar_type(), &dt), "pycomm.reduce: dtype ", first.scalar_type(),
               " is not supported (float32/64, float16, bfloat16, int32/64, uint8)");

@@ -33,8 +33,8 @@ def main():
     y = torch.randn(n, device=dev, generator=g)
     out = torch.empty_like(x)
     res = torch.zeros(n, device=dev)
-    payload_bytes = OPS.quantize(x, 8, block, False, 0, None).numel()
     payload = OPS.quantize(x, 8, block, False, 0, None)
+    payload_bytes = payload.numel()
     acc = torch.randn(n, device=dev, generator=g)
     f32 = 4 * n
 

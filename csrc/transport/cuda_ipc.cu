@@ -35,8 +35,8 @@ struct IpcSignal {
 };
 
 struct IpcArgs {
-  const char* buf[kIpcMaxRanks];  // every rank's staging buffer (ours at [rank])
-  char* own;
+  const void* buf[kIpcMaxRanks];  // every rank's staging buffer (ours at [rank])
+  void* own;
   IpcSignal* sig[kIpcMaxRanks];
   int rank;
   int world;
@@ -46,6 +46,9 @@ struct IpcArgs {
 };
 
 using kernels::cuda_detail::check;
+using kernels::cuda_detail::Pack;
+using kernels::cuda_detail::reduce_elem;
+using kernels::cuda_detail::reduce_pack;
 
 __device__ __forceinline__ void st_release(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%1], %0;" ::"r"(v), "l"(p) : "memory");
@@ -73,12 +76,6 @@ __device__ void barrier(const IpcArgs& a, int phase) {
   __syncthreads();
 }
 
-template <typename T>
-struct alignas(16) Pack {
-  static constexpr int kPer = 16 / sizeof(T);
-  T e[kPer];
-};
-
 // The CPU transports' bits: sum in the accumulator type, store, and for avg
 // divide the stored value (finish_average).
 template <typename T>
@@ -89,23 +86,14 @@ __device__ __forceinline__ T finish(typename kernels::Acc<T>::type acc, bool avg
   return store_acc<T>(load_acc(t) / static_cast<typename Acc<T>::type>(world));
 }
 
-// Element `i` (in units of U: a Pack or a single T) reduced over the ranks'
-// buffers in rank order.
+// Pack i reduced over the ranks' buffers in rank order, finished.
 template <typename T, RedOp kOp>
-__device__ __forceinline__ Pack<T> reduce_pack(const IpcArgs& a, size_t i) {
-  using namespace kernels;
-  constexpr int kPer = Pack<T>::kPer;
-  Pack<T> v = reinterpret_cast<const Pack<T>*>(a.buf[0])[i];
-  typename Acc<T>::type acc[kPer];
+__device__ __forceinline__ Pack<T> reduce_ranks(const IpcArgs& a, size_t i) {
+  typename kernels::Acc<T>::type acc[Pack<T>::kPer];
+  reduce_pack<T, kOp>(a.buf, a.world, i, acc);
+  Pack<T> v;
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) acc[j] = load_acc(v.e[j]);
-  for (int q = 1; q < a.world; ++q) {
-    v = reinterpret_cast<const Pack<T>*>(a.buf[q])[i];
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) acc[j] = combine<kOp>(acc[j], load_acc(v.e[j]));
-  }
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) v.e[j] = finish<T>(acc[j], a.avg, a.world);
+  for (int j = 0; j < Pack<T>::kPer; ++j) v.e[j] = finish<T>(acc[j], a.avg, a.world);
   return v;
 }
 
@@ -132,14 +120,14 @@ __global__ void __launch_bounds__(kThreads) ipc_all_reduce_kernel(IpcArgs a, T* 
   barrier(a, 0);
   if (!a.two_shot) {
     // 2. One-shot: reduce everything from every buffer.
-    for (size_t i = tid; i < nvec; i += stride) store_pack(out, i, reduce_pack<T, kOp>(a, i), aligned);
+    for (size_t i = tid; i < nvec; i += stride) store_pack(out, i, reduce_ranks<T, kOp>(a, i), aligned);
   } else {
     // 2. Two-shot, reduce-scatter: this rank reduces its part into its own
     //    buffer, in place (only this rank reads its part in this phase).
     const size_t part = (nvec + a.world - 1) / a.world;
     for (size_t j = tid; j < part; j += stride) {
       const size_t i = a.rank * part + j;
-      if (i < nvec) reinterpret_cast<Pack<T>*>(a.own)[i] = reduce_pack<T, kOp>(a, i);
+      if (i < nvec) static_cast<Pack<T>*>(a.own)[i] = reduce_ranks<T, kOp>(a, i);
     }
     // 3. Every part is reduced (by the same thread index that reads it next).
     barrier(a, 1);
@@ -147,16 +135,13 @@ __global__ void __launch_bounds__(kThreads) ipc_all_reduce_kernel(IpcArgs a, T* 
     for (int q = 0; q < a.world; ++q)
       for (size_t j = tid; j < part; j += stride) {
         const size_t i = q * part + j;
-        if (i < nvec) store_pack(out, i, reinterpret_cast<const Pack<T>*>(a.buf[q])[i], aligned);
+        if (i < nvec) store_pack(out, i, static_cast<const Pack<T>*>(a.buf[q])[i], aligned);
       }
   }
   // 5. The tail after the last whole pack, element by element, from every
   //    buffer (reads only: safe in either algorithm).
-  for (size_t i = nvec * kPer + tid; i < count; i += stride) {
-    auto acc = load_acc(reinterpret_cast<const T*>(a.buf[0])[i]);
-    for (int q = 1; q < a.world; ++q) acc = combine<kOp>(acc, load_acc(reinterpret_cast<const T*>(a.buf[q])[i]));
-    out[i] = finish<T>(acc, a.avg, a.world);
-  }
+  for (size_t i = nvec * kPer + tid; i < count; i += stride)
+    out[i] = finish<T>(reduce_elem<T, kOp>(a.buf, a.world, i), a.avg, a.world);
   // 6. Nobody refills its buffer (the next launch's copy) before every rank
   //    has read it.
   barrier(a, 2);
@@ -256,10 +241,10 @@ void CudaIpcAllReduce::all_reduce(const void* in, void* out, size_t count, DType
   const size_t per_launch = buffer_bytes_ / es;
   IpcArgs a{};
   for (int q = 0; q < world_; ++q) {
-    a.buf[q] = static_cast<const char*>(peer_buffers_[q]);
+    a.buf[q] = peer_buffers_[q];
     a.sig[q] = static_cast<IpcSignal*>(peer_signals_[q]);
   }
-  a.own = static_cast<char*>(buffer_);
+  a.own = buffer_;
   a.rank = rank_;
   a.world = world_;
   a.avg = op == RedOp::kAvg;

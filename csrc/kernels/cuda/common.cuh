@@ -26,6 +26,37 @@ inline unsigned grid_for(size_t items) {
   return static_cast<unsigned>(g < 1 ? 1 : (g > 65535 * 16 ? 65535 * 16 : g));
 }
 
+// 16 bytes of T: the unit the memory-bound kernels load and store, so that
+// every access is one 128-bit transaction. Callers check 16-byte alignment.
+template <typename T>
+struct alignas(16) Pack {
+  static constexpr int kPer = 16 / sizeof(T);
+  T e[kPer];
+};
+
+// Element i of srcs[0 .. n) combined in source order, in the accumulator
+// type (the CPU kernels' order, hence their bits once stored).
+template <typename T, RedOp kOp>
+__device__ __forceinline__ typename Acc<T>::type reduce_elem(const void* const* srcs, int n, size_t i) {
+  auto acc = load_acc(static_cast<const T*>(srcs[0])[i]);
+  for (int k = 1; k < n; ++k) acc = combine<kOp>(acc, load_acc(static_cast<const T*>(srcs[k])[i]));
+  return acc;
+}
+
+// The same for pack i, into acc[0 .. kPer).
+template <typename T, RedOp kOp>
+__device__ __forceinline__ void reduce_pack(const void* const* srcs, int n, size_t i,
+                                            typename Acc<T>::type (&acc)[Pack<T>::kPer]) {
+  Pack<T> v = static_cast<const Pack<T>*>(srcs[0])[i];
+#pragma unroll
+  for (int j = 0; j < Pack<T>::kPer; ++j) acc[j] = load_acc(v.e[j]);
+  for (int k = 1; k < n; ++k) {
+    v = static_cast<const Pack<T>*>(srcs[k])[i];
+#pragma unroll
+    for (int j = 0; j < Pack<T>::kPer; ++j) acc[j] = combine<kOp>(acc[j], load_acc(v.e[j]));
+  }
+}
+
 }  // namespace cuda_detail
 }  // namespace kernels
 }  // namespace pycomm

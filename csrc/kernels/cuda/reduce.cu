@@ -3,7 +3,7 @@
 // the same bits as the CPU (with --fmad=false, as setup.py builds).
 //
 // Memory-bound: each thread moves 16 bytes per source per iteration
-// (uint4 loads and stores) when every pointer is 16-byte aligned, which
+// (Pack loads and stores) when every pointer is 16-byte aligned, which
 // caching-allocator and IPC buffers are; anything else takes the
 // element-wise loop. Grid-stride loops, so one launch covers any count.
 #include <cuda_runtime.h>
@@ -21,6 +21,9 @@ namespace {
 using cuda_detail::check;
 using cuda_detail::grid_for;
 using cuda_detail::kThreads;
+using cuda_detail::Pack;
+using cuda_detail::reduce_elem;
+using cuda_detail::reduce_pack;
 
 // Passed by value: kernel parameters live in constant memory, so the source
 // table costs no extra copy or allocation.
@@ -29,50 +32,24 @@ struct SourceTable {
   int n;
 };
 
+// Packs [0, vecs) in 16-byte loads and stores, then elements
+// [vecs * kPer, count) one by one (vecs = 0: everything element-wise).
 template <typename T, RedOp kOp>
-__device__ __forceinline__ T reduce_at(const SourceTable& s, size_t i) {
-  auto acc = load_acc(static_cast<const T*>(s.p[0])[i]);
-  for (int k = 1; k < s.n; ++k) acc = combine<kOp>(acc, load_acc(static_cast<const T*>(s.p[k])[i]));
-  return store_acc<T>(acc);
-}
-
-// Elements [0, vecs * kPer) in 16-byte vectors, then the tail one by one.
-template <typename T, RedOp kOp>
-__global__ void reduce_vec_kernel(SourceTable s, T* out0, T* out1, size_t vecs, size_t count) {
-  constexpr int kPer = 16 / sizeof(T);
+__global__ void reduce_kernel(SourceTable s, T* out0, T* out1, size_t vecs, size_t count) {
+  constexpr int kPer = Pack<T>::kPer;
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (size_t v = tid; v < vecs; v += stride) {
-    union {
-      uint4 raw;
-      T e[kPer];
-    } a, b;
-    a.raw = static_cast<const uint4*>(s.p[0])[v];
     typename Acc<T>::type acc[kPer];
+    reduce_pack<T, kOp>(s.p, s.n, v, acc);
+    Pack<T> r;
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) acc[j] = load_acc(a.e[j]);
-    for (int k = 1; k < s.n; ++k) {
-      b.raw = static_cast<const uint4*>(s.p[k])[v];
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) acc[j] = combine<kOp>(acc[j], load_acc(b.e[j]));
-    }
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) a.e[j] = store_acc<T>(acc[j]);
-    reinterpret_cast<uint4*>(out0)[v] = a.raw;
-    if (out1) reinterpret_cast<uint4*>(out1)[v] = a.raw;
+    for (int j = 0; j < kPer; ++j) r.e[j] = store_acc<T>(acc[j]);
+    reinterpret_cast<Pack<T>*>(out0)[v] = r;
+    if (out1) reinterpret_cast<Pack<T>*>(out1)[v] = r;
   }
   for (size_t i = vecs * kPer + tid; i < count; i += stride) {
-    const T r = reduce_at<T, kOp>(s, i);
-    out0[i] = r;
-    if (out1) out1[i] = r;
-  }
-}
-
-template <typename T, RedOp kOp>
-__global__ void reduce_scalar_kernel(SourceTable s, T* out0, T* out1, size_t count) {
-  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
-  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
-    const T r = reduce_at<T, kOp>(s, i);
+    const T r = store_acc<T>(reduce_elem<T, kOp>(s.p, s.n, i));
     out0[i] = r;
     if (out1) out1[i] = r;
   }
@@ -91,14 +68,9 @@ template <typename T, RedOp kOp>
 void launch_reduce(const SourceTable& s, void* out0, void* out1, size_t count, cudaStream_t stream) {
   bool vec = aligned16(out0) && (!out1 || aligned16(out1));
   for (int k = 0; k < s.n; ++k) vec = vec && aligned16(s.p[k]);
-  auto* o0 = static_cast<T*>(out0);
-  auto* o1 = static_cast<T*>(out1);
-  if (vec) {
-    const size_t vecs = count / (16 / sizeof(T));
-    reduce_vec_kernel<T, kOp><<<grid_for(vecs > 0 ? vecs : count), kThreads, 0, stream>>>(s, o0, o1, vecs, count);
-  } else {
-    reduce_scalar_kernel<T, kOp><<<grid_for(count), kThreads, 0, stream>>>(s, o0, o1, count);
-  }
+  const size_t vecs = vec ? count / Pack<T>::kPer : 0;
+  reduce_kernel<T, kOp><<<grid_for(vecs > 0 ? vecs : count), kThreads, 0, stream>>>(
+      s, static_cast<T*>(out0), static_cast<T*>(out1), vecs, count);
 }
 
 template <typename T>
