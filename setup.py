@@ -37,7 +37,7 @@ cuda_sources = cuda_glue + _sources("csrc/**/*.cu")
 # No contraction into fused multiply-adds: the default and AVX2 clones of a
 # kernel, and its CUDA twin, must round identically, so that ranks on
 # different CPUs (or a GPU) compute the same bits.
-cxx_flags = ["-O3", "-fvisibility=hidden", "-Wall", "-Wno-unused-function", "-ffp-contract=off"]
+cxx_flags = ["-O3", "-fvisibility=hidden", "-Wall", "-ffp-contract=off"]
 
 if _want_cuda():
     ext = cpp_extension.CUDAExtension(

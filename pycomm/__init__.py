@@ -17,12 +17,12 @@ Example::
 
     dist.init_process_group("cpu:pycomm")    # or as a torch.distributed backend
 """
-from . import c10d, compression, cuda_ipc
+from . import bootstrap, c10d, compression, cuda_ipc
 from ._loader import CommError, Work, load_core
+from ._tables import ALGORITHMS
 from .compression import ErrorFeedback, Int4, Int8, TopK
-from .communicator import (
-    ALGORITHMS,
-    Communicator,
+from .communicator import Communicator
+from .default import (
     all_gather,
     all_reduce,
     all_to_all_single,

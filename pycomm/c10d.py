@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+from typing import List
 
 import torch.distributed as dist
 
@@ -44,9 +45,9 @@ BACKEND_NAME = "pycomm"
 
 def _create_backend(options: "dist.distributed_c10d._DistributedBackendOptions", backend_options: object):
     """The creator torch.distributed calls for every group that uses "pycomm"."""
-    from .communicator import ALL_GATHER, ALL_REDUCE, BROADCAST, REDUCE_SCATTER, Communicator, restart_prefix
+    from .bootstrap import restart_prefix
+    from .communicator import Communicator
 
-    core = load_core()
     timeout = options.timeout
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
@@ -55,10 +56,9 @@ def _create_backend(options: "dist.distributed_c10d._DistributedBackendOptions",
                         timeout=timeout, name="c10d")
     peer = dist.ProcessGroupGloo(dist.PrefixStore(f"pycomm-p2p/{restart_prefix()}", options.store), options.group_rank,
                                  options.group_size, timeout)
-    algorithms = [comm._default_algo[c][0] for c in (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST)]
     logger.debug("pycomm: backend for group %s: rank %d of %d, %r", options.group_id, options.group_rank,
                  options.group_size, comm)
-    return core.make_backend(comm._c, peer, algorithms)
+    return comm.as_c10d_backend(peer)
 
 
 def register() -> None:
@@ -73,9 +73,23 @@ def register() -> None:
         return
     if BACKEND_NAME.upper() in getattr(dist.Backend, "_plugins", {}):
         return
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=devices())
+
+
+def devices() -> List[str]:
+    """The devices the backend registers: those whose tensors pycomm's communicator takes.
+
+    The compiled core says which (``collective_devices``), whatever the build:
+    a CUDA build's kernels and IPC all-reduce do not make the communicator
+    take CUDA tensors, so the backend never claims ``cuda``, and
+    ``init_process_group("cpu:pycomm,cuda:nccl")`` gives CUDA tensors to NCCL.
+    Without the build, ``["cpu"]`` (the creator then raises the loader's message).
+
+    Example::
+
+        pycomm.c10d.devices()   # ['cpu']
+    """
     try:
-        has_cuda = bool(load_core().has_cuda)
+        return list(load_core().collective_devices)
     except ImportError:
-        has_cuda = False  # the creator raises the loader's message when used
-    devices = ["cpu", "cuda"] if has_cuda else ["cpu"]
-    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=devices)
+        return ["cpu"]

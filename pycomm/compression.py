@@ -39,24 +39,31 @@ Example::
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Hashable, NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from ._loader import load_core
+from ._tables import CODECS, codec_default
 
 logger = logging.getLogger("pycomm")
 
-# Codec ids shared with csrc/compression/codec.h.
-_KIND_INT8, _KIND_INT4, _KIND_TOPK = 1, 2, 3
+def _core_default(name: str):
+    """A dataclass field whose default is the compiled core's (csrc/core/codec.h)."""
+    return field(default_factory=lambda: codec_default(name))
 
 
 @dataclass(frozen=True)
 class _Quantizer:
-    block: int = 256
-    stochastic: bool = False
-    seed: int = 0
+    block: int = _core_default("block")
+    stochastic: bool = _core_default("stochastic")
+    seed: int = _core_default("seed")
+
+    @property
+    def kind(self) -> int:
+        """The core's codec id."""
+        return CODECS[self._name]
 
 
 class Int8(_Quantizer):
@@ -68,7 +75,7 @@ class Int8(_Quantizer):
     """
 
     bits = 8
-    kind = _KIND_INT8
+    _name = "int8"
 
 
 class Int4(_Quantizer):
@@ -80,7 +87,7 @@ class Int4(_Quantizer):
     """
 
     bits = 4
-    kind = _KIND_INT4
+    _name = "int4"
 
 
 @dataclass(frozen=True)
@@ -97,20 +104,42 @@ class TopK:
         comm.all_reduce(grad, op="avg", compression=pycomm.TopK(ratio=0.01), error_feedback=ef, key=0)
     """
 
-    ratio: float = 0.01
-    exact: bool = False
-    tolerance: float = 0.1
-    sample_fraction: float = 0.01
-    seed: int = 0
+    ratio: float = _core_default("ratio")
+    exact: bool = _core_default("exact")
+    tolerance: float = _core_default("tolerance")
+    sample_fraction: float = _core_default("sample_fraction")
+    seed: int = _core_default("seed")
 
-    kind = _KIND_TOPK
+    _name = "topk"
+
+    @property
+    def kind(self) -> int:
+        """The core's codec id."""
+        return CODECS[self._name]
 
 
 Codec = Union[Int8, Int4, TopK]
 
 
+#: The dtypes a codec compresses (sum or avg).
+CODEC_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def is_quantizer(codec: object) -> bool:
+    """Whether ``codec`` is :class:`Int8` or :class:`Int4` (which keep a server residual)."""
     return isinstance(codec, _Quantizer)
+
+
+def core_args(codec: Codec) -> tuple:
+    """The codec as the core's compressed all-reduce takes it: (kind, block,
+    stochastic, seed, ratio, exact, tolerance, sample_fraction). Parameters a
+    codec does not have are the core's defaults."""
+
+    def get(name: str):
+        return getattr(codec, name) if hasattr(codec, name) else codec_default(name)
+
+    return (codec.kind, int(get("block")), bool(get("stochastic")), int(get("seed")) & (2**64 - 1),
+            float(get("ratio")), bool(get("exact")), float(get("tolerance")), float(get("sample_fraction")))
 
 
 class _Residuals(NamedTuple):
@@ -287,7 +316,8 @@ class Sparse(NamedTuple):
     shape: torch.Size
 
     def to_dense(self) -> torch.Tensor:
-        out = torch.zeros(self.shape, dtype=self.values.dtype).view(-1)
+        """The dense tensor of ``shape`` holding the selected entries, on the values' device."""
+        out = torch.zeros(self.shape, dtype=self.values.dtype, device=self.values.device).view(-1)
         scatter_add(out, self.values, self.indices)
         return out.view(self.shape)
 

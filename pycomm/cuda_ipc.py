@@ -27,9 +27,12 @@ from typing import Optional
 import torch
 
 from ._loader import CommError, load_core
-from .communicator import Op, _op_id, _wait_keys
+from ._tables import CoreTable, Op, reduce_op_id
+from .bootstrap import wait_keys
 
-IPC_ALGORITHMS = {"auto": 0, "one_shot": 1, "two_shot": 2}
+#: The IPC kernels by name ("auto", "one_shot", "two_shot"; CUDA builds only).
+IPC_ALGORITHMS = CoreTable("ipc_algorithms")
+# Staging memory per rank: calls larger than this run in several launches.
 DEFAULT_BUFFER_BYTES = 64 << 20
 
 
@@ -57,7 +60,7 @@ class IpcAllReduce:
         self.rank, self.world_size = rank, world_size
         store.set(f"{prefix}/{rank}", self._c.handles())
         keys = [f"{prefix}/{q}" for q in range(world_size)]
-        _wait_keys(store, keys, timeout, "every rank's CUDA IPC handles")
+        wait_keys(store, keys, timeout, "every rank's CUDA IPC handles")
         with torch.cuda.device(self.device):
             self._c.open([store.get(k) for k in keys])
             self._stream = torch.cuda.Stream(self.device)
@@ -72,7 +75,7 @@ class IpcAllReduce:
         ``out``; ``async_op=True`` returns an :class:`IpcWork` instead. Every rank
         must call with the same size, dtype, op and algorithm, in the same order.
         """
-        op_id = _op_id(op)
+        op_id = reduce_op_id(op)
         if op_id is None:
             raise CommError(f"pycomm: unknown reduce op {op!r}; use sum, avg, max or min")
         if algorithm not in IPC_ALGORITHMS:

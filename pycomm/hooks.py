@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from . import communicator as _communicator
+from . import default as _default
 from . import compression as _compression
 
 logger = logging.getLogger("pycomm")
@@ -75,7 +76,7 @@ def _resolve_communicator(process_group: Group, communicator: Optional["_communi
             raise TypeError(f"pycomm.hooks: communicator must be a pycomm.Communicator, got {type(communicator)}")
         return communicator
     if process_group is None or process_group is dist.group.WORLD:
-        return _communicator.get_default()
+        return _default.get_default()
     return _communicator.Communicator(process_group)
 
 
@@ -210,7 +211,7 @@ def allreduce_hook(state: Optional[AllReduceState], bucket: dist.GradBucket) -> 
         ddp.register_comm_hook(hooks.AllReduceState(), hooks.allreduce_hook)
     """
     if state is None:
-        comm = _communicator.get_default()
+        comm = _default.get_default()
         work = comm.all_reduce(bucket.buffer(), op="avg", async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
     if not isinstance(state, HookState):
@@ -301,8 +302,7 @@ class CompressionState(HookState):
             # would create it zero) and move each parameter's slice in. The
             # server residual belongs to another shard layout: it restarts
             # from zero, once.
-            shard = (self.communicator._c.compressed_shard_elems(buf.numel(), codec.block)
-                     if _compression.is_quantizer(codec) else 0)
+            shard = self.communicator.compressed_shard_numel(buf.numel(), codec)
             worker, _ = ef.residuals(key, buf, codec, shard)
             for off, n, home in layout:
                 old = ef.get(home[0]) if home is not None else None
@@ -473,19 +473,9 @@ class LocalSGD:
     @torch.no_grad()
     def average(self) -> None:
         """Average every parameter over ranks now (one flat all-reduce per dtype)."""
-        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                by_dtype.setdefault(p.dtype, []).append(p)
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
         with record_function("pycomm::local_sgd_average"):
-            for dtype, params in by_dtype.items():
-                flat = torch.cat([p.detach().reshape(-1) for p in params])
-                codec = self.compression if dtype in (torch.float32, torch.float16, torch.bfloat16) else None
-                self.communicator.all_reduce(flat, op="avg", compression=codec)
-                offset = 0
-                for p in params:
-                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                    offset += p.numel()
+            self.communicator.all_reduce_coalesced(params, op="avg", compression=self.compression)
         self.averages += 1
 
     def state_dict(self) -> dict:

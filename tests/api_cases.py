@@ -119,3 +119,31 @@ def env_algorithm(rank: int, world: int, name: str) -> dict:
     comm.barrier()
     comm.close()
     return res
+
+
+def coalesced(rank: int, world: int, name: str) -> dict:
+    """all_reduce_coalesced: tensors of several dtypes and odd sizes, reduced
+    in place with one flat all-reduce per dtype; compression only where the
+    dtype takes it. Rank r's tensors hold r + 1 plus fresh random data that
+    is the same on every rank (seeded), so the sum has a closed form."""
+    comm = make_comm(rank, world, name)
+    g = torch.Generator().manual_seed(7)
+    shapes = [((3, 5), torch.float32), ((7,), torch.int64), ((1,), torch.float32), ((4, 3), torch.float16),
+              ((0,), torch.float32), ((11,), torch.int32)]
+    base = [torch.randint(-50, 50, s, generator=g).to(d) for s, d in shapes]
+    out = {}
+    for label, codec in (("plain", None), ("int8", pycomm.Int8(block=8))):
+        tensors = [b + (rank + 1) for b in base]
+        comm.all_reduce_coalesced(tensors, op="sum", compression=codec)
+        expect = [(b.double() * world + world * (world + 1) / 2) for b in base]
+        ok = True
+        for t, e, (shape, dtype) in zip(tensors, expect, shapes):
+            ok = ok and t.shape == shape and t.dtype == dtype
+            if dtype in (torch.int32, torch.int64) or codec is None:
+                ok = ok and torch.equal(t.double(), e)
+            else:  # int8: half a scale per contribution and of the sum, scale <= absmax / 127
+                bound = float(e.abs().amax()) / 127 * (world + 1) if e.numel() else 0.0
+                ok = ok and bool(((t.double() - e).abs() <= bound + 1e-6).all())
+        out[label] = ok
+    comm.close()
+    return out

@@ -81,6 +81,23 @@ def mismatch(rank: int, world: int, name: str, kind: str, odd_rank: int = 1,
     return [first, after]
 
 
+def sparse_on_one_rank(rank: int, world: int, name: str, layout: str, compressed: bool) -> List[tuple]:
+    """Rank 1 passes a sparse tensor where the others pass a dense one: its
+    call must still take its turn, so that every rank raises at once rather
+    than its peers waiting for the timeout (a CSR tensor's is_contiguous()
+    throws, which once happened before the call took its turn), and say
+    why (a COO tensor is "not contiguous" only in a misleading sense)."""
+    comm = make_comm(rank, world, name, timeout=20)
+    dense = torch.randn(8, 8)
+    x = (dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()) if rank == 1 else dense
+    kwargs = {"compression": pycomm.Int8(), "op": "avg"} if compressed else {}
+    t0 = time.monotonic()
+    err = _outcome(lambda: comm.all_reduce(x, **kwargs))
+    elapsed = time.monotonic() - t0
+    comm.close()
+    return [err, elapsed]
+
+
 def late_peer(rank: int, world: int, name: str, timeout: float, **comm_kwargs) -> tuple:
     """Rank 1 arrives long after the timeout: rank 0 must give up in time."""
     comm = make_comm(rank, world, name, timeout=timeout, **comm_kwargs)

@@ -211,7 +211,8 @@ def _death_rank(rank: int, world: int, port: int, conn, seed: int, timeout: floa
                 wrong.append(bad)
             ops += 1
     except Exception as e:  # noqa: BLE001 - what the survivor saw is the result
-        conn.send(dict(err=f"{type(e).__name__}: {e}", t=time.monotonic(), ops=ops, wrong=wrong))
+        conn.send(dict(err=f"{type(e).__name__}: {e}", t=time.monotonic(), ops=ops, wrong=wrong,
+                       blamed=getattr(e, "blamed_rank", None), failure=getattr(e, "failure", None)))
 
 
 def death_trial(world: int, seed: int, timeout: float, comm_kwargs: Optional[dict] = None) -> Dict[str, Any]:

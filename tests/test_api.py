@@ -2,7 +2,7 @@
 dist.ReduceOp, world size 1, bootstrap from torch.distributed, PYCOMM_ALGO."""
 import pytest
 
-from api_cases import async_and_futures, default_group, env_algorithm, world_of_one
+from api_cases import async_and_futures, coalesced, default_group, env_algorithm, world_of_one
 from harness import RankPool
 
 WORLD = 3
@@ -35,3 +35,8 @@ def test_bootstrap_from_default_group(pool):
 def test_env_algorithm_is_a_preference(pool):
     for res in pool.run(env_algorithm, WORLD, pool.new_name()):
         assert res == {"all_reduce": "tree", "all_gather": "direct(two-shot)", "explicit": "ring"}
+
+
+def test_all_reduce_coalesced_per_dtype(pool):
+    for rank, res in enumerate(pool.run(coalesced, WORLD, pool.new_name())):
+        assert res == {"plain": True, "int8": True}, f"rank {rank}: {res}"

@@ -90,3 +90,22 @@ def test_store_host_leaves_first():
     assert sorted(re.findall(r"OK rank \d+", p.stdout)) == [f"OK rank {r}" for r in range(3)], p.stdout
     for bad in ("terminate called", "Segmentation", "core dumped", "Traceback"):
         assert bad not in p.stderr, p.stderr
+
+
+def test_backend_registers_only_the_devices_the_communicator_takes(monkeypatch):
+    """A CUDA build must not register "cuda": the communicator takes CPU tensors
+    only, whatever the build, and says so (tests/test_errors.py checks the words)."""
+    import torch.distributed as dist
+
+    import pycomm
+    from pycomm import c10d
+
+    assert c10d.devices() == list(pycomm.load_core().collective_devices) == ["cpu"]
+    assert dist.Backend.backend_capability["pycomm"] == ["cpu"]
+
+    class CudaBuild:  # what a CUDA build of the core reports
+        has_cuda = True
+        collective_devices = ("cpu",)
+
+    monkeypatch.setattr(c10d, "load_core", lambda: CudaBuild)
+    assert c10d.devices() == ["cpu"]

@@ -279,6 +279,18 @@ def test_topk_nan_inf_selected_and_carried():
         assert torch.isfinite(res).all()
 
 
+def test_sparse_to_dense_allocates_on_the_values_device(monkeypatch):
+    """to_dense() builds its result where the selection lives (a CUDA selection
+    stays on the GPU). The meta device stands in for a second device here."""
+    x = torch.randn(1000, generator=gen(14))
+    s = C.topk(x, 10, exact=True)
+    assert torch.equal(s.to_dense()[s.indices.long()], x[s.indices.long()])
+    meta = C.Sparse(s.buffer.to("meta"), s.values.to("meta"), s.indices.to("meta"), s.shape)
+    seen = []
+    monkeypatch.setattr(C, "scatter_add", lambda dense, values, indices: seen.append(dense.device))
+    assert meta.to_dense().device.type == "meta" and seen == [torch.device("meta")]
+
+
 def test_topk_error_feedback_residual():
     x = torch.randn(20000, generator=gen(12)).bfloat16()
     res = torch.randn(20000, generator=gen(13)) * 0.1

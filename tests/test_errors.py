@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from error_cases import bad_inputs, late_peer, mismatch, missing_rank, stream_until_killed
+from error_cases import bad_inputs, late_peer, mismatch, missing_rank, sparse_on_one_rank, stream_until_killed
 from harness import RankPool
 
 WORLD = 3
@@ -26,7 +26,7 @@ EXPECTED_WORDS = {
     "int8": "dtype",
     "complex": "dtype",
     "bool": "dtype",
-    "meta device": "device",
+    "meta device": "takes CPU tensors only",
     "output size": "elements",
     "output dtype": "dtype",
     "partial overlap": "overlap",
@@ -63,6 +63,20 @@ def test_mismatch_raises_on_every_rank(pool3, kind):
             assert "disagree" in first or "invalid" in first, f"rank {rank}: {first}"
         # Ranks that disagree have lost step: the communicator stays failed.
         assert after and after.startswith("CommError: "), f"rank {rank} continued after a mismatch: {after}"
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["plain", "int8"])
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_sparse_tensor_on_one_rank_fails_every_rank_promptly(pool3, layout, compressed):
+    """The communicator's timeout is 20 s: every rank must raise CommError long before."""
+    results = pool3.run(sparse_on_one_rank, WORLD, pool3.new_name(), layout, compressed, timeout=60)
+    for rank, (err, elapsed) in enumerate(results):
+        assert err and err.startswith("CommError: "), f"rank {rank}: {err}"
+        if rank == 1:
+            assert "dense" in err, err
+        else:
+            assert "disagree" in err and "could not run" in err, f"rank {rank}: {err}"
+        assert elapsed < 5.0, f"rank {rank} took {elapsed:.1f} s"
 
 
 def test_late_peer_times_out_on_time(pool3):

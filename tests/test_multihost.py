@@ -78,7 +78,7 @@ def test_topology_and_tuner_choices(pool8):
 def test_tuner_is_a_pure_function():
     core = pycomm.load_core()
     ar, rs, bc = 0, 1, 3
-    hier = pycomm.communicator.ALGORITHMS["hierarchical"]
+    hier = pycomm.ALGORITHMS["hierarchical"]
     assert core.tune_multihost(0, ar, 1 << 26, 4, 1) == ("ring", "ring")  # one rank per host: flat
     assert core.tune_multihost(0, ar, 1000, 4, 1)[0] == "direct(one-shot)"
     assert core.tune_multihost(3, ar, 1 << 26, 4, 1)[0] == "direct(two-shot)"  # "direct" stays direct

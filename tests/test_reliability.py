@@ -67,6 +67,9 @@ def _death_trials(zygote, trials, comm_kwargs=None, worlds=(2, 3, 4, 5, 8), time
                 continue
             if not err.startswith("CommError") or f"rank {victim}" not in err:
                 failures.append(f"{where}: rank {r} raised {err!r}, which does not name rank {victim}")
+            # The blame is structured too: programs need not parse the message.
+            if rep["blamed"] != victim or rep["failure"] not in ("died", "silent"):
+                failures.append(f"{where}: rank {r} blames {rep['blamed']} ({rep['failure']}), not rank {victim}")
             if after > timeout + 1.0:
                 failures.append(f"{where}: rank {r} raised {after:.2f} s after the kill (timeout {timeout} s)")
             detect.append(after)

@@ -14,10 +14,13 @@ import torch  # noqa: F401
 import pycomm
 
 C = pycomm.load_core()
-RING, TREE, ONESHOT, TWOSHOT = 1, 2, 4, 5
-ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST = 0, 1, 2, 3
-SEND, RECV_REDUCE, RECV_COPY = 0, 1, 2
-ALL_PEERS = -1
+# Ids as the core publishes them (never restated here).
+RING, TREE, ONESHOT, TWOSHOT = (C.algorithm_names.index(n)
+                                for n in ("ring", "tree", "direct(one-shot)", "direct(two-shot)"))
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, BROADCAST, ALL_TO_ALL = (
+    C.collectives.index(n) for n in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all"))
+SEND, RECV_REDUCE, RECV_COPY = (C.op_kinds[k] for k in ("send", "recv_reduce", "recv_copy"))
+ALL_PEERS = C.all_peers
 
 CASES = [
     (RING, ALL_REDUCE), (TREE, ALL_REDUCE), (ONESHOT, ALL_REDUCE), (TWOSHOT, ALL_REDUCE),
@@ -126,8 +129,6 @@ def test_tuner_is_deterministic_and_supports():
     assert not C.algorithm_supports(TREE, ALL_GATHER)
     assert C.algorithm_supports(TREE, BROADCAST)
 
-
-ALL_TO_ALL = 6
 
 
 @pytest.mark.parametrize("world", list(range(1, 13)))

@@ -1,7 +1,10 @@
 // A schedule is a pure function from (rank, world, step) to the transfers a
 // rank makes at that step. Transports execute schedules; schedules know
-// nothing about memory, sockets or kernels, so one schedule serves shared
-// memory, CUDA IPC and a wrapped ProcessGroup, and is unit-tested alone.
+// nothing about memory, sockets or kernels, so one schedule serves the
+// shared-memory and the process-group executors (and any executor to come,
+// such as GPU kernels over IPC-mapped buffers), and is unit-tested alone.
+// The CUDA IPC all-reduce does not run schedules yet: its one-shot and
+// two-shot kernels are written out by hand (transport/cuda_ipc.cu).
 //
 // Execution model every executor implements:
 //   * A collective's data is cut into rounds; each round into num_chunks()
@@ -22,43 +25,11 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
-#include "../common.h"
+#include "../core/collective.h"
 
 namespace pycomm {
-
-// Numeric values travel in collective headers: never reorder.
-enum class Algorithm : uint8_t {
-  kAuto = 0,
-  kRing = 1,
-  kTree = 2,
-  kDirect = 3,   // user-facing; resolved to one of the two below
-  kOneShot = 4,  // direct: every rank reads every input (small messages)
-  kTwoShot = 5,  // direct: reduce-scatter then all-gather, each one hop
-  // Several hosts: reduce inside each host over shared memory, across hosts
-  // over the process-group transport, then share the result inside the host.
-  kHier = 6,        // user-facing; resolved to one of the two below
-  kHierShard = 7,   // every local rank runs the inter-host part on its shard
-  kHierLeader = 8,  // one leader per host runs it on the whole tensor
-};
-
-enum class Collective : uint8_t {
-  kAllReduce = 0,
-  kReduceScatter = 1,
-  kAllGather = 2,
-  kBroadcast = 3,
-  kBarrier = 4,
-  // A call one rank rejected (bad tensor, bad argument). It still takes its
-  // place in the sequence so that peers fail fast instead of waiting.
-  kInvalid = 5,
-  // Rank r sends block p of its input to rank p, which stores it as block r
-  // of its output (torch's all_to_all_single with equal splits).
-  kAllToAll = 6,
-  // Point-to-point messages. They never run on a transport's schedules (no
-  // schedule supports them): the names serve the Work, messages and profiler.
-  kSend = 7,
-  kRecv = 8,
-};
 
 enum class OpKind : uint8_t { kSend = 0, kRecvReduce = 1, kRecvCopy = 2 };
 
@@ -80,14 +51,44 @@ constexpr int kNumPhases = 2;
 // chunk stays well above the per-message synchronisation cost.
 constexpr int kPipelineChunks = 4;
 
-const char* algorithm_name(Algorithm a);
-const char* collective_name(Collective c);
-
 PYCOMM_HOST_DEVICE ScheduleOp make_send(int phase, int peer, int chunk) {
   return ScheduleOp{OpKind::kSend, static_cast<uint8_t>(phase), static_cast<int16_t>(peer), chunk, 0};
 }
 PYCOMM_HOST_DEVICE ScheduleOp make_recv(OpKind kind, int phase, int peer, int chunk, int sent_step) {
   return ScheduleOp{kind, static_cast<uint8_t>(phase), static_cast<int16_t>(peer), chunk, sent_step};
 }
+
+// Which chunks a rank starts with (input) and must end with (output).
+inline bool chunk_has_input(Collective coll, int chunk, int rank) {
+  return coll != Collective::kAllGather || chunk == rank;
+}
+inline bool chunk_has_output(Collective coll, int chunk, int rank) {
+  return coll != Collective::kReduceScatter || chunk == rank;
+}
+
+// A schedule bound to one collective on one communicator. Adding an
+// algorithm is one new header beside this one, one case in each switch of
+// schedule.cpp and one line in the tuner.
+struct Schedule {
+  Algorithm algo;
+  Collective coll;
+  int world;
+  int root;
+
+  int num_chunks() const;
+  int num_steps() const;
+  int max_ops() const;
+  // The ops of `rank` at `step`, sends first.
+  void ops(int rank, int step, std::vector<ScheduleOp>& out) const;
+};
+
+// Which concrete algorithms can run a collective (kAuto, kDirect and kHier
+// resolve to one of them).
+bool algorithm_supports(Algorithm algo, Collective coll);
+
+// Whether a caller may ask for `algo` for `coll`: kAuto, kDirect and kHier
+// always (the tuner resolves them per collective), a concrete algorithm
+// where it runs.
+bool algorithm_applies(Algorithm algo, Collective coll);
 
 }  // namespace pycomm

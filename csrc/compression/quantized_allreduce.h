@@ -10,7 +10,7 @@
 #pragma once
 
 #include "../transport/transport.h"
-#include "codec.h"
+#include "compressed_allreduce.h"
 
 namespace pycomm {
 

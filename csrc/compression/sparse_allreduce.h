@@ -6,7 +6,7 @@
 #pragma once
 
 #include "../transport/transport.h"
-#include "codec.h"
+#include "compressed_allreduce.h"
 
 namespace pycomm {
 
@@ -16,8 +16,6 @@ class SparseAllReduce : public CompressedAllReduce {
   void run(uint64_t seq) override;
   int seq_span() const override { return 1; }
   CompressionStats stats() const override;
-  // Entries a rank may send: k, plus the approximate selection's tolerance.
-  size_t capacity() const { return cap_; }
 
  private:
   size_t k_ = 0;

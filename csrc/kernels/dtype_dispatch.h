@@ -4,7 +4,7 @@
 
 #include <string>
 
-#include "../common.h"
+#include "../core/common.h"
 #include "reduce.h"
 
 namespace pycomm {

@@ -5,7 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "../common.h"
+#include "../core/common.h"
 
 namespace pycomm {
 namespace kernels {

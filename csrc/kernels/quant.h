@@ -21,7 +21,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "../common.h"
+#include "../core/common.h"
 #include "reduce.h"
 
 #include <math.h>

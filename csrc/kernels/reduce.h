@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "../common.h"
+#include "../core/common.h"
 
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>

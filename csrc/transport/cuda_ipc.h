@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "../common.h"
+#include "../core/common.h"
 
 namespace pycomm {
 

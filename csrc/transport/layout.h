@@ -6,18 +6,11 @@
 #include <cstdint>
 #include <vector>
 
-#include "../collective.h"
+#include "../algorithms/schedule.h"
+#include "../core/collective.h"
 #include "../kernels/kernels.h"
 
 namespace pycomm {
-
-// Which chunks a rank starts with (input) and must end with (output).
-inline bool chunk_has_input(Collective coll, int chunk, int rank) {
-  return coll != Collective::kAllGather || chunk == rank;
-}
-inline bool chunk_has_output(Collective coll, int chunk, int rank) {
-  return coll != Collective::kReduceScatter || chunk == rank;
-}
 
 // op=avg: every executor sums, then divides the output once by the number of
 // ranks whose data it summed.

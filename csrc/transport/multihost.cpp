@@ -4,9 +4,10 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <thread>
 
-#include "../algorithms/algorithms.h"
+#include "../algorithms/tuner.h"
 #include "../kernels/kernels.h"
 #include "layout.h"
 
@@ -53,14 +54,14 @@ void MultiHostTransport::run(const CollectiveDesc& desc, uint64_t seq) {
   //    fails every cross group, so every rank of the job raises.
   CollectiveDesc check = desc;
   check.check_only = true;
-  std::string local_error;
+  std::optional<CommError> local_error;
   try {
     c_.local->run(check, seq);
   } catch (const CommError& e) {
-    local_error = e.what();
+    local_error = e;
     check.coll = Collective::kInvalid;
   }
-  if (local_error.empty()) {
+  if (!local_error) {
     c_.cross->run(check, seq);
   } else {
     // The other hosts learn of the failure from the invalid header; what
@@ -69,7 +70,7 @@ void MultiHostTransport::run(const CollectiveDesc& desc, uint64_t seq) {
       c_.cross->run(check, seq);
     } catch (const CommError&) {
     }
-    throw CommError(local_error);
+    throw *local_error;
   }
   if (desc.check_only || desc.coll == Collective::kBarrier || desc.coll == Collective::kInvalid) return;
   CollectiveDesc d = desc;
@@ -79,15 +80,15 @@ void MultiHostTransport::run(const CollectiveDesc& desc, uint64_t seq) {
   } catch (const CommError& e) {
     // The host's other ranks may wait on us inside the host: fail them now
     // rather than at their timeout.
-    c_.local->abort(e.what());
+    c_.local->abort(e.what(), e.blame());
     throw;
   }
 }
 
-void MultiHostTransport::abort(const std::string& why) {
-  c_.local->abort(why);
-  c_.flat->abort(why);
-  if (c_.cross) c_.cross->abort(why);
+void MultiHostTransport::abort(const std::string& why, Blame blame) {
+  c_.local->abort(why, blame);
+  c_.flat->abort(why, blame);
+  if (c_.cross) c_.cross->abort(why, blame);
 }
 
 void MultiHostTransport::dispatch(const CollectiveDesc& d, uint64_t seq) {

@@ -43,7 +43,7 @@ class MultiHostTransport : public Transport {
   void run(const CollectiveDesc& desc, uint64_t seq) override;
   int rank() const override { return c_.rank; }
   int world() const override { return c_.world; }
-  void abort(const std::string& why) override;
+  void abort(const std::string& why, Blame blame = {}) override;
   int hosts() const { return hosts_; }
   // Ranks per host, 0 where hosts differ in size (no hierarchical collectives).
   int uniform_local_size() const { return c_.cross ? local_size_ : 0; }

@@ -27,6 +27,24 @@ constexpr size_t kGrainBytes = 256 * 1024;
 // would take the core from the computation that produces the data.
 constexpr auto kMaxSpin = std::chrono::microseconds(50);
 
+constexpr uint32_t kMessageMagic = 0x50325031u;  // "1P2P": a tensor of a message follows
+constexpr uint32_t kFailureMagic = 0x52524550u;  // "PERR": the sender failed; its reason follows
+
+// One tensor's description on the wire. No padding holes.
+struct MessageHeader {
+  uint32_t magic;
+  uint32_t tag;
+  uint32_t index;  // this tensor's position in its message
+  uint32_t total;  // tensors in the message
+  uint64_t nbytes;
+  uint8_t dtype;
+  uint8_t ndim;
+  uint8_t pad[6];
+  int64_t shape[kP2PMaxDims];
+  uint8_t pad2[32];
+};
+static_assert(sizeof(MessageHeader) == 128, "two cache lines");
+
 }  // namespace
 
 // The sender owns `written`, the receiver `consumed` (both count bytes
@@ -189,6 +207,70 @@ void ShmChannels::read(int peer, void* data, size_t n, const OpContext& ctx) {
     n -= k;
     s.consumed.store(c, std::memory_order_seq_cst);
     if (s.writer_waiting.load(std::memory_order_seq_cst) > 0) futex_wake_all(&s.consumed);
+  }
+}
+
+void ShmChannels::send_message(int peer, uint32_t tag, const TensorMeta* metas, const void* const* data,
+                               uint32_t count, const OpContext& ctx) {
+  for (uint32_t i = 0; i < count; ++i) {
+    const TensorMeta& m = metas[i];
+    MessageHeader h{};
+    h.magic = kMessageMagic;
+    h.tag = tag;
+    h.index = i;
+    h.total = count;
+    h.nbytes = m.nbytes;
+    h.dtype = m.dtype;
+    h.ndim = static_cast<uint8_t>(m.ndim);
+    for (int d = 0; d < m.ndim; ++d) h.shape[d] = m.shape[d];
+    write(peer, &h, sizeof h, ctx);
+    if (h.nbytes) write(peer, data[i], h.nbytes, ctx);
+  }
+}
+
+void ShmChannels::send_failure(int peer, const std::string& why, const OpContext& ctx) {
+  MessageHeader h{};
+  h.magic = kFailureMagic;
+  h.nbytes = why.size();
+  write(peer, &h, sizeof h, ctx);
+  write(peer, why.data(), why.size(), ctx);
+}
+
+void ShmChannels::recv_message(int peer, uint32_t tag, MessageSink& sink, const OpContext& ctx) {
+  const int src = shm_.name(peer);
+  auto where = [&] {
+    std::ostringstream os;
+    os << "pycomm.recv #" << ctx.seq << " on rank " << shm_.name(shm_.rank_) << " from rank " << src << ": ";
+    return os.str();
+  };
+  uint32_t total = 1;
+  for (uint32_t i = 0; i < total; ++i) {
+    MessageHeader h{};
+    read(peer, &h, sizeof h, ctx);
+    if (h.magic == kFailureMagic) {
+      std::string msg(h.nbytes, '\0');
+      read(peer, msg.data(), msg.size(), ctx);
+      throw CommError(where() + "the sender failed: " + msg);
+    }
+    // From here on a mismatch leaves the channel out of step with the
+    // sender: it fails the communicator on every local rank (as collectives
+    // whose headers disagree do) rather than deliver the wrong bytes later.
+    if (h.magic != kMessageMagic || h.index != i || h.total == 0 || h.ndim > kP2PMaxDims)
+      shm_.fail(where() + "the channel is out of step (corrupt message header)");
+    if (h.tag != tag)
+      shm_.fail(where() + "expected tag " + std::to_string(tag) + " but the next message from rank " +
+                std::to_string(src) + " has tag " + std::to_string(h.tag) +
+                " (messages between two ranks arrive in the order they were sent)");
+    total = h.total;
+    TensorMeta meta;
+    meta.dtype = h.dtype;
+    meta.ndim = h.ndim;
+    for (int d = 0; d < h.ndim; ++d) meta.shape[d] = h.shape[d];
+    meta.nbytes = h.nbytes;
+    std::string why;
+    void* dst = sink.place(i, total, meta, &why);
+    if (!why.empty()) shm_.fail(where() + why);
+    if (h.nbytes) read(peer, dst, h.nbytes, ctx);
   }
 }
 

@@ -29,22 +29,25 @@ namespace pycomm {
 
 constexpr int kP2PMaxDims = 8;
 
-// One tensor's description on the wire. No padding holes.
-struct P2PHeader {
-  uint32_t magic;
-  uint32_t tag;
-  uint32_t index;  // this tensor's position in its message
-  uint32_t total;  // tensors in the message
-  uint64_t nbytes;
-  uint8_t dtype;
-  uint8_t ndim;
-  uint8_t pad[6];
-  int64_t shape[kP2PMaxDims];
-  uint8_t pad2[32];
+// One tensor of a message. `dtype` is the caller's own dtype code (the torch
+// layer passes torch's ScalarType): the protocol carries it and the
+// receiver's sink interprets it.
+struct TensorMeta {
+  uint8_t dtype = 0;
+  int ndim = 0;
+  int64_t shape[kP2PMaxDims] = {};
+  uint64_t nbytes = 0;
 };
-static_assert(sizeof(P2PHeader) == 128, "two cache lines");
 
-constexpr uint32_t kP2PMagic = 0x50325031u;  // "1P2P"
+// Where a received message's tensors go.
+class MessageSink {
+ public:
+  virtual ~MessageSink() = default;
+  // Tensor `index` of `total` is `meta`: returns where its nbytes go, or
+  // sets *why when it cannot take it (the channel is then out of step with
+  // the sender, and the communicator fails on every local rank).
+  virtual void* place(uint32_t index, uint32_t total, const TensorMeta& meta, std::string* why) = 0;
+};
 
 struct ChannelSegment;
 
@@ -63,9 +66,21 @@ class ShmChannels {
   // Reads the next `n` bytes sent by local rank `peer`. Throws CommError.
   void read(int peer, void* data, size_t n, const OpContext& ctx);
 
+  // The message protocol on top of the byte streams. Each tensor travels
+  // as a fixed-size header (magic, tag, index in the message, dtype, shape)
+  // followed by its bytes, so a receiver needs no declared shapes. `tag` is
+  // checked, not matched: messages between two ranks arrive in the order
+  // they were sent. All three throw CommError.
+  void send_message(int peer, uint32_t tag, const TensorMeta* metas, const void* const* data, uint32_t count,
+                    const OpContext& ctx);
+  // A send this rank cannot make still reaches the receiver, as an error
+  // message: its recv raises at once instead of waiting for the timeout.
+  void send_failure(int peer, const std::string& why, const OpContext& ctx);
+  // Receives the next message from `peer` into what `sink` places.
+  void recv_message(int peer, uint32_t tag, MessageSink& sink, const OpContext& ctx);
+
   // Unlinks channel names a peer never mapped (it never talked to us).
   void close();
-  size_t capacity() const { return capacity_; }
 
  private:
   struct Channel {

@@ -1,7 +1,5 @@
 #include "process_group.h"
 
-#include <ATen/ATen.h>
-
 #include <cstring>
 #include <deque>
 #include <sstream>
@@ -29,8 +27,6 @@ uint32_t make_tag(int space, uint64_t op, uint64_t round, int step, int phase, i
                                ((static_cast<uint32_t>(phase) & 1) << 10) | (static_cast<uint32_t>(chunk) & 0x3FF));
 }
 
-enum Loc : uint8_t { kNone, kInput, kOutput, kValue };
-
 std::string first_line(const char* what) {
   std::string s(what);
   const size_t nl = s.find('\n');
@@ -38,42 +34,6 @@ std::string first_line(const char* what) {
 }
 
 }  // namespace
-
-struct PgSend {
-  int chunk;
-  int phase;
-  std::vector<int> to;
-};
-
-// A source of a reduction group: this rank's current value of the chunk
-// (peer < 0) or a message from `peer`, staged in receive buffer `buf`.
-struct PgSrc {
-  int peer;
-  int sent_step;
-  int phase;
-  int tag_chunk;  // the chunk number the sender tags it with
-  int buf;
-};
-
-struct PgGroup {
-  int chunk;
-  std::vector<PgSrc> srcs;
-};
-
-struct PgStep {
-  std::vector<PgSend> sends;
-  std::vector<PgGroup> groups;
-};
-
-struct PgPlan {
-  Algorithm algo;
-  Collective coll;
-  int root;
-  int num_chunks;
-  int num_bufs = 0;
-  std::vector<PgStep> steps;
-  std::vector<int> final_copies;  // chunks whose output is their untouched input
-};
 
 // One round in flight: where its chunks are, its staging memory, and its
 // outstanding transfers.
@@ -86,29 +46,27 @@ struct PgRound {
   std::vector<const char*> in;
   std::vector<char*> out;
   std::vector<size_t> len;
-  std::vector<uint8_t> loc;
-  std::vector<c10::intrusive_ptr<c10d::Work>> recvs;
+  std::vector<std::shared_ptr<PeerLink::Transfer>> recvs;
   // Sends still reading a chunk, with their peers: the chunk's memory may
   // change only once they completed.
-  std::vector<std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, int>>> sends;
+  std::vector<std::vector<std::pair<std::shared_ptr<PeerLink::Transfer>, int>>> sends;
+
+  // Where a chunk's value is (null: the rank does not have it). A value
+  // this rank forwards but does not keep lives in `values`, whichever
+  // phase the plan stages it in: a transfer reads it in place.
+  char* where(Loc l, int c) {
+    switch (l) {
+      case Loc::kInput: return const_cast<char*>(in[c]);
+      case Loc::kOutput: return out[c];
+      case Loc::kStaged0:
+      case Loc::kStaged1: return values.data() + c * chunk_bytes;
+      default: return nullptr;
+    }
+  }
 };
 
-namespace {
-
-// Where chunk c's current value lives (null: the rank does not have it).
-const char* current(const PgRound& r, int c) {
-  switch (r.loc[c]) {
-    case kInput: return r.in[c];
-    case kOutput: return r.out[c];
-    case kValue: return r.values.data() + c * r.chunk_bytes;
-    default: return nullptr;
-  }
-}
-
-}  // namespace
-
 PgTransport::PgTransport(const PgConfig& c)
-    : backend_(c.backend),
+    : link_(c.link),
       members_(c.members),
       names_(c.names.empty() ? c.members : c.names),
       rank_(c.rank),
@@ -116,18 +74,19 @@ PgTransport::PgTransport(const PgConfig& c)
       round_bytes_(c.round_bytes),
       window_(c.window),
       tag_space_(c.tag_space),
-      timeout_s_(c.timeout_s) {
-  if (!backend_) throw CommError("pycomm: the process-group transport needs a backend");
+      timeout_s_(c.timeout_s),
+      plans_(c.rank) {
+  if (!link_) throw CommError("pycomm: the process-group transport needs a backend");
   if (world_ < 1 || rank_ < 0 || rank_ >= world_)
     throw CommError("pycomm: invalid process-group transport rank " + std::to_string(rank_) + " of " +
                     std::to_string(world_));
   if (world_ > kMaxChunks) throw CommError("pycomm: the process-group transport supports at most 1024 ranks");
   if (static_cast<int>(names_.size()) != world_)
     throw CommError("pycomm: process-group transport given names for the wrong number of ranks");
-  if (members_[rank_] != backend_->getRank())
+  if (members_[rank_] != link_->rank())
     throw CommError("pycomm: process-group transport member " + std::to_string(rank_) + " is backend rank " +
                     std::to_string(members_[rank_]) + ", but this process is backend rank " +
-                    std::to_string(backend_->getRank()));
+                    std::to_string(link_->rank()));
   if (round_bytes_ < 4096) throw CommError("pycomm: process-group round size must be at least 4 KiB");
   if (window_ < 1 || window_ > kMaxWindow) throw CommError("pycomm: process-group window must be 1..32");
   if (tag_space_ < 0 || tag_space_ > 1) throw CommError("pycomm: process-group tag space must be 0 or 1");
@@ -136,37 +95,36 @@ PgTransport::PgTransport(const PgConfig& c)
 
 PgTransport::~PgTransport() = default;
 
-void PgTransport::abort(const std::string& why) {
-  if (broken_.empty()) broken_ = why;
+void PgTransport::abort(const std::string& why, Blame blame) {
+  std::lock_guard<std::mutex> lk(broken_mu_);
+  if (!broken_) broken_ = CommError(why, blame);
 }
 
-c10::intrusive_ptr<c10d::Work> PgTransport::send(const void* data, size_t bytes, int peer, uint32_t tag) {
-  std::vector<at::Tensor> t{at::from_blob(const_cast<void*>(data), {static_cast<int64_t>(bytes)},
-                                          at::TensorOptions().dtype(at::kByte))};
+PgTransport::TransferPtr PgTransport::send(const void* data, size_t bytes, int peer, uint32_t tag) {
   try {
-    return backend_->send(t, members_[peer], static_cast<int>(tag));
+    return link_->send(data, bytes, members_[peer], tag);
   } catch (const std::exception& e) {
-    throw CommError(unreachable(peer, e.what()));
+    throw unreachable(peer, e.what());
   }
 }
 
-c10::intrusive_ptr<c10d::Work> PgTransport::recv(void* data, size_t bytes, int peer, uint32_t tag) {
-  std::vector<at::Tensor> t{at::from_blob(data, {static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte))};
+PgTransport::TransferPtr PgTransport::recv(void* data, size_t bytes, int peer, uint32_t tag) {
   try {
-    return backend_->recv(t, members_[peer], static_cast<int>(tag));
+    return link_->recv(data, bytes, members_[peer], tag);
   } catch (const std::exception& e) {
-    throw CommError(unreachable(peer, e.what()));
+    throw unreachable(peer, e.what());
   }
 }
 
 // A transfer the backend refused to post: the connection to `peer` is gone.
-std::string PgTransport::unreachable(int peer, const std::string& error) const {
-  return "pycomm: rank " + std::to_string(name(rank_)) + " failed while waiting for rank " +
-         std::to_string(name(peer)) + " (posting a transfer): " + first_line(error.c_str()) + "; rank " +
-         std::to_string(name(peer)) + " may have died or left";
+CommError PgTransport::unreachable(int peer, const std::string& error) const {
+  return CommError("pycomm: rank " + std::to_string(name(rank_)) + " failed while waiting for rank " +
+                       std::to_string(name(peer)) + " (posting a transfer): " + first_line(error.c_str()) +
+                       "; rank " + std::to_string(name(peer)) + " may have died or left",
+                   Blame{FailureKind::kWaiting, name(peer)});
 }
 
-void PgTransport::wait(c10::intrusive_ptr<c10d::Work>& work, int peer, const char* what, const Ctx& ctx) {
+void PgTransport::wait(TransferPtr& work, int peer, const char* what, const Ctx& ctx) {
   if (!work) return;
   // Backends take whole milliseconds; never pass 0, which some read as "no
   // timeout".
@@ -192,11 +150,14 @@ void PgTransport::wait(c10::intrusive_ptr<c10d::Work>& work, int peer, const cha
     os << " failed on rank " << name(rank_) << " while waiting for rank " << name(peer) << " (" << what
        << "): " << error << "; rank " << name(peer) << " may have died or left";
   }
-  throw CommError(os.str());
+  throw CommError(os.str(), Blame{FailureKind::kWaiting, name(peer)});
 }
 
 void PgTransport::run(const CollectiveDesc& desc, uint64_t seq) {
-  if (!broken_.empty()) throw CommError(broken_);
+  {
+    std::lock_guard<std::mutex> lk(broken_mu_);
+    if (broken_) throw *broken_;
+  }
   Ctx ctx;
   ctx.desc = &desc;
   ctx.seq = seq;
@@ -211,7 +172,12 @@ void PgTransport::run(const CollectiveDesc& desc, uint64_t seq) {
     // Transfers still posted may complete into our buffers later: keep them
     // (and the buffers, which the slots own) referenced, and refuse further
     // calls, whose tags could collide with the abandoned ones.
-    broken_ = e.what();
+    const auto* comm_error = dynamic_cast<const CommError*>(&e);
+    const CommError failure(e.what(), comm_error ? comm_error->blame() : Blame{});
+    {
+      std::lock_guard<std::mutex> lk(broken_mu_);
+      if (!broken_) broken_ = failure;
+    }
     for (auto& w : header_works_)
       if (w) abandoned_.push_back(std::move(w));
     header_works_.clear();
@@ -226,7 +192,7 @@ void PgTransport::run(const CollectiveDesc& desc, uint64_t seq) {
       abandoned_buffers_.push_back(std::move(slot->values));
       abandoned_buffers_.push_back(std::move(slot->bufs));
     }
-    throw CommError(broken_);
+    throw failure;
   }
 }
 
@@ -255,78 +221,9 @@ void PgTransport::exchange_headers(const Ctx& ctx) {
        << describe_call(headers[0].desc()) << " but rank " << name(q) << " called "
        << describe_call(headers[q].desc());
     if (headers[q].seq != headers[0].seq) os << " (as its collective #" << headers[q].seq << ")";
-    throw CommError(os.str());
+    throw CommError(os.str(), mismatch_blame(headers[0], name(0), headers[q], name(q)));
   }
   for (int q = 0; q < world_; ++q) wait(header_works_[world_ + q], q, "it to take this rank's header", ctx);
-}
-
-const PgPlan& PgTransport::plan_for(const Schedule& s) {
-  for (const auto& p : plans_)
-    if (p->algo == s.algo && p->coll == s.coll && p->root == s.root) return *p;
-  auto plan = std::make_unique<PgPlan>();
-  plan->algo = s.algo;
-  plan->coll = s.coll;
-  plan->root = s.root;
-  plan->num_chunks = s.num_chunks();
-  const int T = s.num_steps();
-  if (T >= kMaxSteps || plan->num_chunks > kMaxChunks)
-    throw CommError("pycomm internal error: schedule too long for the process-group transport's tags");
-  // Every rank's ops: a send to kAllPeers goes to whoever receives it.
-  std::vector<std::vector<std::vector<ScheduleOp>>> all(world_, std::vector<std::vector<ScheduleOp>>(T));
-  for (int q = 0; q < world_; ++q)
-    for (int t = 0; t < T; ++t) s.ops(q, t, all[q][t]);
-  const bool a2a = s.coll == Collective::kAllToAll;
-  const int K = plan->num_chunks;
-  std::vector<bool> received(K, false);
-  plan->steps.resize(T);
-  for (int t = 0; t < T; ++t) {
-    const auto& v = all[rank_][t];
-    PgStep& step = plan->steps[t];
-    for (const auto& op : v) {
-      if (op.kind != OpKind::kSend) continue;
-      PgSend send{op.chunk, op.phase, {}};
-      if (op.peer != kAllPeers) {
-        send.to.push_back(op.peer);
-      } else {
-        for (int q = 0; q < world_; ++q) {
-          if (q == rank_) continue;
-          bool reads = false;
-          for (int u = t; u < T && !reads; ++u)
-            for (const auto& r : all[q][u])
-              if (r.kind != OpKind::kSend && r.peer == rank_ && r.sent_step == t && r.phase == op.phase &&
-                  r.chunk == op.chunk)
-                reads = true;
-          if (reads) send.to.push_back(q);
-        }
-      }
-      step.sends.push_back(std::move(send));
-    }
-    for (size_t i = 0; i < v.size();) {
-      if (v[i].kind == OpKind::kSend) {
-        ++i;
-        continue;
-      }
-      PgGroup g;
-      g.chunk = v[i].chunk;
-      if (v[i].kind == OpKind::kRecvReduce) g.srcs.push_back({-1, 0, 0, 0, -1});
-      for (; i < v.size() && v[i].kind != OpKind::kSend && v[i].chunk == g.chunk; ++i) {
-        if (v[i].peer == rank_) {
-          g.srcs.push_back({-1, 0, 0, 0, -1});
-        } else {
-          // All-to-all: the sender numbers the block by its receiver.
-          const int tag_chunk = a2a ? rank_ : v[i].chunk;
-          g.srcs.push_back({v[i].peer, v[i].sent_step, v[i].phase, tag_chunk, plan->num_bufs++});
-        }
-      }
-      received[g.chunk] = true;
-      step.groups.push_back(std::move(g));
-    }
-  }
-  for (int c = 0; c < K; ++c)
-    if (chunk_has_output(s.coll, c, rank_) && chunk_has_input(s.coll, c, rank_) && !received[c])
-      plan->final_copies.push_back(c);
-  plans_.push_back(std::move(plan));
-  return *plans_.back();
 }
 
 void PgTransport::execute(const Ctx& ctx) {
@@ -337,7 +234,9 @@ void PgTransport::execute(const Ctx& ctx) {
     const RoundLayout layout(d, 1, 1, round_bytes_);
     kernels::copy_cpu(d.output, nullptr, d.input, layout.out_count * es);
   } else {
-    const PgPlan& plan = plan_for(Schedule{d.algo, d.coll, world_, d.root});
+    const Plan& plan = plans_.get(Schedule{d.algo, d.coll, world_, d.root});
+    if (static_cast<int>(plan.steps.size()) >= kMaxSteps || plan.num_chunks > kMaxChunks)
+      throw CommError("pycomm internal error: schedule too long for the process-group transport's tags");
     const RoundLayout layout(d, plan.num_chunks, world_, round_bytes_);
     const int T = static_cast<int>(plan.steps.size());
     // 1. Keep up to `window` rounds in flight; every rank starts, advances
@@ -364,74 +263,69 @@ void PgTransport::execute(const Ctx& ctx) {
   finish_average(d, world_);
 }
 
-void PgTransport::start_round(PgRound& r, const PgPlan& plan, const RoundLayout& layout, const Ctx& ctx) {
+void PgTransport::start_round(PgRound& r, const Plan& plan, const RoundLayout& layout, const Ctx& ctx) {
   const CollectiveDesc& d = *ctx.desc;
   const int K = plan.num_chunks;
   const size_t chunk_bytes = layout.chunk_max * layout.es;
+  // All-to-all: the sender numbers each block by its receiver.
+  const bool a2a = d.coll == Collective::kAllToAll;
   layout.chunks(r.j, rank_, d.input, d.output, r.in, r.out, r.len);
   r.step = 0;
   r.chunk_bytes = chunk_bytes;
-  r.loc.assign(K, kNone);
-  for (int c = 0; c < K; ++c)
-    if (chunk_has_input(d.coll, c, rank_)) r.loc[c] = kInput;
   if (r.values.size() < K * chunk_bytes) r.values.resize(K * chunk_bytes);
   if (r.bufs.size() < plan.num_bufs * chunk_bytes) r.bufs.resize(plan.num_bufs * chunk_bytes);
   r.recvs.assign(plan.num_bufs, {});
   r.sends.assign(K, {});
-  for (const PgStep& step : plan.steps)
-    for (const PgGroup& g : step.groups)
-      for (const PgSrc& src : g.srcs) {
-        if (src.peer < 0 || r.len[g.chunk] == 0) continue;
+  for (const PlanStep& step : plan.steps)
+    for (const PlanGroup& g : step.groups)
+      for (const PlanSrc& src : g.srcs) {
+        if (src.buf < 0 || r.len[g.chunk] == 0) continue;
+        const int tag_chunk = a2a ? rank_ : g.chunk;
         r.recvs[src.buf] = recv(r.bufs.data() + src.buf * chunk_bytes, r.len[g.chunk] * layout.es, src.peer,
-                                make_tag(tag_space_, ctx.op, r.j, src.sent_step, src.phase, src.tag_chunk));
+                                make_tag(tag_space_, ctx.op, r.j, src.sent_step, src.phase, tag_chunk));
       }
   post_sends(r, plan, 0, ctx);
 }
 
-void PgTransport::post_sends(PgRound& r, const PgPlan& plan, int t, const Ctx& ctx) {
+void PgTransport::post_sends(PgRound& r, const Plan& plan, int t, const Ctx& ctx) {
   const size_t es = dtype_size(ctx.desc->dtype);
-  for (const PgSend& s : plan.steps[t].sends) {
+  for (const PlanSend& s : plan.steps[t].sends) {
     const int c = s.chunk;
     if (r.len[c] == 0) continue;
-    const char* data = current(r, c);
-    if (!data) throw CommError("pycomm internal error: process-group schedule sends a chunk it does not have");
+    const char* data = r.where(s.value, c);
     for (int q : s.to)
       r.sends[c].emplace_back(send(data, r.len[c] * es, q, make_tag(tag_space_, ctx.op, r.j, t, s.phase, c)), q);
   }
 }
 
-void PgTransport::run_step(PgRound& r, const PgPlan& plan, const Ctx& ctx) {
+void PgTransport::run_step(PgRound& r, const Plan& plan, const Ctx& ctx) {
   const CollectiveDesc& d = *ctx.desc;
-  const size_t chunk_bytes = r.chunk_bytes;
   std::vector<const void*> srcs;
-  for (const PgGroup& g : plan.steps[r.step].groups) {
+  for (const PlanGroup& g : plan.steps[r.step].groups) {
     const int c = g.chunk;
-    const bool keep = chunk_has_output(d.coll, c, rank_);
-    char* dst = keep ? r.out[c] : r.values.data() + c * chunk_bytes;
-    if (r.len[c] > 0) {
-      srcs.clear();
-      for (const PgSrc& src : g.srcs) {
-        if (src.peer < 0) {
-          const char* own = current(r, c);
-          if (!own) throw CommError("pycomm internal error: process-group schedule reduces a chunk it lacks");
-          srcs.push_back(own);
-        } else {
-          wait(r.recvs[src.buf], src.peer, "its data", ctx);
-          srcs.push_back(r.bufs.data() + src.buf * chunk_bytes);
-        }
+    if (r.len[c] == 0) continue;
+    // Kept chunks reduce into the output; forwarded ones into `values`,
+    // which the next send reads in place.
+    char* dst = g.to_output ? r.out[c] : r.values.data() + c * r.chunk_bytes;
+    srcs.clear();
+    for (const PlanSrc& src : g.srcs) {
+      if (src.buf < 0) {
+        srcs.push_back(r.where(src.self_loc, c));
+      } else {
+        wait(r.recvs[src.buf], src.peer, "its data", ctx);
+        srcs.push_back(r.bufs.data() + src.buf * r.chunk_bytes);
       }
-      // The chunk's memory changes now: sends still reading it must finish.
-      for (auto& sw : r.sends[c]) wait(sw.first, sw.second, "it to take this rank's data", ctx);
-      r.sends[c].clear();
-      kernels::reduce_cpu(d.dtype, d.op, dst, nullptr, srcs.data(), static_cast<int>(srcs.size()), r.len[c]);
     }
-    r.loc[c] = keep ? kOutput : kValue;
+    // The chunk's memory changes now: sends still reading it must finish.
+    for (auto& sw : r.sends[c]) wait(sw.first, sw.second, "it to take this rank's data", ctx);
+    r.sends[c].clear();
+    kernels::reduce_cpu(d.dtype, d.op, dst, nullptr, srcs.data(), static_cast<int>(srcs.size()), r.len[c]);
   }
   ++r.step;
   if (r.step < static_cast<int>(plan.steps.size())) post_sends(r, plan, r.step, ctx);
 }
 
-void PgTransport::finish_round(PgRound& r, const PgPlan& plan, const Ctx& ctx) {
+void PgTransport::finish_round(PgRound& r, const Plan& plan, const Ctx& ctx) {
   const size_t es = dtype_size(ctx.desc->dtype);
   for (int c : plan.final_copies) kernels::copy_cpu(r.out[c], nullptr, r.in[c], r.len[c] * es);
   for (auto& per_chunk : r.sends) {

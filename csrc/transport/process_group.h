@@ -1,7 +1,9 @@
-// Process-group transport: runs the same schedules as shared memory, with
-// every transfer an isend/irecv of a wrapped torch.distributed backend (Gloo
-// for CPU tensors). pycomm opens no sockets of its own; between hosts the
-// wrapped backend moves the bytes.
+// Process-group transport: runs the same schedules (and plans) as shared
+// memory, with every transfer a send/recv of a message-passing backend
+// between processes. pycomm opens no sockets of its own: the backend is a
+// wrapped torch.distributed ProcessGroup (Gloo between CPU hosts), reached
+// through the small PeerLink interface below, which the torch layer
+// implements (torch/peer_link.h). This file is torch-free.
 //
 // Execution (see schedule.h for the model every executor implements):
 //   * A collective is cut into rounds of at most round_bytes; up to `window`
@@ -16,37 +18,58 @@
 //     (unless the caller already checked); ranks that disagree all raise.
 #pragma once
 
-#include <torch/csrc/distributed/c10d/Backend.hpp>
-
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
-#include "../algorithms/algorithms.h"
-#include "../collective.h"
+#include "../algorithms/plan.h"
+#include "../core/collective.h"
 #include "transport.h"
 
 namespace pycomm {
 
+// What the process-group transport needs from a backend: tagged,
+// asynchronous point-to-point byte transfers between its ranks.
+class PeerLink {
+ public:
+  // One posted transfer. The backend may touch its buffer until wait()
+  // returned true; a transfer that is dropped unfinished must keep its
+  // buffer alive (the transport keeps both referenced after a failure).
+  class Transfer {
+   public:
+    virtual ~Transfer() = default;
+    // True once complete; false if `timeout` passed first. Throws
+    // std::exception when the transfer failed (a peer closed the connection).
+    virtual bool wait(std::chrono::milliseconds timeout) = 0;
+  };
+  virtual ~PeerLink() = default;
+  virtual int rank() const = 0;
+  // Both throw std::exception when the backend refuses to post (the
+  // connection to `peer` is gone). `tag` is below 2^31.
+  virtual std::shared_ptr<Transfer> send(const void* data, size_t bytes, int peer, uint32_t tag) = 0;
+  virtual std::shared_ptr<Transfer> recv(void* data, size_t bytes, int peer, uint32_t tag) = 0;
+};
+
 struct PgConfig {
-  c10::intrusive_ptr<c10d::Backend> backend;
-  // Backend ranks taking part, in this transport's rank order; this process
+  std::shared_ptr<PeerLink> link;
+  // Link ranks taking part, in this transport's rank order; this process
   // is members[rank].
   std::vector<int> members;
   int rank = 0;
   size_t round_bytes = 4 << 20;
   int window = 4;
-  // Transports sharing one backend use different tag spaces (0 or 1).
+  // Transports sharing one link use different tag spaces (0 or 1).
   int tag_space = 0;
   double timeout_s = 300;
   // The communicator's rank of each member, for messages (empty: members).
   std::vector<int> names;
 };
 
-struct PgPlan;
 struct PgRound;
 struct RoundLayout;
 
@@ -60,13 +83,14 @@ class PgTransport : public Transport {
   void run(const CollectiveDesc& desc, uint64_t seq) override;
   int rank() const override { return rank_; }
   int world() const override { return world_; }
-  double timeout() const { return timeout_s_.load(); }
-  void set_timeout(double seconds) { timeout_s_.store(seconds); }
+  double timeout() const { return timeout_s_.load(std::memory_order_relaxed); }
+  void set_timeout(double seconds) { timeout_s_.store(seconds, std::memory_order_relaxed); }
   // Makes this rank's later operations fail with `why` (peers learn of it
   // from their own waits; see the reliability notes in README).
-  void abort(const std::string& why) override;
+  void abort(const std::string& why, Blame blame = {}) override;
 
  private:
+  using TransferPtr = std::shared_ptr<PeerLink::Transfer>;
   struct Ctx {
     const CollectiveDesc* desc;
     uint64_t seq;
@@ -76,18 +100,17 @@ class PgTransport : public Transport {
 
   void exchange_headers(const Ctx& ctx);
   void execute(const Ctx& ctx);
-  const PgPlan& plan_for(const Schedule& s);
-  void start_round(PgRound& r, const PgPlan& plan, const RoundLayout& layout, const Ctx& ctx);
-  void post_sends(PgRound& r, const PgPlan& plan, int step, const Ctx& ctx);
-  void run_step(PgRound& r, const PgPlan& plan, const Ctx& ctx);
-  void finish_round(PgRound& r, const PgPlan& plan, const Ctx& ctx);
-  c10::intrusive_ptr<c10d::Work> send(const void* data, size_t bytes, int peer, uint32_t tag);
-  c10::intrusive_ptr<c10d::Work> recv(void* data, size_t bytes, int peer, uint32_t tag);
-  std::string unreachable(int peer, const std::string& error) const;
-  void wait(c10::intrusive_ptr<c10d::Work>& work, int peer, const char* what, const Ctx& ctx);
+  void start_round(PgRound& r, const Plan& plan, const RoundLayout& layout, const Ctx& ctx);
+  void post_sends(PgRound& r, const Plan& plan, int step, const Ctx& ctx);
+  void run_step(PgRound& r, const Plan& plan, const Ctx& ctx);
+  void finish_round(PgRound& r, const Plan& plan, const Ctx& ctx);
+  TransferPtr send(const void* data, size_t bytes, int peer, uint32_t tag);
+  TransferPtr recv(void* data, size_t bytes, int peer, uint32_t tag);
+  CommError unreachable(int peer, const std::string& error) const;
+  void wait(TransferPtr& work, int peer, const char* what, const Ctx& ctx);
   int name(int r) const { return names_[r]; }
 
-  c10::intrusive_ptr<c10d::Backend> backend_;
+  std::shared_ptr<PeerLink> link_;
   std::vector<int> members_;
   std::vector<int> names_;
   int rank_ = 0;
@@ -97,14 +120,17 @@ class PgTransport : public Transport {
   int tag_space_ = 0;
   std::atomic<double> timeout_s_{300};
   uint64_t ops_ = 0;
-  std::string broken_;  // set by the first failure: later calls fail at once
-  std::vector<std::unique_ptr<PgPlan>> plans_;
+  // The first failure: later calls fail at once. abort() may come from
+  // another thread than run(), hence the lock.
+  std::mutex broken_mu_;
+  std::optional<CommError> broken_;
+  PlanCache plans_;
   std::vector<std::unique_ptr<PgRound>> slots_;
   std::vector<char> headers_;  // the header exchange's buffer
-  std::vector<c10::intrusive_ptr<c10d::Work>> header_works_;
+  std::vector<TransferPtr> header_works_;
   // Transfers abandoned by a failed call stay referenced: the backend may
   // still touch their buffers.
-  std::vector<c10::intrusive_ptr<c10d::Work>> abandoned_;
+  std::vector<TransferPtr> abandoned_;
   std::vector<std::vector<char>> abandoned_buffers_;
 };
 

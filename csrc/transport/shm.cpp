@@ -26,7 +26,8 @@ namespace pycomm {
 namespace {
 
 constexpr uint64_t kMagic = 0x314d4d4f43595075ull;  // "uPYCOMM1"
-constexpr uint32_t kLayoutVersion = 2;
+// 3: the abort state carries the blamed rank and why (a structured Blame).
+constexpr uint32_t kLayoutVersion = 3;
 constexpr size_t kPage = 4096;
 // Header slots per rank, indexed by the transport's operation counter modulo
 // kHeaderSlots. A rank finishes operation s only after every peer has
@@ -88,6 +89,8 @@ struct SegmentHeader {
   char token[64];
   std::atomic<uint32_t> attached;
   std::atomic<uint32_t> abort_state;  // 0: healthy, 1: message being written, 2: aborted
+  int32_t abort_rank;                 // the first abort's Blame, written before state 2
+  uint8_t abort_kind;
   char abort_msg[2048];
 };
 
@@ -116,162 +119,14 @@ struct RankControl {
   alignas(64) HeaderSlot headers[kHeaderSlots];
 };
 
-enum class Loc : uint8_t { kNone, kInput, kOutput, kMailbox0, kMailbox1 };
-
-inline Loc mailbox_loc(int phase) { return phase == 0 ? Loc::kMailbox0 : Loc::kMailbox1; }
-
-struct PlanSend {
-  int chunk;
-  int phase;
-  Loc from;  // kNone: the value is already in place (fused into a reduce)
-};
-
-struct PlanSrc {
-  int peer;
-  int phase;
-  Loc self_loc;  // where our own value is, when peer is this rank
-  uint32_t sent_step;
-};
-
-struct PlanGroup {
-  int chunk;
-  bool to_output;
-  int fwd_phase;  // -1: not forwarded; else also written into that mailbox region
-  std::vector<PlanSrc> srcs;
-};
-
-struct PlanStep {
-  std::vector<PlanSend> sends;
-  std::vector<PlanGroup> groups;
-};
-
-struct ShmPlan {
-  Algorithm algo;
-  Collective coll;
-  int root;
-  int num_chunks;
-  std::vector<PlanStep> steps;
-  std::vector<int> final_copies;  // chunks whose output is their untouched input
-};
-
-namespace {
-
-// Works out, once per (schedule, rank), where every chunk's latest value
-// lives at each step, so that the executor (a) reduces straight into the
-// mailbox region a value is sent from next and (b) copies a chunk into a
-// mailbox only once however many peers read it.
-std::unique_ptr<ShmPlan> build_plan(const Schedule& s, int rank) {
-  auto plan = std::make_unique<ShmPlan>();
-  plan->algo = s.algo;
-  plan->coll = s.coll;
-  plan->root = s.root;
-  plan->num_chunks = s.num_chunks();
-  const int K = plan->num_chunks;
-  const int T = s.num_steps();
-
-  std::vector<std::vector<ScheduleOp>> ops(T);
-  for (int t = 0; t < T; ++t) s.ops(rank, t, ops[t]);
-
-  auto internal = [&](const std::string& why) {
-    std::ostringstream os;
-    os << "pycomm internal error: schedule " << algorithm_name(s.algo) << "/" << collective_name(s.coll)
-       << " on rank " << rank << " of " << s.world << ": " << why;
-    return CommError(os.str());
-  };
-
-  // Lookahead tables: for a receive of chunk c at step t, the phase of the
-  // next send of c (before c is received again), and whether it is the last
-  // receive of c.
-  auto next_send_phase = [&](int c, int t) {
-    for (int u = t + 1; u < T; ++u) {
-      for (const auto& op : ops[u])
-        if (op.chunk == c && op.kind == OpKind::kSend) return static_cast<int>(op.phase);
-      for (const auto& op : ops[u])
-        if (op.chunk == c && op.kind != OpKind::kSend) return -1;
-    }
-    return -1;
-  };
-  auto is_last_recv = [&](int c, int t) {
-    for (int u = t + 1; u < T; ++u)
-      for (const auto& op : ops[u])
-        if (op.chunk == c && op.kind != OpKind::kSend) return false;
-    return true;
-  };
-
-  std::vector<Loc> loc(K);
-  std::vector<std::array<bool, kNumPhases>> in_mailbox(K, {false, false});
-  std::vector<std::array<bool, kNumPhases>> written(K, {false, false});
-  std::vector<bool> received(K, false);
-  for (int c = 0; c < K; ++c) loc[c] = chunk_has_input(s.coll, c, rank) ? Loc::kInput : Loc::kNone;
-
-  auto note_write = [&](int c, int phase) {
-    // A region written twice in one round could be overwritten while a
-    // peer still reads it; every schedule must avoid that.
-    if (written[c][phase]) throw internal("chunk written twice into one mailbox region");
-    written[c][phase] = true;
-  };
-
-  plan->steps.resize(T);
-  for (int t = 0; t < T; ++t) {
-    PlanStep& step = plan->steps[t];
-    // 1. Sends.
-    for (const auto& op : ops[t]) {
-      if (op.kind != OpKind::kSend) continue;
-      const int c = op.chunk;
-      if (loc[c] == Loc::kNone) throw internal("sends a chunk it does not have");
-      if (in_mailbox[c][op.phase]) {
-        step.sends.push_back({c, op.phase, Loc::kNone});
-      } else {
-        note_write(c, op.phase);
-        step.sends.push_back({c, op.phase, loc[c]});
-        in_mailbox[c][op.phase] = true;
-      }
-    }
-    // 2. Receives, grouped by consecutive chunk.
-    const auto& v = ops[t];
-    for (size_t i = 0; i < v.size();) {
-      if (v[i].kind == OpKind::kSend) { ++i; continue; }
-      const int c = v[i].chunk;
-      PlanGroup g;
-      g.chunk = c;
-      if (v[i].kind == OpKind::kRecvReduce) {
-        if (loc[c] == Loc::kNone) throw internal("reduces into a chunk it does not have");
-        g.srcs.push_back({rank, 0, loc[c], 0});
-      }
-      for (; i < v.size() && v[i].kind != OpKind::kSend && v[i].chunk == c; ++i) {
-        if (v[i].kind == OpKind::kRecvCopy && !g.srcs.empty())
-          throw internal("a copy in the middle of a reduction group");
-        if (v[i].peer == rank && loc[c] == Loc::kNone) throw internal("reads its own missing chunk");
-        g.srcs.push_back({v[i].peer, v[i].phase, loc[c], static_cast<uint32_t>(v[i].sent_step)});
-      }
-      g.fwd_phase = next_send_phase(c, t);
-      g.to_output = chunk_has_output(s.coll, c, rank) && (is_last_recv(c, t) || g.fwd_phase < 0);
-      if (!g.to_output && g.fwd_phase < 0) throw internal("a received chunk is neither kept nor sent");
-      if (g.fwd_phase >= 0) note_write(c, g.fwd_phase);
-      loc[c] = g.to_output ? Loc::kOutput : mailbox_loc(g.fwd_phase);
-      in_mailbox[c] = {false, false};
-      if (g.fwd_phase >= 0) in_mailbox[c][g.fwd_phase] = true;
-      received[c] = true;
-      step.groups.push_back(std::move(g));
-    }
-  }
-  for (int c = 0; c < K; ++c) {
-    if (!chunk_has_output(s.coll, c, rank) || received[c]) continue;
-    if (!chunk_has_input(s.coll, c, rank)) throw internal("an output chunk is never received");
-    plan->final_copies.push_back(c);
-  }
-  return plan;
-}
-
-}  // namespace
-
 ShmTransport::ShmTransport(const ShmConfig& config)
     : name_(config.name),
       rank_(config.rank),
       world_(config.world),
       round_bytes_(config.round_bytes),
       timeout_s_(config.timeout_s),
-      names_(config.global_ranks) {
+      names_(config.global_ranks),
+      plans_(config.rank) {
   if (world_ < 1 || rank_ < 0 || rank_ >= world_)
     throw CommError("pycomm: invalid shared-memory rank " + std::to_string(rank_) + " of " + std::to_string(world_));
   if (round_bytes_ < 64 * 1024 || round_bytes_ % kPage != 0)
@@ -385,7 +240,8 @@ void ShmTransport::wait_all_attached() {
   // Nobody returns from construction before everybody has mapped the
   // segment: otherwise a fast rank could finish (or fail) and leave while a
   // slow one still needs the name to attach.
-  const auto deadline = deadline_after(timeout_s_);
+  const double timeout_s = timeout();
+  const auto deadline = deadline_after(timeout_s);
   while (true) {
     const uint32_t v = header_->attached.load(std::memory_order_acquire);
     if (v >= static_cast<uint32_t>(world_)) return;
@@ -393,7 +249,7 @@ void ShmTransport::wait_all_attached() {
       // Nobody else may attach to a job that failed to start.
       shm_unlink(name_.c_str());
       throw CommError("pycomm: only " + std::to_string(v) + " of " + std::to_string(world_) +
-                      " local ranks joined the shared memory segment within " + std::to_string(timeout_s_) +
+                      " local ranks joined the shared memory segment within " + std::to_string(timeout_s) +
                       " s (did every rank create the communicator?)");
     }
     timespec ts{0, kFutexSleepNs};
@@ -422,17 +278,22 @@ bool ShmTransport::aborted() const {
   return header_->abort_state.load(std::memory_order_acquire) == 2;
 }
 
-std::string ShmTransport::abort_message() const {
-  if (!aborted()) return "";
-  return std::string(header_->abort_msg, strnlen(header_->abort_msg, sizeof(header_->abort_msg)));
+CommError ShmTransport::abort_error() const {
+  if (!aborted()) return CommError("");
+  Blame blame;
+  blame.kind = static_cast<FailureKind>(header_->abort_kind);
+  blame.rank = header_->abort_rank;
+  return CommError(std::string(header_->abort_msg, strnlen(header_->abort_msg, sizeof(header_->abort_msg))), blame);
 }
 
-void ShmTransport::abort(const std::string& why) {
+void ShmTransport::abort(const std::string& why, Blame blame) {
   uint32_t expected = 0;
   if (header_->abort_state.compare_exchange_strong(expected, 1)) {
     const size_t n = std::min(why.size(), sizeof(header_->abort_msg) - 1);
     std::memcpy(header_->abort_msg, why.data(), n);
     header_->abort_msg[n] = '\0';
+    header_->abort_rank = blame.rank;
+    header_->abort_kind = static_cast<uint8_t>(blame.kind);
     header_->abort_state.store(2, std::memory_order_release);
   }
   // Sleepers re-check abort within kFutexSleepNs anyway; waking them makes
@@ -445,17 +306,17 @@ void ShmTransport::abort(const std::string& why) {
 }
 
 void ShmTransport::check_abort() const {
-  if (aborted()) throw CommError(abort_message());
+  if (aborted()) throw abort_error();
 }
 
-void ShmTransport::fail(const std::string& why) {
-  abort(why);
+void ShmTransport::fail(const std::string& why, Blame blame) {
+  abort(why, blame);
   // If another rank aborted first, report the original cause.
-  throw CommError(abort_message().empty() ? why : abort_message());
+  throw abort_error();
 }
 
 // Why `q` will never post again ("" while it is alive or not yet attached).
-std::string ShmTransport::peer_gone(int q, const OpContext& ctx) {
+std::string ShmTransport::peer_gone(int q, const OpContext& ctx, Blame* blame) {
   RankControl& pc = controls_[q];
   const int pid = pc.pid.load(std::memory_order_acquire);
   if (pid == 0) return "";  // not attached yet: only the timeout applies
@@ -463,6 +324,7 @@ std::string ShmTransport::peer_gone(int q, const OpContext& ctx) {
   if (pc.exited.load()) {
     os << "pycomm: rank " << name(q) << " shut down its communicator while rank " << name(rank_) << " was in "
        << collective_name(ctx.coll) << " #" << ctx.seq;
+    *blame = {FailureKind::kShutDown, name(q)};
     return os.str();
   }
   if (pc.pidns != controls_[rank_].pidns) return "";  // its pid means nothing here
@@ -472,6 +334,7 @@ std::string ShmTransport::peer_gone(int q, const OpContext& ctx) {
   if (!found || state == 'Z' || state == 'X' || starttime != pc.starttime) {
     os << "pycomm: rank " << name(q) << " (pid " << pid << ") died; detected by rank " << name(rank_) << " during "
        << collective_name(ctx.coll) << " #" << ctx.seq;
+    *blame = {FailureKind::kDied, name(q)};
     return os.str();
   }
   return "";
@@ -489,7 +352,7 @@ void ShmTransport::wait_on(std::atomic<uint32_t>* word, int peer, const OpContex
         for (const auto& slot : pc.headers)
           if (slot.call.op > last->call.op) last = &slot;
         std::ostringstream os;
-        os << "pycomm: " << collective_name(ctx.coll) << " #" << ctx.seq << " timed out after " << timeout_s_
+        os << "pycomm: " << collective_name(ctx.coll) << " #" << ctx.seq << " timed out after " << timeout()
            << " s on rank " << name(rank_) << " waiting for rank " << name(peer) << " (" << what << "); rank "
            << name(peer) << " last entered collective #" << last->call.seq;
         return os.str();
@@ -533,7 +396,7 @@ void ShmTransport::publish_header(const CollectiveDesc& d, uint64_t seq, uint64_
   if (me.waiters.load(std::memory_order_seq_cst) > 0) futex_wake_all(&h.op);
 }
 
-void ShmTransport::check_header(int peer, const CollectiveDesc& d, uint64_t seq, const OpContext& ctx) {
+void ShmTransport::check_header(int peer, uint64_t seq, const OpContext& ctx) {
   HeaderSlot& h = controls_[peer].headers[ctx.op % kHeaderSlots];
   const uint32_t target = static_cast<uint32_t>(ctx.op);
   wait_on(&h.op, peer, ctx, "it to enter this collective", [target](uint32_t v) { return reached(v, target); });
@@ -543,18 +406,11 @@ void ShmTransport::check_header(int peer, const CollectiveDesc& d, uint64_t seq,
   os << "pycomm: ranks disagree on collective #" << seq << ": rank " << name(rank_) << " called "
      << describe_call(mine.desc()) << " but rank " << name(peer) << " called " << describe_call(h.call.desc());
   if (h.call.seq != mine.seq) os << " (as its collective #" << h.call.seq << ")";
-  fail(os.str());
+  fail(os.str(), mismatch_blame(mine, name(rank_), h.call, name(peer)));
 }
 
 char* ShmTransport::mailbox(int rank, uint64_t round, int phase) const {
   return mailboxes_ + rank * mailbox_stride_ + (round % 2) * kNumPhases * round_bytes_ + phase * round_bytes_;
-}
-
-const ShmPlan& ShmTransport::plan_for(const Schedule& s) {
-  for (const auto& p : plans_)
-    if (p->algo == s.algo && p->coll == s.coll && p->root == s.root) return *p;
-  plans_.push_back(build_plan(s, rank_));
-  return *plans_.back();
 }
 
 void ShmTransport::run(const CollectiveDesc& desc, uint64_t seq) {
@@ -563,7 +419,7 @@ void ShmTransport::run(const CollectiveDesc& desc, uint64_t seq) {
   ctx.coll = desc.coll;
   ctx.seq = seq;
   ctx.op = ++ops_;  // from 1: a slot never written reads as op 0
-  ctx.deadline = deadline_after(timeout_s_);
+  ctx.deadline = deadline_after(timeout());
   publish_header(desc, seq, ctx.op);
   std::vector<bool> checked(world_, false);
   checked[rank_] = true;
@@ -572,7 +428,7 @@ void ShmTransport::run(const CollectiveDesc& desc, uint64_t seq) {
   // a mismatch therefore fails on every rank, and no rank runs ahead of the
   // header slots.
   for (int q = 0; q < world_; ++q)
-    if (!checked[q]) check_header(q, desc, seq, ctx);
+    if (!checked[q]) check_header(q, seq, ctx);
 }
 
 void ShmTransport::execute(const CollectiveDesc& d, const OpContext& ctx, std::vector<bool>& checked,
@@ -587,7 +443,7 @@ void ShmTransport::execute(const CollectiveDesc& d, const OpContext& ctx, std::v
     kernels::copy_cpu(out, nullptr, d.input, layout.out_count * es);
   } else {
     const Schedule schedule{d.algo, d.coll, world_, d.root};
-    const ShmPlan& plan = plan_for(schedule);
+    const Plan& plan = plans_.get(schedule);
     const RoundLayout layout(d, plan.num_chunks, world_, round_bytes_);
     const size_t chunk_max = layout.chunk_max;
     const uint64_t rounds = layout.rounds;
@@ -605,8 +461,8 @@ void ShmTransport::execute(const CollectiveDesc& d, const OpContext& ctx, std::v
         switch (l) {
           case Loc::kInput: return chunk_in[c];
           case Loc::kOutput: return chunk_out[c];
-          case Loc::kMailbox0: return mailbox(rank_, R, 0) + c * chunk_max * es;
-          case Loc::kMailbox1: return mailbox(rank_, R, 1) + c * chunk_max * es;
+          case Loc::kStaged0: return mailbox(rank_, R, 0) + c * chunk_max * es;
+          case Loc::kStaged1: return mailbox(rank_, R, 1) + c * chunk_max * es;
           default: return nullptr;
         }
       };
@@ -633,7 +489,7 @@ void ShmTransport::execute(const CollectiveDesc& d, const OpContext& ctx, std::v
             wait_step(src.peer, step_base_ + src.sent_step, ctx);
             if (!checked[src.peer]) {
               // Never read a peer's data before knowing it runs the same op.
-              check_header(src.peer, d, seq, ctx);
+              check_header(src.peer, seq, ctx);
               checked[src.peer] = true;
             }
             // All-to-all: the peer filled one slot per reader, ours is ours.

@@ -21,8 +21,8 @@
 
 #include <sched.h>
 
-#include "../algorithms/algorithms.h"
-#include "../collective.h"
+#include "../algorithms/plan.h"
+#include "../core/collective.h"
 #include "futex.h"
 #include "transport.h"
 
@@ -51,11 +51,6 @@ struct OpContext {
   std::chrono::steady_clock::time_point deadline;
 };
 
-// The per-rank plan for one schedule: the schedule's ops with the
-// shared-memory specifics worked out once (where each chunk's latest value
-// lives, which copies a fused reduce makes unnecessary).
-struct ShmPlan;
-
 class ShmTransport : public Transport {
  public:
   explicit ShmTransport(const ShmConfig& config);
@@ -76,20 +71,21 @@ class ShmTransport : public Transport {
   // timing out.
   void shutdown();
   // Makes every rank's current and future operations fail with `why`.
-  void abort(const std::string& why) override;
+  void abort(const std::string& why, Blame blame = {}) override;
 
-  // Aborts (as above) and throws the first abort's message.
-  [[noreturn]] void fail(const std::string& why);
+  // Aborts (as above) and throws the first abort's error.
+  [[noreturn]] void fail(const std::string& why, Blame blame = {});
 
   bool aborted() const;
-  std::string abort_message() const;
+  // The first abort's message and blame (an empty message while healthy).
+  CommError abort_error() const;
   int rank() const override { return rank_; }
   int world() const override { return world_; }
   size_t round_bytes() const { return round_bytes_; }
-  double timeout() const { return timeout_s_; }
-  void set_timeout(double seconds) { timeout_s_ = seconds; }
-  // Whether the segment name is still visible in /dev/shm (tests).
-  const std::string& name() const { return name_; }
+  // Atomic: the caller's thread may change it while the progress thread
+  // and point-to-point lanes read it.
+  double timeout() const { return timeout_s_.load(std::memory_order_relaxed); }
+  void set_timeout(double seconds) { timeout_s_.store(seconds, std::memory_order_relaxed); }
 
  private:
   // Point-to-point channels share the segment's abort state, liveness
@@ -98,7 +94,7 @@ class ShmTransport : public Transport {
   void map_segment(const ShmConfig& config);
   void publish_header(const CollectiveDesc& desc, uint64_t seq, uint64_t op);
   int name(int local) const { return names_.empty() ? local : names_[local]; }
-  void check_header(int peer, const CollectiveDesc& desc, uint64_t seq, const OpContext& ctx);
+  void check_header(int peer, uint64_t seq, const OpContext& ctx);
   void wait_step(int peer, uint64_t step, const OpContext& ctx);
   void wait_round_free(uint64_t round, const OpContext& ctx);
   void post_step(uint64_t step);
@@ -111,7 +107,7 @@ class ShmTransport : public Transport {
   // the count its poster checks before waking. Spins for `spin`, then
   // yields, then sleeps in slices that re-check abort, the peer's liveness
   // (at most every kLivenessPeriod, tracked in *next_liveness) and
-  // ctx.deadline, where it fails with timeout_message().
+  // ctx.deadline, where it fails with timeout_message(), blaming `peer`.
   template <typename Ready, typename TimeoutMessage>
   void wait_until(std::atomic<uint32_t>* word, std::atomic<uint32_t>* waiters, int peer, const OpContext& ctx,
                   std::chrono::steady_clock::duration spin, std::chrono::steady_clock::time_point* next_liveness,
@@ -121,8 +117,8 @@ class ShmTransport : public Transport {
   static constexpr long kFutexSleepNs = 5 * 1000 * 1000;
   static constexpr std::chrono::milliseconds kLivenessPeriod{50};
   void check_abort() const;
-  std::string peer_gone(int peer, const OpContext& ctx);
-  const ShmPlan& plan_for(const Schedule& schedule);
+  // Why `peer` will never post again, with *blame set; "" while it lives.
+  std::string peer_gone(int peer, const OpContext& ctx, Blame* blame);
   char* mailbox(int rank, uint64_t round, int phase) const;
   void execute(const CollectiveDesc& desc, const OpContext& ctx, std::vector<bool>& checked,
                uint64_t seq);
@@ -131,7 +127,7 @@ class ShmTransport : public Transport {
   int rank_ = 0;
   int world_ = 1;
   size_t round_bytes_ = 0;
-  double timeout_s_ = 300;
+  std::atomic<double> timeout_s_{300};
   void* base_ = nullptr;
   size_t size_ = 0;
   SegmentHeader* header_ = nullptr;
@@ -146,7 +142,7 @@ class ShmTransport : public Transport {
   std::chrono::steady_clock::duration spin_{};
   int yield_iters_ = 0;
   std::chrono::steady_clock::time_point next_liveness_check_{};
-  std::vector<std::unique_ptr<ShmPlan>> plans_;
+  PlanCache plans_;
 };
 
 template <typename Ready, typename TimeoutMessage>
@@ -173,14 +169,15 @@ void ShmTransport::wait_until(std::atomic<uint32_t>* word, std::atomic<uint32_t>
       // left needs nothing from us, and one that died while others wait on
       // it is reported by them (abort reaches us through check_abort). It
       // may also have posted just before leaving: look once more.
-      const std::string gone = peer_gone(peer, ctx);
+      Blame blame;
+      const std::string gone = peer_gone(peer, ctx, &blame);
       if (!gone.empty()) {
         if (ready()) return;
-        fail(gone);
+        fail(gone, blame);
       }
       *next_liveness = now + kLivenessPeriod;
     }
-    if (now >= ctx.deadline) fail(timeout_message());
+    if (now >= ctx.deadline) fail(timeout_message(), Blame{FailureKind::kWaiting, name(peer)});
     if (i < yield_iters_) {
       sched_yield();
     } else {

@@ -11,7 +11,7 @@ import socket
 import sys
 from typing import List, Optional
 
-from ..communicator import parse_size as parse_bytes
+from ..bootstrap import parse_size as parse_bytes
 from .report import HEADER, format_size, plot, summary, write_json
 
 COLLECTIVES = ["all_reduce", "reduce_scatter", "all_gather", "broadcast"]
@@ -109,7 +109,7 @@ def _rank_main(rank: int, world: int, port: Optional[int], args: argparse.Namesp
         print(f"# pycomm-bench: {args.collective}, {world} ranks, dtype {args.dtype}, op {args.op}, "
               f"algorithms {','.join(algos)}, baseline {'none' if args.no_baseline else dist.get_backend()}")
         print(f"# host {socket.gethostname()} ({platform.machine()}, {os.cpu_count()} cpus), torch {torch.__version__}, "
-              f"pycomm {pycomm.__version__}, shm round {format_size(comm._c.round_bytes)}B, "
+              f"pycomm {pycomm.__version__}, shm round {format_size(comm.round_bytes)}B, "
               f"hosts {comm.num_hosts} x local ranks {comm.local_size}, transport {comm.transport}")
         print("# time: median per call of the slowest rank; busbw = algbw x nccl-tests factor; "
               "#wrong: elements off the closed-form result")

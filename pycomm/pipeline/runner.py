@@ -214,10 +214,9 @@ class Pipeline:
         for comm in (self.comm, self.dp_comm):
             if comm is not None:
                 try:
-                    # The core's abort, not Communicator.abort: the reason
-                    # already names its origin, and a sub-communicator's rank
-                    # would only confuse it.
-                    comm._c.abort(why)
+                    # The reason already names its origin: a sub-communicator's
+                    # rank would only confuse it.
+                    comm.abort(why, name_rank=False)
                 except Exception:  # noqa: BLE001 - already failing; the first reason wins
                     pass
 
@@ -334,17 +333,7 @@ class Pipeline:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         # One flat all-reduce per dtype: a few large messages, not one per tensor.
-        by_dtype: Dict[torch.dtype, List[nn.Parameter]] = {}
-        for p in params:
-            by_dtype.setdefault(p.grad.dtype, []).append(p)
-        for group in by_dtype.values():
-            flat = torch.cat([p.grad.reshape(-1) for p in group])
-            self.dp_comm.all_reduce(flat, op="avg")
-            offset = 0
-            for p in group:
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                offset += n
+        self.dp_comm.all_reduce_coalesced([p.grad for p in params], op="avg")
 
 
 def grid(num_stages: int, group: Optional["dist.ProcessGroup"] = None,

@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "../../common.h"
+#include "../../core/common.h"
 #include "../dtype_dispatch.h"
 #include "../reduce.h"
 

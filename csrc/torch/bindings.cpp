@@ -1,20 +1,18 @@
-// The only file that talks to Python. Enums cross as small ints; the Python
-// package (pycomm/communicator.py) owns the names.
+// The only file that talks to Python. Enums cross as small ints, and the
+// extension publishes the tables that name them (algorithms, collectives,
+// reduce ops, codecs and their defaults): Python reads them instead of
+// restating them.
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/extension.h>
 
-#include "algorithms/algorithms.h"
+#include "../algorithms/schedule.h"
+#include "../algorithms/tuner.h"
 #include "backend.h"
 #include "communicator.h"
-#include "kernels/kernels.h"
-#include "torch_dtype.h"
 
 #ifdef PYCOMM_WITH_CUDA
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-
-#include "transport/cuda_ipc.h"
+#include "ipc.h"
 #endif
 
 namespace py = pybind11;
@@ -35,6 +33,8 @@ struct GilFreeDelete {
   }
 };
 
+// Ids a caller may pass: the user-facing algorithms and the concrete
+// schedules (the resolved hierarchical forms are the tuner's alone).
 Algorithm to_algo(int a) {
   if (a < 0 || a > static_cast<int>(Algorithm::kHier)) throw CommError("pycomm: unknown algorithm id");
   return static_cast<Algorithm>(a);
@@ -46,6 +46,69 @@ RedOp to_op(int op) {
 Collective to_coll(int c) {
   if (c < 0 || c > static_cast<int>(Collective::kAllToAll)) throw CommError("pycomm: unknown collective id");
   return static_cast<Collective>(c);
+}
+
+// Python's pycomm.CommError, created once; instances carry the structured
+// blame: `blamed_rank` (None when nobody is to blame) and `failure`
+// ("died", "shut_down", "waiting", "rejected", "silent" or None).
+py::object& comm_error_type() {
+  static py::object type;
+  return type;
+}
+
+void raise_comm_error(const CommError& e) {
+  py::object inst = comm_error_type()(e.what());
+  const Blame& b = e.blame();
+  const bool blamed = b.kind != FailureKind::kNone && b.rank >= 0;
+  inst.attr("blamed_rank") = blamed ? py::object(py::int_(b.rank)) : py::object(py::none());
+  inst.attr("failure") = blamed ? py::object(py::str(failure_kind_name(b.kind))) : py::object(py::none());
+  PyErr_SetObject(comm_error_type().ptr(), inst.ptr());
+}
+
+// The tables Python reads.
+py::dict algorithm_table() {
+  py::dict d;
+  for (const auto& c : kAlgorithmChoices) d[c.name] = static_cast<int>(c.algo);
+  return d;
+}
+py::list collective_table() {
+  py::list l;
+  for (int c = 0; c <= kLastCollective; ++c) l.append(collective_name(static_cast<Collective>(c)));
+  return l;
+}
+py::list algorithm_names() {
+  py::list l;
+  for (int a = 0; a <= kLastAlgorithm; ++a) l.append(algorithm_name(static_cast<Algorithm>(a)));
+  return l;
+}
+py::dict op_kind_table() {
+  py::dict d;
+  d["send"] = static_cast<int>(OpKind::kSend);
+  d["recv_reduce"] = static_cast<int>(OpKind::kRecvReduce);
+  d["recv_copy"] = static_cast<int>(OpKind::kRecvCopy);
+  return d;
+}
+py::dict redop_table() {
+  py::dict d;
+  for (int op = 0; op <= static_cast<int>(RedOp::kMin); ++op) d[redop_name(static_cast<RedOp>(op))] = op;
+  return d;
+}
+py::dict codec_table() {
+  py::dict d;
+  for (int k = 1; k <= kLastCodecKind; ++k) d[codec_kind_name(static_cast<CodecKind>(k))] = k;
+  return d;
+}
+py::dict codec_defaults() {
+  const Codec c;
+  py::dict d;
+  d["block"] = c.block;
+  d["stochastic"] = c.stochastic;
+  d["seed"] = c.seed;
+  d["ratio"] = c.ratio;
+  d["exact"] = c.exact;
+  d["tolerance"] = c.tolerance;
+  d["sample_fraction"] = c.sample_fraction;
+  return d;
 }
 
 // Data-free view of a schedule, for tests and for reading along:
@@ -67,7 +130,32 @@ std::vector<std::tuple<int, int, int, int, int>> schedule_ops(int algo, int coll
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace pycomm;
   m.doc() = "pycomm compiled core";
-  py::register_exception<CommError>(m, "CommError", PyExc_RuntimeError);
+  comm_error_type() = py::reinterpret_borrow<py::object>(
+      PyErr_NewExceptionWithDoc("pycomm._C.CommError",
+                                "A collective failed: bad input, ranks that disagree, a dead peer, a timeout. "
+                                "blamed_rank and failure name the rank that caused it, where known.",
+                                PyExc_RuntimeError, nullptr));
+  m.attr("CommError") = comm_error_type();
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const CommError& e) {
+      raise_comm_error(e);
+    }
+  });
+  m.attr("algorithms") = algorithm_table();
+  m.attr("collectives") = collective_table();
+  // Every algorithm by id, concrete ones included ("direct(one-shot)", ...),
+  // and the kinds of a schedule's ops: what schedule_ops() returns.
+  m.attr("algorithm_names") = algorithm_names();
+  m.attr("op_kinds") = op_kind_table();
+  m.attr("all_peers") = kAllPeers;
+  m.attr("reduce_ops") = redop_table();
+  m.attr("codecs") = codec_table();
+  m.attr("codec_defaults") = codec_defaults();
+  // The devices whose tensors the Communicator (and so the c10d backend)
+  // takes, whatever the build: the backend registers these and no others.
+  m.attr("collective_devices") = py::make_tuple("cpu");
 
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")
       .def("wait", [](Work& w, std::optional<double> timeout) { return w.wait(timeout.value_or(-1)); },
@@ -101,23 +189,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        std::optional<c10::intrusive_ptr<c10d::Backend>> backend, size_t pg_round_bytes,
                        int pg_window, std::optional<c10::intrusive_ptr<c10d::Store>> store, size_t p2p_bytes) {
              CommunicatorOptions o;
-             o.rank = rank;
-             o.world = world;
-             o.timeout_s = timeout;
-             o.use_shm = use_shm;
-             o.local_rank = local_rank;
-             o.local_size = local_size;
-             o.shm_name = name;
-             o.token = token;
-             o.create = create;
-             o.round_bytes = round_bytes;
-             o.host = host;
-             o.host_ranks = std::move(host_ranks);
+             TopologyConfig& t = o.topology;
+             t.rank = rank;
+             t.world = world;
+             t.timeout_s = timeout;
+             t.use_shm = use_shm;
+             t.local_rank = local_rank;
+             t.local_size = local_size;
+             t.shm_name = name;
+             t.token = token;
+             t.create = create;
+             t.round_bytes = round_bytes;
+             t.host = host;
+             t.host_ranks = std::move(host_ranks);
+             t.pg_round_bytes = pg_round_bytes;
+             t.pg_window = pg_window;
+             t.p2p_bytes = p2p_bytes;
              if (backend) o.backend = *backend;
-             o.pg_round_bytes = pg_round_bytes;
-             o.pg_window = pg_window;
              if (store) o.store = *store;
-             o.p2p_bytes = p2p_bytes;
              return std::shared_ptr<Communicator>(new Communicator(o), GilFreeDelete());
            }),
            py::arg("rank"), py::arg("world"), py::arg("timeout"), py::arg("use_shm") = true,
@@ -208,6 +297,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return std::make_pair(s.num_chunks(), s.num_steps());
   });
   m.def("algorithm_supports", [](int algo, int coll) { return algorithm_supports(to_algo(algo), to_coll(coll)); });
+  m.def("algorithm_applies", [](int algo, int coll) { return algorithm_applies(to_algo(algo), to_coll(coll)); });
   m.def("tune", [](int algo, int coll, size_t bytes, int world) {
     return static_cast<int>(tune(to_algo(algo), to_coll(coll), bytes, world));
   });
@@ -224,21 +314,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "all_reduce",
           [](CudaIpcAllReduce& c, const at::Tensor& in, const at::Tensor& out, int op, int algo) {
-            DType dt;
-            TORCH_CHECK(in.is_cuda() && out.is_cuda(), "pycomm: the CUDA IPC all-reduce takes CUDA tensors");
-            TORCH_CHECK(in.device() == out.device(), "pycomm: input and output must be on one device");
-            TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "pycomm: tensors must be contiguous");
-            TORCH_CHECK(in.scalar_type() == out.scalar_type() && in.numel() == out.numel(),
-                        "pycomm: output must match the input's dtype and size");
-            TORCH_CHECK(to_dtype(in.scalar_type(), &dt), "pycomm: dtype ", in.scalar_type(), " is not supported");
-            TORCH_CHECK(algo >= 0 && algo <= static_cast<int>(IpcAlgo::kTwoShot), "pycomm: unknown IPC algorithm");
-            const c10::cuda::CUDAGuard guard(in.device());
-            c.all_reduce(in.data_ptr(), out.data_ptr(), in.numel(), dt, to_op(op), static_cast<IpcAlgo>(algo),
-                         c10::cuda::getCurrentCUDAStream().stream());
+            ipc_all_reduce(c, in, out, to_op(op), algo);
           },
           py::arg("input"), py::arg("output"), py::arg("op"), py::arg("algorithm"),
           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("buffer_bytes", &CudaIpcAllReduce::buffer_bytes);
+  py::dict ipc;
+  ipc["auto"] = static_cast<int>(IpcAlgo::kAuto);
+  ipc["one_shot"] = static_cast<int>(IpcAlgo::kOneShot);
+  ipc["two_shot"] = static_cast<int>(IpcAlgo::kTwoShot);
+  m.attr("ipc_algorithms") = ipc;
   m.attr("has_cuda") = true;
 #else
   m.attr("has_cuda") = false;

@@ -1,21 +1,21 @@
-// The communicator: validates calls, orders them, runs them on a transport
-// and hands back a Work whose torch Future completes when the data is ready.
+// The communicator: validates calls, orders them, runs them on its
+// transports and hands back a Work whose torch Future completes when the
+// data is ready.
 //
 // Ordering: every op gets a sequence number at submission and runs in that
 // order, on the progress thread, or, for a synchronous op submitted while
 // nothing is queued or running, directly on the caller's thread (which
 // saves two thread hand-offs on small messages and changes no ordering).
+// Point-to-point messages run on lanes of their own, one per peer and
+// direction (see Lane in communicator.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/ThreadLocalState.h>
-#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include <chrono>
 #include <condition_variable>
 #include <deque>
-#include <exception>
-#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -23,104 +23,26 @@
 #include <thread>
 #include <vector>
 
-#include "collective.h"
-#include "compression/codec.h"
-#include "transport/multihost.h"
-#include "transport/p2p.h"
-#include "transport/process_group.h"
-#include "transport/shm.h"
+#include "../core/codec.h"
+#include "../core/collective.h"
+#include "../transport/blame.h"
+#include "../transport/setup.h"
+#include "work.h"
 
 namespace pycomm {
 
-// Extra steps of one call, for callers whose tensors are not the flat
-// buffers a collective takes (the c10d backend's tensor lists, coalesced
-// calls): `before` fills the flat input, `after` scatters the flat output.
-// Both run on the thread that runs the collective, in its turn, so they see
-// the data as it is when the op runs, like every other input. `keep` stays
-// alive until the op completes; `result`, when not empty, is what the Work's
-// future holds instead of the flat output.
-struct Staging {
-  std::function<void()> before;
-  std::function<void()> after;
-  std::vector<at::Tensor> keep;
-  std::vector<at::Tensor> result;
-};
-
-class Work {
- public:
-  // Blocks until the op finished (or `timeout_s` passed, if >= 0); rethrows
-  // its error.
-  bool wait(double timeout_s = -1);
-  bool is_completed();
-  bool is_success();
-  // The error message, or "" when there is none (yet).
-  std::string error_message();
-  std::exception_ptr error();
-  const std::vector<at::Tensor>& result() const { return outputs_; }
-  c10::intrusive_ptr<c10::ivalue::Future> get_future();
-  uint64_t seq() const { return seq_; }
-  Algorithm algorithm() const { return desc_.algo; }
-  // Bytes this rank sends, and what the uncompressed collective would send
-  // (compressed all-reduce only; zeros otherwise).
-  const CompressionStats& stats() const { return stats_; }
-  // Seconds the op itself ran (from its turn to its completion, without the
-  // time it queued behind earlier ops); 0 until it completed.
-  double run_seconds();
-
- private:
-  friend class Communicator;
-  void finish(std::exception_ptr error);
-
-  CollectiveDesc desc_;
-  uint64_t seq_ = 0;
-  // A composite op (compressed all-reduce) runs `body_` instead of one
-  // transport call, and uses sequence numbers seq_ .. seq_ + seq_span_ - 1.
-  std::function<void(uint64_t seq)> body_;
-  int seq_span_ = 1;
-  CompressionStats stats_;
-  std::vector<at::Tensor> inputs_;   // kept alive until the op completes
-  std::vector<at::Tensor> outputs_;
-  std::function<void()> before_, after_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = false;
-  std::exception_ptr error_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-  // The submitting thread's profiler and record-function state, when it has
-  // any: the op's ranges then show up in torch.profiler even though the op
-  // runs on the progress thread (as autograd does for its worker threads).
-  std::shared_ptr<at::ThreadLocalState> caller_state_;
-  std::chrono::steady_clock::time_point started_, finished_;
-};
-
 struct CommunicatorOptions {
-  int rank = 0;   // in the communicator
-  int world = 1;
-  double timeout_s = 300;
-  // Shared memory among this host's ranks (use_shm false: every transfer
-  // goes through the process group, even on one host).
-  bool use_shm = true;
-  int local_rank = 0;
-  int local_size = 1;
-  std::string shm_name;
-  std::string token;
-  bool create = false;
-  size_t round_bytes = 1 << 20;
-  // Several hosts (or use_shm false): host_ranks[h] lists the ranks of host
-  // h by local rank, `host` is ours, and `backend` carries the traffic
-  // between hosts; its rank r is the communicator's rank r.
-  int host = 0;
-  std::vector<std::vector<int>> host_ranks;
+  // Ranks, hosts, segment names and sizes (the link is filled in from
+  // `backend`).
+  TopologyConfig topology;
+  // Carries the traffic between hosts (or every transfer with use_shm
+  // false); its rank r is the communicator's rank r. May be null on one host.
   c10::intrusive_ptr<c10d::Backend> backend;
-  size_t pg_round_bytes = 4 << 20;
-  int pg_window = 4;
   // The communicator's bootstrap store (optional). Between hosts, a rank
   // that fails leaves its reason there, so that ranks which only see the
   // consequences (a closed connection, a peer that gave up) can name the
-  // cause: "rank 3 died", not "rank 2 left".
+  // cause: "rank 3 died", not "rank 2 left" (transport/blame.h).
   c10::intrusive_ptr<c10d::Store> store;
-  // Bytes of each point-to-point ring (one per ordered pair that talks).
-  size_t p2p_bytes = 4 << 20;
 };
 
 class Communicator {
@@ -175,9 +97,7 @@ class Communicator {
   std::string resolve(Collective coll, Algorithm algo, size_t bytes) const;
 
   // Returns once every local rank has joined (see ShmTransport::wait_all_attached).
-  void wait_ready() {
-    if (local_) local_->wait_all_attached();
-  }
+  void wait_ready() { transports_.wait_ready(); }
 
   // Finishes queued ops, then tells peers this rank is gone. Idempotent.
   void shutdown();
@@ -185,47 +105,38 @@ class Communicator {
 
   int rank() const { return rank_; }
   int world() const { return world_; }
-  double timeout() const { return timeout_s_; }
-  void set_timeout(double seconds);
-  size_t round_bytes() const { return local_ ? local_->round_bytes() : 0; }
+  double timeout() const { return transports_.timeout(); }
+  void set_timeout(double seconds) { transports_.set_timeout(seconds); }
+  size_t round_bytes() const { return transports_.local() ? transports_.local()->round_bytes() : 0; }
   // "shm", "process_group" or "shm+process_group": what carries the data.
-  std::string transport_name() const;
+  std::string transport_name() const { return transports_.name(); }
 
  private:
+  struct Lane;
+  class StoreBoard;
+
   std::shared_ptr<Work> submit(std::shared_ptr<Work> work, bool async_op);
-  std::string check_io(Collective coll, const at::Tensor& input, const at::Tensor& output, int64_t in_mult,
-                       int64_t out_mult) const;
-  std::string check_all_reduce_io(const at::Tensor& input, const at::Tensor& output) const;
   // Describes the call (count as in CollectiveDesc), resolves the algorithm
   // and submits; op and root matter only where the collective has them.
   std::shared_ptr<Work> launch(Collective coll, RedOp op, int root, uint64_t count, const at::Tensor& input,
                                const at::Tensor& output, Algorithm algo, bool strict, bool async_op,
                                Staging staging);
   void execute(Work& work);
-  // Publishes this rank's failure and returns it, or a peer's failure that
-  // names a dead rank, with this rank's view appended.
-  std::exception_ptr explain(std::exception_ptr error);
   void progress_loop();
   // Resolves `algo` (and, between hosts, the inter-host schedule).
-  Algorithm choose(Collective coll, Algorithm algo, bool strict, size_t bytes, Algorithm* inter) const;
+  Resolved choose(Collective coll, Algorithm algo, bool strict, size_t bytes) const;
   // Point-to-point: the local rank of `peer` (checked), and the lane that
   // runs the messages of one direction with one peer, in order.
   int p2p_peer(int peer, Collective coll) const;
-  struct Lane;
   void submit_p2p(int peer, bool incoming, std::shared_ptr<Work> work, bool async_op);
-  void send_body(Work& work, int peer, uint32_t tag);
   void recv_body(Work& work, int peer, uint32_t tag, bool allocate);
 
   int rank_ = 0;
   int world_ = 1;
-  double timeout_s_ = 300;
-  std::unique_ptr<ShmTransport> local_;
-  std::unique_ptr<PgTransport> flat_;
-  std::unique_ptr<PgTransport> cross_;
-  std::unique_ptr<MultiHostTransport> multi_;
-  Transport* top_ = nullptr;  // what collectives run on
+  Transports transports_;
   Workspace workspace_;  // used by composite ops, which run one at a time
-  c10::intrusive_ptr<c10d::Store> store_;
+  // Where failing ranks publish their reasons (multi-host only; null else).
+  std::shared_ptr<FailureBoard> board_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Work>> queue_;
@@ -234,8 +145,6 @@ class Communicator {
   uint64_t next_seq_ = 1;
   std::thread progress_;
 
-  std::unique_ptr<ShmChannels> p2p_;
-  std::vector<int> local_of_;  // communicator rank -> local rank, -1 on other hosts
   std::mutex lanes_mu_;
   std::map<std::pair<int, bool>, std::unique_ptr<Lane>> lanes_;  // (peer, incoming)
 };

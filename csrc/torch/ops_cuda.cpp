@@ -3,7 +3,7 @@
 // caller's current stream, as torch's own CUDA operators do.
 #include <c10/cuda/CUDAStream.h>
 
-#include "kernels/kernels_cuda.h"
+#include "../kernels/kernels_cuda.h"
 #include "ops.h"
 
 namespace pycomm {

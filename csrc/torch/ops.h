@@ -10,7 +10,7 @@
 
 #include <tuple>
 
-#include "kernels/kernels.h"
+#include "../kernels/kernels.h"
 
 namespace pycomm {
 namespace ops {

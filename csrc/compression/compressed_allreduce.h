@@ -1,5 +1,7 @@
-// Codecs of the compressed collectives, and what they tell the transports
-// (a header tag) and the user (bytes on the wire).
+// What the compressed all-reduces share: the call as they see it (raw
+// pointers, no torch), their base class, the header of each payload step,
+// the bytes they put on the wire, and the workspace their payloads live in.
+// The codecs themselves (parameters, tags) are vocabulary: core/codec.h.
 #pragma once
 
 #include <cstdint>
@@ -7,39 +9,11 @@
 #include <memory>
 #include <string>
 
-#include "../collective.h"
-#include "../common.h"
+#include "../core/codec.h"
+#include "../core/collective.h"
 #include "../transport/transport.h"
 
 namespace pycomm {
-
-enum class CodecKind : uint8_t { kNone = 0, kInt8 = 1, kInt4 = 2, kTopK = 3 };
-
-struct Codec {
-  CodecKind kind = CodecKind::kNone;
-  // Int8 / Int4
-  int block = 256;
-  bool stochastic = false;
-  uint64_t seed = 0;
-  // TopK
-  double ratio = 0.01;
-  bool exact = false;
-  double tolerance = 0.1;
-  double sample_fraction = 0.01;
-
-  int bits() const { return kind == CodecKind::kInt4 ? 4 : 8; }
-  bool quantized() const { return kind == CodecKind::kInt8 || kind == CodecKind::kInt4; }
-  // "" when the parameters are usable, else why not.
-  std::string check() const;
-  std::string name() const;
-};
-
-// The sub-steps of a composite operation, as they appear in header tags.
-enum class CodecStep : uint8_t { kScatter = 1, kGather = 2 };
-
-// Tag of one transport run of a compressed collective: codec, step and the
-// parameters that change the payload layout without changing its size.
-uint32_t codec_tag(const Codec& codec, CodecStep step);
 
 // One byte-payload step of a compressed collective (all-to-all or
 // all-gather of `bytes` per rank), tagged with the codec and step.
@@ -90,10 +64,6 @@ class Carver {
   uint8_t* base_;
   size_t used_ = 0;
 };
-
-}  // namespace pycomm
-
-namespace pycomm {
 
 // One compressed all-reduce as the composite algorithms see it: raw
 // pointers, no torch.

@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "kernels/quant.h"
-#include "torch_dtype.h"
+#include "../kernels/quant.h"
+#include "dtype.h"
 
 namespace pycomm {
 namespace ops {

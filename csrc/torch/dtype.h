@@ -3,7 +3,7 @@
 
 #include <c10/core/ScalarType.h>
 
-#include "common.h"
+#include "../core/common.h"
 
 namespace pycomm {
 

@@ -1,12 +1,18 @@
 #include "codec.h"
 
-#include <cmath>
-#include <cstdlib>
 #include <sstream>
 
-#include "../kernels/quant.h"
-
 namespace pycomm {
+
+const char* codec_kind_name(CodecKind kind) {
+  switch (kind) {
+    case CodecKind::kNone: return "none";
+    case CodecKind::kInt8: return "int8";
+    case CodecKind::kInt4: return "int4";
+    case CodecKind::kTopK: return "topk";
+  }
+  return "?";
+}
 
 std::string Codec::check() const {
   std::ostringstream os;
@@ -50,20 +56,6 @@ uint32_t codec_tag(const Codec& c, CodecStep step) {
          (static_cast<uint32_t>(flag) << 23) | (block & 0x7fffffu);
 }
 
-CollectiveDesc payload_step(Collective coll, const Codec& codec, CodecStep step, RedOp op, size_t bytes,
-                            const void* input, void* output) {
-  CollectiveDesc d;
-  d.coll = coll;
-  d.algo = Algorithm::kTwoShot;
-  d.dtype = DType::kUInt8;
-  d.op = op;  // so ranks that disagree on sum vs avg fail like any mismatch
-  d.count = bytes;
-  d.tag = codec_tag(codec, step);
-  d.input = input;
-  d.output = output;
-  return d;
-}
-
 std::string describe_tag(uint32_t tag) {
   if (!(tag >> 31)) return "";
   Codec c;
@@ -77,26 +69,11 @@ std::string describe_tag(uint32_t tag) {
   }
   const auto step = static_cast<CodecStep>((tag >> 24) & 0x7);
   std::ostringstream os;
+  // The tag does not carry TopK's ratio (it changes the payload's size,
+  // which the header's count already compares).
   os << "compression=" << (c.kind == CodecKind::kTopK ? (flag ? "TopK(exact)" : "TopK") : c.name())
      << " step=" << (step == CodecStep::kScatter ? "scatter" : "gather");
   return os.str();
 }
-
-uint8_t* Workspace::get(size_t bytes) {
-  if (bytes > size_ || !data_) {
-    const size_t size = std::max<size_t>(Carver::align(bytes), 64);
-    data_.reset(static_cast<uint8_t*>(std::aligned_alloc(64, size)));
-    if (!data_) throw CommError("pycomm: out of memory for " + std::to_string(size) + " bytes of workspace");
-    size_ = size;
-  }
-  return data_.get();
-}
-
-uint64_t rounding_seed(uint64_t user_seed, uint64_t seq, int rank, int which) {
-  using kernels::mix64;
-  return mix64(mix64(user_seed ^ mix64(seq)) ^ (static_cast<uint64_t>(rank) << 2 | static_cast<uint64_t>(which)));
-}
-
-void Workspace::Free::operator()(uint8_t* p) const { std::free(p); }
 
 }  // namespace pycomm

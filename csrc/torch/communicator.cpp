@@ -1,0 +1,525 @@
+#include "communicator.h"
+
+#include <algorithm>
+#include <optional>
+#include <sstream>
+
+#include "../algorithms/schedule.h"
+#include "../compression/quantized_allreduce.h"
+#include "../compression/sparse_allreduce.h"
+#include "../transport/futex.h"
+#include "dtype.h"
+#include "peer_link.h"
+#include "tensor_checks.h"
+
+namespace pycomm {
+
+namespace {
+
+// How long a failing rank looks for its peers' reasons (transport/blame.h).
+// Peers that detect a death publish it within microseconds of raising; a
+// store that does not answer (its host died) must not delay the error much.
+constexpr auto kExplainBudget = std::chrono::milliseconds(500);
+
+std::string p2p_prefix(Collective coll) { return std::string("pycomm.") + collective_name(coll) + ": "; }
+
+TopologyConfig topology_of(const CommunicatorOptions& o) {
+  TopologyConfig t = o.topology;
+  if (o.backend) t.link = std::make_shared<C10dLink>(o.backend);
+  return t;
+}
+
+}  // namespace
+
+// Failure reports in the bootstrap store, one key per rank.
+class Communicator::StoreBoard : public FailureBoard {
+ public:
+  explicit StoreBoard(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
+  void publish(int rank, const std::string& report) override { store_->set(key(rank), report); }
+  std::optional<std::string> lookup(int rank) override {
+    if (!store_->check({key(rank)})) return std::nullopt;
+    const auto v = store_->get(key(rank));
+    return std::string(v.begin(), v.end());
+  }
+
+ private:
+  static std::string key(int rank) { return "failure/" + std::to_string(rank); }
+  c10::intrusive_ptr<c10d::Store> store_;
+};
+
+// ------------------------------------------------------------ lifecycle
+
+Communicator::Communicator(const CommunicatorOptions& o)
+    : rank_(o.topology.rank), world_(o.topology.world), transports_(topology_of(o)) {
+  if (o.backend && o.store) board_ = std::make_shared<StoreBoard>(o.store);
+  progress_ = std::thread([this] { progress_loop(); });
+}
+
+Communicator::~Communicator() {
+  try {
+    shutdown();
+  } catch (...) {
+  }
+}
+
+void Communicator::shutdown() {
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    if (stop_ && !progress_.joinable()) return;
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (progress_.joinable()) progress_.join();
+  // Point-to-point lanes finish what was queued, like the progress thread.
+  std::map<std::pair<int, bool>, std::unique_ptr<Lane>> lanes;
+  {
+    std::lock_guard<std::mutex> lk(lanes_mu_);
+    lanes.swap(lanes_);
+  }
+  lanes.clear();  // each lane finishes its queue, then joins its thread
+  transports_.shutdown();
+}
+
+void Communicator::abort(const std::string& why) { transports_.top().abort(why); }
+
+// ------------------------------------------------------ progress engine
+
+std::shared_ptr<Work> Communicator::submit(std::shared_ptr<Work> work, bool async_op) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (stop_) throw CommError("pycomm: the communicator has been shut down");
+  work->seq_ = next_seq_;
+  next_seq_ += work->seq_span_;
+  if (!async_op && queue_.empty() && !busy_) {
+    busy_ = true;
+    lk.unlock();
+    execute(*work);
+    lk.lock();
+    busy_ = false;
+    if (!queue_.empty() || stop_) cv_.notify_all();
+    lk.unlock();
+  } else {
+    if (at::hasCallbacks()) work->caller_state_ = std::make_shared<at::ThreadLocalState>();
+    queue_.push_back(work);
+    lk.unlock();
+    cv_.notify_all();
+  }
+  if (!async_op) work->wait();
+  return work;
+}
+
+void Communicator::progress_loop() {
+  std::unique_lock<std::mutex> lk(mu_);
+  while (true) {
+    cv_.wait(lk, [&] { return (!queue_.empty() && !busy_) || (stop_ && queue_.empty() && !busy_); });
+    if (queue_.empty()) return;  // stopping, and everything queued has run
+    auto work = std::move(queue_.front());
+    queue_.pop_front();
+    busy_ = true;
+    lk.unlock();
+    execute(*work);
+    lk.lock();
+    busy_ = false;
+    cv_.notify_all();
+  }
+}
+
+void Communicator::execute(Work& work) {
+  work.start();
+  std::optional<at::ThreadLocalStateGuard> caller_state;
+  if (work.caller_state_) caller_state.emplace(*work.caller_state_);
+  std::exception_ptr error;
+  try {
+    RECORD_USER_SCOPE(range_name(work.desc_.coll));
+    if (work.before_) work.before_();
+    if (work.body_) {
+      work.body_(work.seq_);
+    } else {
+      transports_.top().run(work.desc_, work.seq_);
+    }
+    if (work.after_) work.after_();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  if (error && board_) error = explain_failure(board_, rank_, error, kExplainBudget);
+  work.finish(error);
+}
+
+std::shared_ptr<Work> Communicator::reject(const std::string& why) {
+  // The rejected call still takes its turn, so that peers that made the same
+  // mistake stay in step and peers that did not fail at once.
+  auto work = std::make_shared<Work>();
+  work->desc_.coll = Collective::kInvalid;
+  work->desc_.algo = Algorithm::kOneShot;
+  try {
+    submit(work, /*async_op=*/false);
+  } catch (const CommError&) {
+    // A peer disagreed; it has been told. Our own reason is the useful one.
+  }
+  throw CommError(why);
+}
+
+// ---------------------------------------------------------- collectives
+
+Resolved Communicator::choose(Collective coll, Algorithm algo, bool strict, size_t bytes) const {
+  if (!algorithm_applies(algo, coll)) {
+    if (strict) {
+      std::ostringstream os;
+      os << "pycomm." << collective_name(coll) << ": algorithm '" << algorithm_name(algo)
+         << "' is not available for " << collective_name(coll) << "; use "
+         << (coll == Collective::kBroadcast   ? "ring, tree, direct, hierarchical or auto"
+             : coll == Collective::kAllToAll ? "direct or auto"
+                                             : "ring, direct, hierarchical or auto");
+      throw CommError(os.str());
+    }
+    algo = Algorithm::kAuto;
+  }
+  return transports_.choose(algo, coll, bytes);
+}
+
+std::string Communicator::resolve(Collective coll, Algorithm algo, size_t bytes) const {
+  const Resolved r = choose(coll, algo, /*strict=*/false, bytes);
+  std::string name = algorithm_name(r.algo);
+  if (r.algo == Algorithm::kHierShard || r.algo == Algorithm::kHierLeader)
+    name += std::string("+") + algorithm_name(r.inter);
+  return name;
+}
+
+std::shared_ptr<Work> Communicator::launch(Collective coll, RedOp op, int root, uint64_t count,
+                                           const at::Tensor& input, const at::Tensor& output, Algorithm algo,
+                                           bool strict, bool async_op, Staging staging) {
+  CollectiveDesc desc;
+  desc.coll = coll;
+  desc.op = op;
+  desc.root = root;
+  desc.count = count;
+  to_dtype(output.scalar_type(), &desc.dtype);
+  desc.input = input.data_ptr();
+  desc.output = output.data_ptr();
+  // The tuner sees the larger of the two buffers, like nccl-tests' size.
+  const size_t bytes = std::max(input.numel(), output.numel()) * dtype_size(desc.dtype);
+  try {
+    const Resolved r = choose(desc.coll, algo, strict, bytes);
+    desc.algo = r.algo;
+    desc.inter = r.inter;
+  } catch (const CommError& e) {
+    return reject(e.what());
+  }
+  if ((desc.coll == Collective::kAllReduce || desc.coll == Collective::kReduceScatter) &&
+      desc.op == RedOp::kAvg && !dtype_is_floating(desc.dtype))
+    return reject(std::string("pycomm.") + collective_name(desc.coll) +
+                  ": op=avg needs a floating-point tensor, got " + dtype_name(desc.dtype));
+  auto work = std::make_shared<Work>();
+  work->desc_ = desc;
+  if (input.data_ptr() != output.data_ptr()) work->inputs_ = {input};
+  work->outputs_ = {output};
+  work->inputs_.insert(work->inputs_.end(), staging.keep.begin(), staging.keep.end());
+  if (!staging.result.empty()) work->outputs_ = std::move(staging.result);
+  work->before_ = std::move(staging.before);
+  work->after_ = std::move(staging.after);
+  return submit(std::move(work), async_op);
+}
+
+std::shared_ptr<Work> Communicator::all_reduce(const at::Tensor& input, const at::Tensor& output, RedOp op,
+                                               Algorithm algo, bool strict, bool async_op,
+                                               Staging staging) {
+  const std::string why = check_all_reduce_io(input, output, world());
+  if (!why.empty()) return reject(why);
+  return launch(Collective::kAllReduce, op, 0, input.numel(), input, output, algo, strict, async_op,
+                std::move(staging));
+}
+
+std::shared_ptr<Work> Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input, RedOp op,
+                                                   Algorithm algo, bool strict, bool async_op,
+                                                   Staging staging) {
+  const Collective coll = Collective::kReduceScatter;
+  std::string why = check_io(coll, input, output, world(), 1, world());
+  if (why.empty() && overlaps(input, output)) why = "pycomm.reduce_scatter: output overlaps input";
+  if (!why.empty()) return reject(why);
+  return launch(coll, op, 0, output.numel(), input, output, algo, strict, async_op, std::move(staging));
+}
+
+std::shared_ptr<Work> Communicator::all_gather(const at::Tensor& output, const at::Tensor& input, Algorithm algo,
+                                               bool strict, bool async_op, Staging staging) {
+  const Collective coll = Collective::kAllGather;
+  std::string why = check_io(coll, input, output, 1, world(), world());
+  if (why.empty() && overlaps(input, output)) {
+    // In place is allowed when the input is exactly this rank's slot.
+    const char* slot = static_cast<const char*>(output.data_ptr()) + rank() * input.numel() * input.element_size();
+    if (input.data_ptr() != slot) why = "pycomm.all_gather: input overlaps output but is not this rank's slot of it";
+  }
+  if (!why.empty()) return reject(why);
+  return launch(coll, RedOp::kSum, 0, input.numel(), input, output, algo, strict, async_op, std::move(staging));
+}
+
+std::shared_ptr<Work> Communicator::broadcast(const at::Tensor& tensor, int src, Algorithm algo, bool strict,
+                                              bool async_op, Staging staging) {
+  const Collective coll = Collective::kBroadcast;
+  std::string why = check_tensor(tensor, "tensor", coll);
+  if (why.empty() && (src < 0 || src >= world()))
+    why = "pycomm.broadcast: src=" + std::to_string(src) + " is not a rank of this communicator (world size " +
+          std::to_string(world()) + ")";
+  if (!why.empty()) return reject(why);
+  return launch(coll, RedOp::kSum, src, tensor.numel(), tensor, tensor, algo, strict, async_op, std::move(staging));
+}
+
+std::shared_ptr<Work> Communicator::all_to_all(const at::Tensor& output, const at::Tensor& input, bool async_op,
+                                               Staging staging) {
+  const Collective coll = Collective::kAllToAll;
+  std::string why = check_io(coll, input, output, 1, 1, world());
+  if (why.empty() && input.numel() % world() != 0)
+    why = "pycomm.all_to_all: input has " + std::to_string(input.numel()) +
+          " elements, which does not split evenly into world_size (" + std::to_string(world()) + ") blocks";
+  if (why.empty() && overlaps(input, output)) why = "pycomm.all_to_all: output overlaps input";
+  if (!why.empty()) return reject(why);
+  return launch(coll, RedOp::kSum, 0, input.numel() / world(), input, output, Algorithm::kAuto, false, async_op,
+                std::move(staging));
+}
+
+std::shared_ptr<Work> Communicator::barrier(bool async_op) {
+  auto work = std::make_shared<Work>();
+  work->desc_.coll = Collective::kBarrier;
+  work->desc_.algo = Algorithm::kOneShot;
+  return submit(std::move(work), async_op);
+}
+
+size_t Communicator::compressed_shard_elems(size_t n, int block) const {
+  return QuantizedAllReduce::shard_elems(n, world(), block);
+}
+
+std::shared_ptr<Work> Communicator::all_reduce_compressed(const at::Tensor& input, const at::Tensor& output,
+                                                          RedOp op, const Codec& codec,
+                                                          const at::Tensor& worker_residual,
+                                                          const at::Tensor& server_residual, bool async_op) {
+  const int64_t server_numel =
+      codec.quantized() && codec.check().empty() ? static_cast<int64_t>(compressed_shard_elems(
+                                                       static_cast<size_t>(input.defined() ? input.numel() : 0),
+                                                       codec.block))
+                                                 : 0;
+  const std::string why =
+      check_compressed(input, output, op, codec, worker_residual, server_residual, server_numel, world());
+  if (!why.empty()) return reject(why);
+
+  CompressedCall call;
+  to_dtype(input.scalar_type(), &call.dtype);
+  call.op = op;
+  call.n = static_cast<size_t>(input.numel());
+  call.input = input.data_ptr();
+  call.output = output.data_ptr();
+  call.worker_residual = worker_residual.defined() ? worker_residual.data_ptr<float>() : nullptr;
+  call.server_residual = codec.quantized() && server_residual.defined() ? server_residual.data_ptr<float>() : nullptr;
+  // Stage ranges live with the call; the algorithm runs once, on one thread.
+  auto ranges = std::make_shared<StageRanges>();
+  call.stage = [ranges](const char* name) { ranges->enter(name); };
+
+  auto work = std::make_shared<Work>();
+  work->desc_.coll = Collective::kAllReduce;
+  work->desc_.algo = Algorithm::kTwoShot;
+  work->desc_.dtype = call.dtype;
+  work->desc_.op = op;
+  work->desc_.count = call.n;
+  work->inputs_ = {input};
+  if (worker_residual.defined()) work->inputs_.push_back(worker_residual);
+  if (server_residual.defined()) work->inputs_.push_back(server_residual);
+  work->outputs_ = {output};
+  // The algorithm object lives in the body: the op may run later, on the
+  // progress thread, and only then touches the workspace.
+  std::shared_ptr<CompressedAllReduce> algo;
+  if (codec.quantized()) {
+    algo = std::make_shared<QuantizedAllReduce>(transports_.top(), workspace_, codec, call);
+  } else {
+    algo = std::make_shared<SparseAllReduce>(transports_.top(), workspace_, codec, call);
+  }
+  work->stats_ = algo->stats();
+  work->seq_span_ = algo->seq_span();
+  work->body_ = [algo](uint64_t seq) { algo->run(seq); };
+  return submit(std::move(work), async_op);
+}
+
+// ------------------------------------------------------- point-to-point
+
+// The messages of one direction with one peer run in order on their own
+// thread: a receive waiting for its data never holds up collectives or
+// traffic with other peers, and a send blocked on a full ring never holds
+// up receives (so two ranks can send each other large messages at once).
+struct Communicator::Lane {
+  explicit Lane(Communicator* comm) : thread([this, comm] { loop(comm); }) {}
+  // Finishes what was queued, then joins.
+  ~Lane() {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      stopping = true;
+    }
+    cv.notify_one();
+    if (thread.joinable()) thread.join();
+  }
+
+  void push(std::shared_ptr<Work> work) {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      queue.push_back(std::move(work));
+    }
+    cv.notify_one();
+  }
+
+  void loop(Communicator* comm) {
+    std::unique_lock<std::mutex> lk(mu);
+    while (true) {
+      cv.wait(lk, [&] { return !queue.empty() || stopping; });
+      if (queue.empty()) return;
+      auto work = std::move(queue.front());
+      queue.pop_front();
+      lk.unlock();
+      comm->execute(*work);
+      lk.lock();
+    }
+  }
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::shared_ptr<Work>> queue;
+  bool stopping = false;
+  uint64_t messages = 0;  // numbers this direction's messages, for errors
+  std::thread thread;
+};
+
+int Communicator::p2p_peer(int peer, Collective coll) const {
+  const char* dir = coll == Collective::kSend ? "dst" : "src";
+  if (peer < 0 || peer >= world_)
+    throw CommError(p2p_prefix(coll) + dir + "=" + std::to_string(peer) + " is not a rank of this communicator (0.." +
+                    std::to_string(world_ - 1) + ")");
+  if (peer == rank_) throw CommError(p2p_prefix(coll) + dir + " is this rank itself (" + std::to_string(rank_) + ")");
+  const bool shm = transports_.p2p() != nullptr;
+  if (!shm || transports_.local_rank_of(peer) < 0)
+    throw CommError(p2p_prefix(coll) + "rank " + std::to_string(peer) +
+                    (shm ? " is on another host" : " is reachable through the process group only (transport='pg')") +
+                    "; pycomm's point-to-point runs over shared memory between ranks of one host "
+                    "(use torch.distributed.send/recv across hosts)");
+  return transports_.local_rank_of(peer);
+}
+
+void Communicator::submit_p2p(int peer, bool incoming, std::shared_ptr<Work> work, bool async_op) {
+  Lane* lane;
+  {
+    std::lock_guard<std::mutex> lk(lanes_mu_);
+    if (stop_) throw CommError("pycomm: the communicator has been shut down");
+    auto& slot = lanes_[{peer, incoming}];
+    if (!slot) slot = std::make_unique<Lane>(this);
+    lane = slot.get();
+    // Numbered at submission, in the order the caller issued them.
+    work->seq_ = ++lane->messages;
+  }
+  if (at::hasCallbacks()) work->caller_state_ = std::make_shared<at::ThreadLocalState>();
+  lane->push(work);
+  if (!async_op) work->wait();
+}
+
+std::shared_ptr<Work> Communicator::send(const std::vector<at::Tensor>& tensors, int dst, uint32_t tag,
+                                         bool async_op) {
+  const int peer = p2p_peer(dst, Collective::kSend);
+  auto work = std::make_shared<Work>();
+  work->desc_.coll = Collective::kSend;
+  work->desc_.root = dst;
+  ShmChannels& channels = *transports_.p2p();
+  const std::string why = check_send(tensors, kP2PMaxDims);
+  if (!why.empty()) {
+    // A send this rank cannot make still goes out, as an error message, so
+    // that the receiver raises now instead of waiting for the timeout.
+    const std::string msg = p2p_prefix(Collective::kSend) + why;
+    work->body_ = [this, &channels, peer, msg](uint64_t seq) {
+      channels.send_failure(peer, msg, OpContext{Collective::kSend, seq, 0, deadline_after(timeout())});
+    };
+    try {
+      submit_p2p(dst, false, work, /*async_op=*/false);
+    } catch (const CommError&) {
+      // The peer is gone too; our own reason is the useful one.
+    }
+    throw CommError(msg);
+  }
+  // Non-contiguous tensors travel as contiguous copies, made now: the data
+  // sent is the data at the time of the call, as for collectives.
+  for (const auto& t : tensors) work->inputs_.push_back(t.contiguous());
+  work->body_ = [this, &channels, w = work.get(), peer, tag](uint64_t seq) {
+    const auto n = static_cast<uint32_t>(w->inputs_.size());
+    std::vector<TensorMeta> metas(n);
+    std::vector<const void*> data(n);
+    for (uint32_t i = 0; i < n; ++i) {
+      const at::Tensor& t = w->inputs_[i];
+      metas[i].dtype = static_cast<uint8_t>(t.scalar_type());
+      metas[i].ndim = static_cast<int>(t.dim());
+      for (int64_t d = 0; d < t.dim(); ++d) metas[i].shape[d] = t.size(d);
+      metas[i].nbytes = static_cast<uint64_t>(t.numel()) * t.element_size();
+      data[i] = t.data_ptr();
+    }
+    channels.send_message(peer, tag, metas.data(), data.data(), n,
+                          OpContext{Collective::kSend, seq, 0, deadline_after(timeout())});
+  };
+  submit_p2p(dst, false, work, async_op);
+  return work;
+}
+
+std::shared_ptr<Work> Communicator::recv(const std::vector<at::Tensor>& out, int src, uint32_t tag, bool async_op) {
+  const int peer = p2p_peer(src, Collective::kRecv);
+  const std::string why = check_recv(out);
+  if (!why.empty()) throw CommError(p2p_prefix(Collective::kRecv) + why);
+  auto work = std::make_shared<Work>();
+  work->desc_.coll = Collective::kRecv;
+  work->desc_.root = src;
+  work->outputs_ = out;
+  const bool allocate = out.empty();
+  work->body_ = [this, w = work.get(), peer, tag, allocate](uint64_t) { recv_body(*w, peer, tag, allocate); };
+  submit_p2p(src, true, work, async_op);
+  return work;
+}
+
+namespace {
+
+// Places a message's tensors: new tensors of the shapes sent, or the
+// caller's `out` tensors after checking they match what was sent.
+class TensorSink : public MessageSink {
+ public:
+  TensorSink(std::vector<at::Tensor>& outputs, bool allocate, int src)
+      : outputs_(outputs), allocate_(allocate), src_(src) {}
+
+  void* place(uint32_t i, uint32_t total, const TensorMeta& meta, std::string* why) override {
+    if (meta.dtype >= static_cast<uint8_t>(at::ScalarType::NumOptions)) {
+      *why = "the channel is out of step (corrupt message header)";
+      return nullptr;
+    }
+    const auto dtype = static_cast<at::ScalarType>(meta.dtype);
+    const std::vector<int64_t> shape(meta.shape, meta.shape + meta.ndim);
+    if (i == 0 && !allocate_ && outputs_.size() != total) {
+      *why = "rank " + std::to_string(src_) + " sent " + std::to_string(total) + " tensors but " +
+             std::to_string(outputs_.size()) + " out tensors were given";
+      return nullptr;
+    }
+    if (allocate_) {
+      outputs_.push_back(at::empty(shape, at::TensorOptions().dtype(dtype)));
+    } else {
+      const at::Tensor& t = outputs_[i];
+      if (t.scalar_type() != dtype || t.sizes() != at::IntArrayRef(shape)) {
+        std::ostringstream os;
+        os << "rank " << src_ << " sent tensor " << i << " as " << c10::getDtypeNames(dtype).first
+           << at::IntArrayRef(shape) << " but out tensor " << i << " is "
+           << c10::getDtypeNames(t.scalar_type()).first << t.sizes();
+        *why = os.str();
+        return nullptr;
+      }
+    }
+    return outputs_[i].data_ptr();
+  }
+
+ private:
+  std::vector<at::Tensor>& outputs_;
+  bool allocate_;
+  int src_;
+};
+
+}  // namespace
+
+void Communicator::recv_body(Work& work, int peer, uint32_t tag, bool allocate) {
+  TensorSink sink(work.outputs_, allocate, work.desc_.root);
+  transports_.p2p()->recv_message(peer, tag, sink,
+                                  OpContext{Collective::kRecv, work.seq_, 0, deadline_after(timeout())});
+}
+
+}  // namespace pycomm

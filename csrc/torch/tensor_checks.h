@@ -1,0 +1,47 @@
+// The checks a call's tensors pass before it takes its turn. Each returns
+// "" when the tensors are usable, else a message a user can act on (the
+// communicator then rejects the call in turn, so that every rank raises).
+// Checks never throw: a tensor whose properties cannot be read (a sparse
+// tensor has no strides) is reported like any other unusable tensor.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "../core/codec.h"
+#include "../core/collective.h"
+
+namespace pycomm {
+
+// `t` can take part in a collective: defined, dense and strided, on the
+// CPU, of a dtype pycomm moves, contiguous.
+std::string check_tensor(const at::Tensor& t, const char* role, Collective coll);
+
+bool overlaps(const at::Tensor& a, const at::Tensor& b);
+
+// A collective with an input and an output tensor: each usable on its own,
+// same dtype, and input.numel() * out_mult == output.numel() * in_mult.
+std::string check_io(Collective coll, const at::Tensor& input, const at::Tensor& output, int64_t in_mult,
+                     int64_t out_mult, int world);
+
+// All-reduce: in place, or a separate tensor of the same size.
+std::string check_all_reduce_io(const at::Tensor& input, const at::Tensor& output, int world);
+
+// A compressed all-reduce: the all-reduce checks, a float tensor, sum or
+// avg, usable codec parameters, and residuals (may be undefined) of the
+// right size: `server_numel` elements for the server residual.
+std::string check_compressed(const at::Tensor& input, const at::Tensor& output, RedOp op, const Codec& codec,
+                             const at::Tensor& worker_residual, const at::Tensor& server_residual,
+                             int64_t server_numel, int world);
+
+// A point-to-point message's tensors: at least one, each defined, dense,
+// on the CPU, with at most `max_dims` dimensions (any strides: they travel
+// as contiguous copies).
+std::string check_send(const std::vector<at::Tensor>& tensors, int max_dims);
+// A receive's `out` tensors (may be empty): defined, dense, contiguous, CPU.
+std::string check_recv(const std::vector<at::Tensor>& out);
+
+}  // namespace pycomm

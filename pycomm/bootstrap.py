@@ -1,0 +1,252 @@
+"""How a communicator comes up: rendezvous through a ``torch.distributed`` Store.
+
+pycomm has no rendezvous of its own: ranks meet through a Store (the default
+group's, or one you pass), agree on a random per-job token, find which ranks
+share a host, and map one shared-memory segment per host. Between hosts the
+data travels through a ``torch.distributed`` process group (a private Gloo
+group built on the same Store, or one you pass).
+
+Example::
+
+    store = dist.TCPStore("127.0.0.1", 29500, 2, rank == 0)
+    comm = pycomm.Communicator(store=store, rank=rank, world_size=2)   # runs connect() below
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ._loader import CommError, load_core
+
+TRANSPORTS = ("auto", "shm", "pg")
+DEFAULT_TIMEOUT_S = 300.0
+# One phase region of a rank's mailbox half; a rank maps 4 of them per peer.
+# 1 MiB keeps a round's chunks in the last-level cache between the writer and
+# its readers; see benchmarks/RESULTS.md for the sweep that chose it.
+DEFAULT_ROUND_BYTES = 1 << 20
+# Between hosts: one round's chunks together, and how many rounds are in
+# flight (benchmarks/RESULTS.md, "Several hosts").
+DEFAULT_PG_ROUND_BYTES = 4 << 20
+DEFAULT_PG_WINDOW = 4
+# Each ordered pair of ranks that exchange point-to-point messages maps one
+# ring of this size (a power of two): enough for a sender to stream while its
+# receiver copies out, small next to a pipeline's activations.
+DEFAULT_P2P_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where a rank sits: hosts are numbered by their lowest rank, local ranks by rank."""
+
+    rank: int
+    world_size: int
+    host: int
+    num_hosts: int
+    local_rank: int
+    local_size: int
+    host_ranks: List[List[int]]
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '4096', '64K', '1M', '2G' or '64MB'; ValueError if it is none of those.
+
+    Example::
+
+        parse_size("4M") == 4 << 20
+    """
+    t = text.strip().upper().rstrip("B")
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+        if t.endswith(suffix):
+            t, mult = t[:-1], m
+            break
+    return int(float(t) * mult)
+
+
+def env_size(name: str, default: int) -> int:
+    """A byte size from environment variable ``name`` (see :func:`parse_size`), or ``default``."""
+    env = os.environ.get(name)
+    return parse_size(env) if env else default
+
+
+def restart_prefix() -> str:
+    """Store keys of one attempt of an elastic job ("attempt<n>/"; "" outside torchrun).
+
+    torchrun's store outlives a restart: without this, a restarted rank
+    could read the previous attempt's token and look for its segment.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return f"attempt{attempt}/" if attempt else ""
+
+
+def wait_keys(store: "dist.Store", keys: List[str], timeout: float, what: str) -> None:
+    """Waits for ``keys``, bounded by the communicator's timeout, not the Store's.
+
+    Raises :class:`pycomm.CommError` naming ``what`` (and the ranks that
+    never arrived, for ``host/<rank>`` keys).
+    """
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except Exception as e:  # the Store raises its own timeout error types
+        missing = [k for k in keys if not store.check([k])]
+        ranks = [k.rsplit("/", 1)[-1] for k in missing if k.startswith("host/")]
+        detail = f"; ranks {', '.join(ranks)} never arrived" if ranks else ""
+        raise CommError(
+            f"pycomm: bootstrap timed out after {timeout:g} s waiting for {what}{detail} "
+            "(did every rank create the communicator?)"
+        ) from e
+
+
+def resolve_group(group: Optional["dist.ProcessGroup"], store: Optional["dist.Store"], rank: Optional[int],
+                  world_size: Optional[int]) -> Tuple["dist.Store", int, int, str]:
+    """(store, rank, world_size, group name) from an explicit Store or a torch.distributed group."""
+    if store is not None:
+        if rank is None or world_size is None:
+            raise CommError("pycomm: pass rank and world_size together with store")
+        return store, int(rank), int(world_size), "store"
+    if not (dist.is_available() and dist.is_initialized()):
+        raise CommError(
+            "pycomm: torch.distributed is not initialized; call dist.init_process_group(...) first "
+            "or pass store=, rank=, world_size="
+        )
+    group = group or dist.group.WORLD
+    name = getattr(group, "group_name", None) or str(id(group))
+    return dist.distributed_c10d._get_default_store(), dist.get_rank(group), dist.get_world_size(group), name
+
+
+def _host_key() -> str:
+    """Ranks with equal keys share memory: same kernel boot and network namespace.
+
+    The namespace matters for the simulated multi-host testbed, where ranks in
+    separate network namespaces of one machine must count as separate hosts.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    try:
+        netns = str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        netns = "?"
+    return f"{socket.gethostname()}|{boot}|{netns}"
+
+
+def exchange_topology(store: "dist.Store", rank: int, world_size: int, timeout: float,
+                      local_size: Optional[int]) -> Topology:
+    """Which ranks share a host: every rank publishes its host key and reads everyone's.
+
+    ``local_size`` (or ``PYCOMM_LOCAL_SIZE``) pretends consecutive blocks of
+    that many ranks are hosts (tests, benchmarks of a multi-host layout).
+    """
+    store.set(f"host/{rank}", _host_key())
+    keys = [f"host/{r}" for r in range(world_size)]
+    wait_keys(store, keys, timeout, "every rank to join")
+    values = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
+    hosts = [v.decode() for v in values]
+    if local_size is None and os.environ.get("PYCOMM_LOCAL_SIZE"):
+        local_size = int(os.environ["PYCOMM_LOCAL_SIZE"])
+    if local_size is not None:
+        n = int(local_size)
+        if n <= 0 or world_size % n:
+            raise CommError(f"pycomm: local_size={n} must divide the world size {world_size}")
+        hosts = [f"{h}#block{r // n}" for r, h in enumerate(hosts)]
+    host_keys = sorted(set(hosts), key=hosts.index)
+    host_ranks = [[r for r in range(world_size) if hosts[r] == k] for k in host_keys]
+    host = host_keys.index(hosts[rank])
+    return Topology(rank=rank, world_size=world_size, host=host, num_hosts=len(host_keys),
+                    local_rank=host_ranks[host].index(rank), local_size=len(host_ranks[host]),
+                    host_ranks=host_ranks)
+
+
+def _inter_host_backend(group: Optional["dist.ProcessGroup"], store: "dist.Store", rank: int, world_size: int,
+                        timeout: float):
+    """The C++ backend object that will carry traffic between hosts."""
+    if group is not None:
+        if group.size() != world_size or group.rank() != rank:
+            raise CommError(f"pycomm: inter_host_group has rank {group.rank()} of {group.size()}, but this "
+                            f"communicator has rank {rank} of {world_size}; they must match")
+        try:
+            return group._get_backend(torch.device("cpu"))
+        except Exception as e:
+            raise CommError(f"pycomm: inter_host_group has no CPU backend ({e}); pass a gloo group") from e
+    # A private Gloo group: its own connections and tags, so pycomm's traffic
+    # never interleaves with the caller's collectives on other groups.
+    try:
+        return dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size,
+                                     datetime.timedelta(seconds=timeout))
+    except Exception as e:
+        raise CommError(f"pycomm: could not connect the ranks through Gloo ({e}); between hosts set "
+                        "GLOO_SOCKET_IFNAME to the interface the hosts share") from e
+
+
+def connect(store: "dist.Store", rank: int, world_size: int, *, timeout: float, round_bytes: Optional[int],
+            transport: str, local_size: Optional[int],
+            inter_host_group: Optional["dist.ProcessGroup"]) -> Tuple[Any, Topology]:
+    """Builds this rank's compiled communicator; every rank calls it with the same ``store`` prefix.
+
+    Returns the core communicator and the topology. Raises CommError on a
+    bad setting or a bootstrap that times out.
+    """
+    core = load_core()
+    if transport not in TRANSPORTS:
+        raise CommError(f"pycomm: transport={transport!r} is not one of {', '.join(TRANSPORTS)}")
+
+    # 1. Topology: which ranks share a host.
+    topo = exchange_topology(store, rank, world_size, timeout, local_size)
+    if transport == "shm" and topo.num_hosts > 1:
+        raise CommError(f"pycomm: transport='shm' cannot connect the {topo.num_hosts} hosts of this job; "
+                        "use 'auto'")
+    use_shm = transport != "pg"
+    use_pg = transport == "pg" or topo.num_hosts > 1
+    local_ranks = topo.host_ranks[topo.host]
+
+    # 2. One random token per job: segment names nobody can guess, and a
+    #    check that we attach to this job's segment and no other.
+    if rank == 0:
+        store.set("token", secrets.token_hex(16))
+    wait_keys(store, ["token"], timeout, "rank 0 to publish the job token")
+    token = store.get("token").decode()
+    shm_name = f"/pycomm.{token}.{min(local_ranks)}"
+    key = f"segment/{min(local_ranks)}"
+    if round_bytes is None:
+        round_bytes = env_size("PYCOMM_SHM_ROUND_BYTES", DEFAULT_ROUND_BYTES)
+    round_bytes = max(64 * 1024, int(round_bytes) // 4096 * 4096)
+
+    # 3. Between hosts: a process group (built before the segment, so a rank
+    #    that fails here leaves no segment behind).
+    backend = _inter_host_backend(inter_host_group, store, rank, world_size, timeout) if use_pg else None
+    args = dict(rank=rank, world=world_size, timeout=timeout, use_shm=use_shm, local_rank=topo.local_rank,
+                local_size=topo.local_size, shm_name=shm_name, token=token, round_bytes=round_bytes,
+                host=topo.host, host_ranks=topo.host_ranks if use_pg else [], backend=backend,
+                pg_round_bytes=env_size("PYCOMM_PG_ROUND_BYTES", DEFAULT_PG_ROUND_BYTES),
+                pg_window=int(os.environ.get("PYCOMM_PG_WINDOW", DEFAULT_PG_WINDOW)),
+                store=store if use_pg else None, p2p_bytes=env_size("PYCOMM_P2P_BYTES", DEFAULT_P2P_BYTES))
+
+    # 4. The host's first rank creates the segment, the others attach.
+    if not use_shm:
+        c = core.Communicator(**args)
+    elif topo.local_rank == 0:
+        try:
+            c = core.Communicator(create=True, **args)
+        except Exception as e:
+            store.set(key, f"error: {e}")
+            raise
+        store.set(key, "ok")
+    else:
+        wait_keys(store, [key], timeout, f"rank {min(local_ranks)} to create the shared segment")
+        status = store.get(key).decode()
+        if status != "ok":
+            raise CommError(f"pycomm: rank {min(local_ranks)} could not create the shared segment: {status}")
+        c = core.Communicator(create=False, **args)
+    # Return only once every local rank has mapped the segment (which is
+    # then unlinked): a fast rank must not leave before a slow one joined.
+    c.wait_ready()
+    return c, topo
