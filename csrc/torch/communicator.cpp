@@ -1,3 +1,8 @@
+// The communicator's definitions, in the order a call meets them:
+// lifecycle, the progress engine, the collectives (plain and compressed),
+// then point-to-point lanes. About 500 lines: the parts share the queue,
+// the lanes and the transports, and the checks, Work, blame and transport
+// set-up already live in units of their own.
 #include "communicator.h"
 
 #include <algorithm>

@@ -1,3 +1,7 @@
+// The shared-memory transport (see shm.h): the segment and its liveness
+// records, the futex-backed flags and call headers, and the plan executor.
+// About 500 lines: the segment layout, the waits and the executor share
+// private state; the plans are built in algorithms/plan.cpp.
 #include "shm.h"
 
 #include <errno.h>
