@@ -253,13 +253,14 @@ class Communicator:
 
             comm.all_reduce_coalesced([p.grad for p in model.parameters()], op="avg")
         """
+        compressible = _compression.codec_dtypes()
         by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
         with torch.no_grad():
             for dtype, group in by_dtype.items():
                 flat = torch.cat([t.detach().reshape(-1) for t in group])
-                codec = compression if dtype in _compression.CODEC_DTYPES else None
+                codec = compression if dtype in compressible else None
                 self.all_reduce(flat, op, compression=codec)
                 offset = 0
                 for t in group:
@@ -480,7 +481,7 @@ class Communicator:
         group), carries send/recv and uneven all-to-all; without it those raise.
         The backend prefers this communicator's ``PYCOMM_ALGO`` algorithms.
         """
-        algorithms = [(self._default_algo.get(c) or self._auto)[0] for c in _TUNABLE]
+        algorithms = [self._algorithm("auto", c)[0] for c in _TUNABLE]
         return load_core().make_backend(self._c, peer, algorithms)
 
     def __repr__(self) -> str:

@@ -38,6 +38,7 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Dict, Hashable, NamedTuple, Optional, Tuple, Union
@@ -54,16 +55,22 @@ def _core_default(name: str):
     return field(default_factory=lambda: codec_default(name))
 
 
-@dataclass(frozen=True)
-class _Quantizer:
-    block: int = _core_default("block")
-    stochastic: bool = _core_default("stochastic")
-    seed: int = _core_default("seed")
+class _Codec:
+    """What every codec tells the core: its id, looked up by the codec's name."""
+
+    _name: str
 
     @property
     def kind(self) -> int:
         """The core's codec id."""
         return CODECS[self._name]
+
+
+@dataclass(frozen=True)
+class _Quantizer(_Codec):
+    block: int = _core_default("block")
+    stochastic: bool = _core_default("stochastic")
+    seed: int = _core_default("seed")
 
 
 class Int8(_Quantizer):
@@ -91,7 +98,7 @@ class Int4(_Quantizer):
 
 
 @dataclass(frozen=True)
-class TopK:
+class TopK(_Codec):
     """Top-k sparsification: each rank sends its ``ratio`` largest-magnitude entries.
 
     ``exact=False`` (default) picks a threshold from a sample of
@@ -112,17 +119,19 @@ class TopK:
 
     _name = "topk"
 
-    @property
-    def kind(self) -> int:
-        """The core's codec id."""
-        return CODECS[self._name]
-
 
 Codec = Union[Int8, Int4, TopK]
 
 
-#: The dtypes a codec compresses (sum or avg).
-CODEC_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+@functools.lru_cache(maxsize=None)
+def codec_dtypes() -> Tuple[torch.dtype, ...]:
+    """The dtypes a codec compresses (sum or avg), as the core declares them.
+
+    Example::
+
+        torch.bfloat16 in pycomm.compression.codec_dtypes()   # True
+    """
+    return tuple(getattr(torch, name) for name in load_core().codec_dtypes)
 
 
 def is_quantizer(codec: object) -> bool:

@@ -327,7 +327,7 @@ def _compressed(state: CompressionState, bucket: dist.GradBucket, want: Optional
                         f"{type(state).__name__}")
     codec = state._codec(want, default, hook)
     buf = bucket.buffer()
-    if state.iteration < state.start_iter or not buf.is_floating_point() or buf.dtype == torch.float64:
+    if state.iteration < state.start_iter or buf.dtype not in _compression.codec_dtypes():
         return _average(state, bucket, None, f"pycomm::{hook}")
     comm = state.communicator
     with record_function(f"pycomm::{hook}"):

@@ -10,6 +10,7 @@
 #include "../algorithms/tuner.h"
 #include "backend.h"
 #include "communicator.h"
+#include "tensor_checks.h"
 
 #ifdef PYCOMM_WITH_CUDA
 #include "ipc.h"
@@ -153,6 +154,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("reduce_ops") = redop_table();
   m.attr("codecs") = codec_table();
   m.attr("codec_defaults") = codec_defaults();
+  py::tuple codec_dtypes(std::size(kCodecDtypes));
+  for (size_t i = 0; i < std::size(kCodecDtypes); ++i) codec_dtypes[i] = c10::getDtypeNames(kCodecDtypes[i]).first;
+  m.attr("codec_dtypes") = codec_dtypes;
   // The devices whose tensors the Communicator (and so the c10d backend)
   // takes, whatever the build: the backend registers these and no others.
   m.attr("collective_devices") = py::make_tuple("cpu");
@@ -243,7 +247,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               bool stochastic, uint64_t seed, double ratio, bool exact, double tolerance, double sample_fraction,
               std::optional<at::Tensor> worker_residual, std::optional<at::Tensor> server_residual, bool async_op) {
              Codec codec;
-             if (kind < 1 || kind > static_cast<int>(CodecKind::kTopK)) throw CommError("pycomm: unknown codec id");
+             if (kind < 1 || kind > kLastCodecKind) throw CommError("pycomm: unknown codec id");
              codec.kind = static_cast<CodecKind>(kind);
              codec.block = block;
              codec.stochastic = stochastic;

@@ -28,6 +28,11 @@ constexpr auto kExplainBudget = std::chrono::milliseconds(500);
 
 std::string p2p_prefix(Collective coll) { return std::string("pycomm.") + collective_name(coll) + ": "; }
 
+// What a point-to-point message's waits report and how long they may take.
+OpContext p2p_context(Collective coll, uint64_t seq, double timeout_s) {
+  return OpContext{coll, seq, 0, deadline_after(timeout_s)};
+}
+
 TopologyConfig topology_of(const CommunicatorOptions& o) {
   TopologyConfig t = o.topology;
   if (o.backend) t.link = std::make_shared<C10dLink>(o.backend);
@@ -295,13 +300,7 @@ std::shared_ptr<Work> Communicator::all_reduce_compressed(const at::Tensor& inpu
                                                           RedOp op, const Codec& codec,
                                                           const at::Tensor& worker_residual,
                                                           const at::Tensor& server_residual, bool async_op) {
-  const int64_t server_numel =
-      codec.quantized() && codec.check().empty() ? static_cast<int64_t>(compressed_shard_elems(
-                                                       static_cast<size_t>(input.defined() ? input.numel() : 0),
-                                                       codec.block))
-                                                 : 0;
-  const std::string why =
-      check_compressed(input, output, op, codec, worker_residual, server_residual, server_numel, world());
+  const std::string why = check_compressed(input, output, op, codec, worker_residual, server_residual, world());
   if (!why.empty()) return reject(why);
 
   CompressedCall call;
@@ -431,7 +430,7 @@ std::shared_ptr<Work> Communicator::send(const std::vector<at::Tensor>& tensors,
     // that the receiver raises now instead of waiting for the timeout.
     const std::string msg = p2p_prefix(Collective::kSend) + why;
     work->body_ = [this, &channels, peer, msg](uint64_t seq) {
-      channels.send_failure(peer, msg, OpContext{Collective::kSend, seq, 0, deadline_after(timeout())});
+      channels.send_failure(peer, msg, p2p_context(Collective::kSend, seq, timeout()));
     };
     try {
       submit_p2p(dst, false, work, /*async_op=*/false);
@@ -456,7 +455,7 @@ std::shared_ptr<Work> Communicator::send(const std::vector<at::Tensor>& tensors,
       data[i] = t.data_ptr();
     }
     channels.send_message(peer, tag, metas.data(), data.data(), n,
-                          OpContext{Collective::kSend, seq, 0, deadline_after(timeout())});
+                          p2p_context(Collective::kSend, seq, timeout()));
   };
   submit_p2p(dst, false, work, async_op);
   return work;
@@ -524,7 +523,7 @@ class TensorSink : public MessageSink {
 void Communicator::recv_body(Work& work, int peer, uint32_t tag, bool allocate) {
   TensorSink sink(work.outputs_, allocate, work.desc_.root);
   transports_.p2p()->recv_message(peer, tag, sink,
-                                  OpContext{Collective::kRecv, work.seq_, 0, deadline_after(timeout())});
+                                  p2p_context(Collective::kRecv, work.seq_, timeout()));
 }
 
 }  // namespace pycomm

@@ -1,8 +1,11 @@
 #include "tensor_checks.h"
 
+#include <algorithm>
 #include <climits>
+#include <iterator>
 #include <sstream>
 
+#include "../compression/quantized_allreduce.h"
 #include "dtype.h"
 
 namespace pycomm {
@@ -96,11 +99,10 @@ std::string check_all_reduce_io(const at::Tensor& input, const at::Tensor& outpu
 }
 
 std::string check_compressed(const at::Tensor& input, const at::Tensor& output, RedOp op, const Codec& codec,
-                             const at::Tensor& worker_residual, const at::Tensor& server_residual,
-                             int64_t server_numel, int world) {
+                             const at::Tensor& worker_residual, const at::Tensor& server_residual, int world) {
   std::string why = check_all_reduce_io(input, output, world);
-  if (why.empty() && !(input.scalar_type() == at::kFloat || input.scalar_type() == at::kHalf ||
-                       input.scalar_type() == at::kBFloat16))
+  if (why.empty() && std::find(std::begin(kCodecDtypes), std::end(kCodecDtypes), input.scalar_type()) ==
+                         std::end(kCodecDtypes))
     why = std::string("pycomm.all_reduce: compression needs a float32, float16 or bfloat16 tensor, got torch.") +
           std::string(c10::getDtypeNames(input.scalar_type()).first);
   if (why.empty() && op != RedOp::kSum && op != RedOp::kAvg)
@@ -125,7 +127,10 @@ std::string check_compressed(const at::Tensor& input, const at::Tensor& output, 
     why = os.str();
   };
   check_residual(worker_residual, "worker", input.numel());
-  if (codec.quantized()) check_residual(server_residual, "server", server_numel);
+  // Reached only with a usable tensor and codec: the shard size needs both.
+  if (codec.quantized() && why.empty())
+    check_residual(server_residual, "server",
+                   static_cast<int64_t>(QuantizedAllReduce::shard_elems(input.numel(), world, codec.block)));
   return why;
 }
 

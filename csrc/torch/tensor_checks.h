@@ -30,12 +30,14 @@ std::string check_io(Collective coll, const at::Tensor& input, const at::Tensor&
 // All-reduce: in place, or a separate tensor of the same size.
 std::string check_all_reduce_io(const at::Tensor& input, const at::Tensor& output, int world);
 
+// The dtypes a codec compresses (Python reads them as codec_dtypes).
+constexpr at::ScalarType kCodecDtypes[] = {at::kFloat, at::kHalf, at::kBFloat16};
+
 // A compressed all-reduce: the all-reduce checks, a float tensor, sum or
 // avg, usable codec parameters, and residuals (may be undefined) of the
-// right size: `server_numel` elements for the server residual.
+// right size (the server residual: the quantized all-reduce's shard).
 std::string check_compressed(const at::Tensor& input, const at::Tensor& output, RedOp op, const Codec& codec,
-                             const at::Tensor& worker_residual, const at::Tensor& server_residual,
-                             int64_t server_numel, int world);
+                             const at::Tensor& worker_residual, const at::Tensor& server_residual, int world);
 
 // A point-to-point message's tensors: at least one, each defined, dense,
 // on the CPU, with at most `max_dims` dimensions (any strides: they travel

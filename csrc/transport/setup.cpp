@@ -2,7 +2,7 @@
 
 namespace pycomm {
 
-Transports::Transports(const TopologyConfig& o) : world_(o.world), timeout_s_(o.timeout_s) {
+Transports::Transports(const TopologyConfig& o) : world_(o.world) {
   if (o.world < 1 || o.rank < 0 || o.rank >= o.world)
     throw CommError("pycomm: invalid rank " + std::to_string(o.rank) + " of " + std::to_string(o.world));
   // 1. Shared memory among this host's ranks.
@@ -82,7 +82,6 @@ Resolved Transports::choose(Algorithm algo, Collective coll, size_t bytes) const
 }
 
 void Transports::set_timeout(double seconds) {
-  timeout_s_.store(seconds, std::memory_order_relaxed);
   if (local_) local_->set_timeout(seconds);
   if (flat_) flat_->set_timeout(seconds);
   if (cross_) cross_->set_timeout(seconds);

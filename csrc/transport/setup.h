@@ -7,7 +7,6 @@
 // topology, and the communicator's timeout.
 #pragma once
 
-#include <atomic>
 #include <memory>
 #include <string>
 #include <vector>
@@ -64,7 +63,8 @@ class Transports {
   // collective supports) for `bytes` per rank on this topology.
   Resolved choose(Algorithm requested, Collective coll, size_t bytes) const;
 
-  double timeout() const { return timeout_s_.load(std::memory_order_relaxed); }
+  // The transports' timeout (they all share one).
+  double timeout() const { return local_ ? local_->timeout() : flat_->timeout(); }
   // Safe while other threads run operations: every transport keeps its
   // timeout in an atomic and reads it once per operation.
   void set_timeout(double seconds);
@@ -78,7 +78,6 @@ class Transports {
 
  private:
   int world_;
-  std::atomic<double> timeout_s_;
   std::unique_ptr<ShmTransport> local_;
   std::unique_ptr<PgTransport> flat_;
   std::unique_ptr<PgTransport> cross_;
