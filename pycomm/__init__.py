@@ -17,11 +17,12 @@ Example::
 
     dist.init_process_group("cpu:pycomm")    # or as a torch.distributed backend
 """
-from . import bootstrap, c10d, compression, cuda_ipc
+from . import bootstrap, c10d, compression, cuda_ipc, group
 from ._loader import CommError, Work, load_core
 from ._tables import ALGORITHMS
 from .compression import ErrorFeedback, Int4, Int8, TopK
 from .communicator import Communicator
+from .group import GroupCommunicator
 from .default import (
     all_gather,
     all_reduce,
@@ -45,6 +46,7 @@ __all__ = [
     "CommError",
     "Communicator",
     "ErrorFeedback",
+    "GroupCommunicator",
     "Int4",
     "Int8",
     "TopK",
@@ -56,6 +58,7 @@ __all__ = [
     "broadcast",
     "c10d",
     "compression",
+    "group",
     "destroy",
     "get_default",
     "init",

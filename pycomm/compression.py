@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, Hashable, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, Hashable, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -176,18 +176,42 @@ class ErrorFeedback:
         self._state: Dict[Hashable, Tuple[tuple, _Residuals]] = {}
 
     def residuals(self, key: Hashable, tensor: torch.Tensor, codec: Codec, shard_numel: int) -> _Residuals:
-        """The residuals for ``key``, created (zero) on first use or when the layout changed."""
-        layout = (tensor.numel(), type(codec).__name__, shard_numel)
+        """The residuals for ``key``, created (zero, on the tensor's device) on
+        first use or when the layout changed."""
+        layout = (tensor.numel(), type(codec).__name__, shard_numel, str(tensor.device))
         entry = self._state.get(key)
         if entry is not None and entry[0] == layout:
             return entry[1]
         if entry is not None:
             logger.info("pycomm: error feedback for key %r restarts from zero: layout %s -> %s", key, entry[0], layout)
-        worker = torch.zeros(tensor.numel(), dtype=torch.float32)
-        server = torch.zeros(shard_numel, dtype=torch.float32) if is_quantizer(codec) else None
+        worker = torch.zeros(tensor.numel(), dtype=torch.float32, device=tensor.device)
+        server = (torch.zeros(shard_numel, dtype=torch.float32, device=tensor.device) if is_quantizer(codec)
+                  else None)
         res = _Residuals(worker, server)
         self._state[key] = (layout, res)
         return res
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Every key's residuals (tensors on their devices), for a checkpoint.
+
+        Example::
+
+            torch.save(ef.state_dict(), "ef.pt"); ef2.load_state_dict(torch.load("ef.pt"))
+        """
+        return {"residuals": {key: {"layout": layout, "worker": res.worker, "server": res.server}
+                              for key, (layout, res) in self._state.items()}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Replace every residual with a :meth:`state_dict`'s (copied; moved to
+        the device each was saved from when that device exists here)."""
+        loaded: Dict[Hashable, Tuple[tuple, _Residuals]] = {}
+        for key, e in state["residuals"].items():
+            layout = tuple(e["layout"])
+            dev = torch.device(layout[3]) if len(layout) > 3 else torch.device("cpu")
+            worker = e["worker"].to(dev, torch.float32, copy=True)
+            server = None if e["server"] is None else e["server"].to(dev, torch.float32, copy=True)
+            loaded[key] = (layout, _Residuals(worker, server))
+        self._state = loaded
 
     def get(self, key: Hashable) -> Optional[_Residuals]:
         """The residuals kept for ``key`` (worker, server), or None if it has none yet."""

@@ -13,11 +13,17 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-"8.0;9.0"}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOG/device.txt"
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$LOG/device.txt"
 # The machine's own torch (no network there): no pinned install, no isolation.
+SECONDS=0
 PYCOMM_FORCE_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} "$PY" -m pip install -q --no-build-isolation --no-deps -e . \
   > "$LOG/build.log" 2>&1 || { tail -50 "$LOG/build.log"; exit 1; }
+echo "built in ${SECONDS}s"
 "$PY" -c "import pycomm, pycomm._C as c; assert c.has_cuda, 'built without CUDA'; print('pycomm built with CUDA')"
-"$PY" -m pytest -q -m cuda tests/test_cuda.py 2>&1 | tee "$LOG/tests.log" | tail -30
-"$PY" benchmarks/gpu/kernels.py 2>&1 | tee "$LOG/kernels.log"
+# Every step under a timeout: a hang must not eat the GPU lease.
+STEP_TIMEOUT=${STEP_TIMEOUT:-240}
+timeout "$STEP_TIMEOUT" "$PY" -m pytest -q -m cuda -p no:cacheprovider ${CUDA_TESTS:-tests/test_cuda.py} 2>&1 \
+  | tee "$LOG/tests.log" | tail -30
+timeout "$STEP_TIMEOUT" "$PY" benchmarks/gpu/kernels.py 2>&1 | tee "$LOG/kernels.log"
 for w in 2 4; do
-  "$PY" benchmarks/gpu/allreduce.py --world "$w" --max-bytes $((64 << 20)) 2>&1 | tee "$LOG/allreduce_$w.log"
+  timeout "$STEP_TIMEOUT" "$PY" benchmarks/gpu/allreduce.py --world "$w" --max-bytes $((64 << 20)) 2>&1 \
+    | tee "$LOG/allreduce_$w.log"
 done

@@ -8,6 +8,9 @@
 
 #include "../algorithms/schedule.h"
 #include "../algorithms/tuner.h"
+#include "../compression/compressed_allreduce.h"
+#include "../compression/quantized_allreduce.h"
+#include "../kernels/quant.h"
 #include "backend.h"
 #include "communicator.h"
 #include "tensor_checks.h"
@@ -294,6 +297,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("communicator"), py::arg("peer") = py::none(), py::arg("algorithms") = std::vector<int>{},
       "A torch.distributed backend (c10d Backend) running on `communicator`; `peer` carries point-to-point calls.");
+  // The compressed all-reduce's shard size and rounding keys, for the same
+  // algorithm composed over a torch.distributed group (pycomm/group.py):
+  // one definition, so both compute the same bits.
+  m.def("compressed_shard_elems", &QuantizedAllReduce::shard_elems, py::arg("numel"), py::arg("world"),
+        py::arg("block"));
+  m.def("topk_capacity", &kernels::topk_capacity, py::arg("k"), py::arg("numel"), py::arg("exact"),
+        py::arg("tolerance"));
+  m.def("rounding_seed", &rounding_seed, py::arg("user_seed"), py::arg("seq"), py::arg("rank"), py::arg("which"));
   m.def("schedule_ops", &schedule_ops, py::arg("algorithm"), py::arg("collective"), py::arg("rank"),
         py::arg("world"), py::arg("root"), py::arg("step"));
   m.def("schedule_shape", [](int algo, int coll, int world, int root) {

@@ -69,9 +69,7 @@ auto guarded(F&& f) -> decltype(f()) {
 }
 
 const DeviceKernels kCpu{
-    [](const kernels::QuantSpec& s, DType dt, const void* x, float* r, size_t n, uint8_t* payload) {
-      kernels::quantize_cpu(s, dt, x, r, n, payload, 0);
-    },
+    &kernels::quantize_cpu,
     &kernels::dequantize_cpu,
     &kernels::dequant_reduce_cpu,
     [](const kernels::TopK& s, DType dt, const void* x, float* r, size_t n, size_t cap, void* values,
@@ -99,10 +97,15 @@ const DeviceKernels& kernels_for(const at::Tensor& t, const char* op) {
   return kCpu;
 }
 
+void check_index_base(int64_t index_base, const char* op) {
+  TORCH_CHECK(index_base >= 0, "pycomm.", op, ": index_base must be >= 0, got ", index_base);
+}
+
 }  // namespace
 
 at::Tensor quantize(const at::Tensor& x, int64_t bits, int64_t block, bool stochastic, int64_t seed,
-                    const c10::optional<at::Tensor>& residual) {
+                    const c10::optional<at::Tensor>& residual, int64_t index_base) {
+  check_index_base(index_base, "quantize");
   check_quant_args("quantize", bits, block);
   check_dense(x, x.device(), "quantize", "input");
   const c10::DeviceGuard guard(x.device());
@@ -112,7 +115,7 @@ at::Tensor quantize(const at::Tensor& x, int64_t bits, int64_t block, bool stoch
   auto out = at::empty({static_cast<int64_t>(kernels::quant_payload_bytes(x.numel(), bits, block))},
                        x.options().dtype(at::kByte));
   kernels::QuantSpec s{static_cast<int>(bits), static_cast<int>(block), stochastic, static_cast<uint64_t>(seed)};
-  guarded([&] { k.quantize(s, dt, x.data_ptr(), r, x.numel(), out.data_ptr<uint8_t>()); });
+  guarded([&] { k.quantize(s, dt, x.data_ptr(), r, x.numel(), out.data_ptr<uint8_t>(), index_base); });
   return out;
 }
 
@@ -140,9 +143,10 @@ void dequantize_accumulate(const at::Tensor& acc, const at::Tensor& payload, int
 
 at::Tensor dequant_reduce_requant(at::TensorList payloads, const c10::optional<at::Tensor>& dense, int64_t numel,
                                   int64_t bits, int64_t block, double post_scale, bool stochastic, int64_t seed,
-                                  const c10::optional<at::Tensor>& residual) {
+                                  const c10::optional<at::Tensor>& residual, int64_t index_base) {
   const char* op = "dequant_reduce_requant";
   check_quant_args(op, bits, block);
+  check_index_base(index_base, op);
   TORCH_CHECK(!payloads.empty(), "pycomm.", op, ": needs at least one payload");
   const c10::Device device = payloads[0].device();
   std::vector<const uint8_t*> srcs;
@@ -171,6 +175,7 @@ at::Tensor dequant_reduce_requant(at::TensorList payloads, const c10::optional<a
   a.out_payload = out.data_ptr<uint8_t>();
   a.requant = kernels::QuantSpec{a.bits, a.block, stochastic, static_cast<uint64_t>(seed)};
   a.residual = residual_ptr(residual, device, numel, op);
+  a.index_base = static_cast<uint64_t>(index_base);
   guarded([&] { k.dequant_reduce(a); });
   return out;
 }
@@ -261,12 +266,17 @@ at::Tensor reduce(at::TensorList srcs, c10::string_view op_name) {
 TORCH_LIBRARY(pycomm, m) {
   // topk returns (buffer, kept, capacity): values for `capacity` entries in
   // the input dtype (padded to 8 bytes), then `capacity` int32 indices.
-  m.def("quantize(Tensor x, int bits, int block, bool stochastic, int seed, Tensor(a!)? residual) -> Tensor");
+  // index_base: the global index of the input's first element, so that a
+  // shard quantized alone draws its stochastic rounding as it would inside
+  // the whole tensor (the compressed all-reduce quantizes shards).
+  m.def(
+      "quantize(Tensor x, int bits, int block, bool stochastic, int seed, Tensor(a!)? residual, int index_base=0) "
+      "-> Tensor");
   m.def("dequantize(Tensor payload, int numel, int bits, int block, ScalarType dtype) -> Tensor");
   m.def("dequantize_accumulate(Tensor(a!) acc, Tensor payload, int bits, int block) -> ()");
   m.def(
       "dequant_reduce_requant(Tensor[] payloads, Tensor? dense, int numel, int bits, int block, float post_scale, "
-      "bool stochastic, int seed, Tensor(a!)? residual) -> Tensor");
+      "bool stochastic, int seed, Tensor(a!)? residual, int index_base=0) -> Tensor");
   m.def(
       "topk(Tensor x, int k, bool exact, float tolerance, float sample_fraction, int seed, Tensor(a!)? residual) "
       "-> (Tensor, int, int)");

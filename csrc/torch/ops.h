@@ -18,8 +18,10 @@ namespace ops {
 // One device's kernels, on that device's current stream where it has one.
 // `like` is a tensor on the device, for scratch allocations.
 struct DeviceKernels {
+  // index_base: the global index of x[0] (stochastic rounding draws per
+  // global index, so a shard rounds as it would inside the whole tensor).
   void (*quantize)(const kernels::QuantSpec& spec, DType dtype, const void* x, float* residual, size_t n,
-                   uint8_t* payload);
+                   uint8_t* payload, uint64_t index_base);
   void (*dequantize)(int bits, int block, const uint8_t* payload, size_t n, DType dtype, void* out, bool accumulate);
   void (*dequant_reduce)(const kernels::DequantReduce& args);
   size_t (*topk)(const kernels::TopK& spec, DType dtype, const void* x, float* residual, size_t n, size_t cap,
@@ -36,12 +38,12 @@ const DeviceKernels& cuda_kernels();  // ops_cuda.cpp
 #endif
 
 at::Tensor quantize(const at::Tensor& x, int64_t bits, int64_t block, bool stochastic, int64_t seed,
-                    const c10::optional<at::Tensor>& residual);
+                    const c10::optional<at::Tensor>& residual, int64_t index_base);
 at::Tensor dequantize(const at::Tensor& payload, int64_t numel, int64_t bits, int64_t block, at::ScalarType dtype);
 void dequantize_accumulate(const at::Tensor& acc, const at::Tensor& payload, int64_t bits, int64_t block);
 at::Tensor dequant_reduce_requant(at::TensorList payloads, const c10::optional<at::Tensor>& dense, int64_t numel,
                                   int64_t bits, int64_t block, double post_scale, bool stochastic, int64_t seed,
-                                  const c10::optional<at::Tensor>& residual);
+                                  const c10::optional<at::Tensor>& residual, int64_t index_base);
 std::tuple<at::Tensor, int64_t, int64_t> topk(const at::Tensor& x, int64_t k, bool exact, double tolerance,
                                               double sample_fraction, int64_t seed,
                                               const c10::optional<at::Tensor>& residual);

@@ -143,6 +143,13 @@ __global__ void quantize_kernel(V value, size_t n, int bits, int block, bool sto
       if (bits == 4) codes[(base + j0) / 2] = packed;
     }
   }
+  // The padding after the codes travels too (the CPU kernel zeroes it): keep
+  // its bytes deterministic, or payloads differ between devices and runs.
+  if (blockIdx.x == 0) {
+    const size_t used = nb * 4 + quant_code_bytes(n, bits);
+    const size_t end = quant_payload_bytes(n, bits, block);
+    for (size_t p = used + threadIdx.x; p < end; p += blockDim.x) payload[p] = 0;
+  }
 }
 
 template <typename T>
@@ -162,10 +169,6 @@ __global__ void store_sum_kernel(SumValue<T> sum, size_t n, O* out) {
        i += static_cast<size_t>(gridDim.x) * blockDim.x)
     out[i] = store_acc<O>(sum(i / sum.block, i % sum.block, i));
 }
-
-
-
-
 }  // namespace
 
 void quantize_cuda(const QuantSpec& s, DType dtype, const void* x, float* residual, size_t n, uint8_t* payload,

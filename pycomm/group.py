@@ -1,0 +1,393 @@
+"""Compressed all-reduce over any ``torch.distributed`` group, on any device.
+
+The same algorithm as :meth:`pycomm.Communicator.all_reduce` with
+``compression=``, composed from pycomm's operators and the group's own
+collectives instead of pycomm's transports, so it runs wherever the group
+does: on GPUs over NCCL with everything on the device, on CPUs over Gloo.
+
+* Int8 / Int4: quantize each rank's shard of (input + worker residual) →
+  ``all_to_all_single`` of the payloads → dequantize, reduce in float32 in
+  rank order, requantize with the server residual → ``all_gather_into_tensor``
+  → dequantize.
+* TopK: select (value, index) pairs from (input + residual) →
+  ``all_gather_into_tensor`` of every rank's list → scatter-add in rank order
+  into float32 → average → round once into the tensor's dtype.
+
+Shard sizes and stochastic-rounding keys come from the extension, so on the
+same inputs the result and the residuals are the shared-memory compressed
+all-reduce's, bit for bit (``tests/test_group.py`` checks it), and every rank
+gets the same bits.
+
+Calls run in submission order on one worker thread per communicator, so the
+caller never blocks (DDP keeps computing backward) and every rank issues the
+group's collectives in the same order. CUDA work runs on a stream of the
+communicator's own, ordered after the caller's current stream with an event;
+the returned future is CUDA-aware: waiting on it orders the waiter's stream
+after the result (no host synchronisation), as NCCL's ``Work.get_future()``
+does. Top-k reads the entry counts back to the host once per call.
+
+Example::
+
+    gc = pycomm.GroupCommunicator()               # a private group over the default group's ranks
+    ef = pycomm.compression.ErrorFeedback()
+    gc.all_reduce(grad, op="avg", compression=pycomm.Int8(), error_feedback=ef, key="fc")
+    work = gc.all_reduce(grad, op="avg", compression=pycomm.TopK(0.01), async_op=True)
+    work.get_future().wait()
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable, Dict, Hashable, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from . import compression as _compression
+from ._loader import CommError, load_core
+
+__all__ = ["GroupCommunicator", "GroupWork"]
+
+_ALIGN = 64  # payload slots start 64-byte aligned, like the shared-memory path's
+_COUNT_BYTES = 8  # the int64 entry count that leads each top-k slot
+_MASK64 = (1 << 64) - 1
+
+
+# torch 2.13 renamed all_gather_into_tensor (same arguments).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _as_int64(u: int) -> int:
+    """A uint64 key as the int64 the operators' schemas take (same bits)."""
+    u &= _MASK64
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+def _quant_payload_bytes(n: int, bits: int, block: int) -> int:
+    nb = (n + block - 1) // block
+    codes = n if bits == 8 else (n + 1) // 2
+    return (nb * 4 + codes + 7) // 8 * 8
+
+
+class GroupWork:
+    """An asynchronous :meth:`GroupCommunicator.all_reduce`.
+
+    ``get_future()`` completes with ``[output]`` once the work is enqueued on
+    the device (CPU: done); ``wait()`` blocks until then and raises the call's
+    error. ``bytes_sent`` / ``bytes_uncompressed`` are known at once,
+    ``run_seconds`` once it completed.
+    """
+
+    def __init__(self, future: torch.futures.Future, bytes_sent: int, bytes_uncompressed: int) -> None:
+        self._future = future
+        self.bytes_sent = bytes_sent
+        self.bytes_uncompressed = bytes_uncompressed
+        self.run_seconds = 0.0
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def wait(self) -> bool:
+        self._future.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+class GroupCommunicator:
+    """Compressed all-reduce over a private copy of a ``torch.distributed`` group.
+
+    Args:
+        process_group: whose ranks take part (default: the default group).
+            Creating a communicator is collective over the *default* group
+            (it calls ``dist.new_group``): create it on every rank, in the
+            same order.
+        backend: the private group's backend (default: ``process_group``'s;
+            "gloo" for CPU tensors, "nccl" for CUDA ones).
+
+    The private group keeps this communicator's collectives, which run on its
+    worker thread, from interleaving with the caller's own on
+    ``process_group`` (NCCL and Gloo need every rank to issue a group's
+    collectives in one order).
+
+    Example::
+
+        gc = pycomm.GroupCommunicator(backend="gloo")
+        gc.all_reduce(x, op="avg", compression=pycomm.Int4())
+    """
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *,
+                 backend: Optional[str] = None) -> None:
+        if not dist.is_initialized():
+            raise CommError("pycomm.GroupCommunicator: torch.distributed is not initialized "
+                            "(call dist.init_process_group first)")
+        pg = process_group if process_group is not None else dist.group.WORLD
+        ranks = dist.get_process_group_ranks(pg)
+        if backend is None and process_group is not None and process_group is not dist.group.WORLD:
+            backend = dist.get_backend(process_group)
+        self.group = dist.new_group(ranks, backend=backend)
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.ranks = ranks
+        self._core = load_core()
+        # Sequence numbers start and advance as the shared-memory
+        # communicator's do (from 1; 2 per quantized call, 1 per top-k call):
+        # they key stochastic rounding.
+        self._seq = 1
+        self._queue: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        self._streams: Dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ public
+
+    def compressed_shard_numel(self, numel: int, codec: "_compression.Codec") -> int:
+        """Elements of this rank's reduced shard (its server residual's size; 0 for top-k)."""
+        if not _compression.is_quantizer(codec):
+            return 0
+        return int(self._core.compressed_shard_elems(int(numel), self.world_size, int(codec.block)))
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, compression: "_compression.Codec",
+                   output: Optional[torch.Tensor] = None, async_op: bool = False,
+                   error_feedback: Optional["_compression.ErrorFeedback"] = None,
+                   key: Optional[Hashable] = None) -> Optional[GroupWork]:
+        """Sum or average ``tensor`` over the group, sent compressed; the result
+        lands in ``output`` (default: in place). Arguments as
+        :meth:`pycomm.Communicator.all_reduce`.
+
+        Example::
+
+            work = gc.all_reduce(bucket, op="avg", compression=pycomm.Int8(), error_feedback=ef, key=0,
+                                 async_op=True)
+        """
+        op = self._check(tensor, op, compression, output)
+        out = tensor if output is None else output
+        worker = server = None
+        if error_feedback is not None:
+            if key is None:
+                key = tensor.data_ptr()
+            worker, server = error_feedback.residuals(key, tensor, compression,
+                                                      self.compressed_shard_numel(tensor.numel(), compression))
+        quantized = _compression.is_quantizer(compression)
+        with self._lock:  # one sequence and one queue order on every rank
+            seq = self._seq
+            self._seq += 2 if quantized else 1
+            sent, plain = self._bytes(tensor, compression)
+            fut = torch.futures.Future(devices=[tensor.device] if tensor.is_cuda else None)
+            work = GroupWork(fut, sent, plain)
+            run = self._quantized if quantized else self._sparse
+            job = self._job(run, work, fut, tensor, out, op, compression, worker, server, seq)
+            self._ensure_thread()
+            self._queue.put(job)
+        if async_op:
+            return work
+        fut.wait()
+        return None
+
+    def close(self) -> None:
+        """Finish queued calls and stop the worker thread (the group stays)."""
+        with self._lock:
+            t, self._thread = self._thread, None
+            if t is not None:
+                self._queue.put(None)
+        if t is not None:
+            t.join()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def __repr__(self) -> str:
+        return f"GroupCommunicator(rank={self.rank}, world_size={self.world_size}, ranks={self.ranks})"
+
+    # ------------------------------------------------------------ internals
+
+    def _check(self, tensor, op, codec, output) -> str:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"pycomm.GroupCommunicator.all_reduce: expected a tensor, got {type(tensor).__name__}")
+        op = getattr(op, "name", op)
+        op = str(op).lower() if op is not None else "sum"
+        if op not in ("sum", "avg"):
+            raise CommError(f"pycomm.GroupCommunicator.all_reduce: a compressed all-reduce sums or averages; "
+                            f"op={op!r} is not supported")
+        if not isinstance(codec, (_compression.Int8, _compression.Int4, _compression.TopK)):
+            raise CommError(f"pycomm.GroupCommunicator.all_reduce: compression={codec!r} is not a codec; use "
+                            "pycomm.Int8(), pycomm.Int4() or pycomm.TopK()")
+        if tensor.dtype not in _compression.codec_dtypes():
+            raise CommError(f"pycomm.GroupCommunicator.all_reduce: compression takes "
+                            f"{', '.join(str(d) for d in _compression.codec_dtypes())}; got {tensor.dtype}")
+        if tensor.layout != torch.strided or not tensor.is_contiguous():
+            raise CommError("pycomm.GroupCommunicator.all_reduce: the tensor must be dense and contiguous")
+        if output is not None and (output.shape != tensor.shape or output.dtype != tensor.dtype
+                                   or output.device != tensor.device or not output.is_contiguous()):
+            raise CommError("pycomm.GroupCommunicator.all_reduce: output must be a contiguous tensor of the "
+                            "input's shape, dtype and device")
+        return op
+
+    def _bytes(self, tensor, codec):
+        n, w = tensor.numel(), self.world_size
+        plain = 2 * (w - 1) * n * tensor.element_size() // w if w > 1 else 0
+        if _compression.is_quantizer(codec):
+            shard = self.compressed_shard_numel(n, codec)
+            return 2 * (w - 1) * _align(_quant_payload_bytes(shard, codec.bits, codec.block)), plain
+        k, cap = self._topk_sizes(n, codec)
+        return (w - 1) * _align(_COUNT_BYTES + self._topk_payload_bytes(cap, tensor.element_size())), plain
+
+    @staticmethod
+    def _topk_k(n: int, codec) -> int:
+        # As the shared-memory path: round(ratio * n), at least 1, at most n.
+        return 0 if n == 0 else min(n, max(1, int(round(codec.ratio * n))))
+
+    def _topk_sizes(self, n: int, codec):
+        k = self._topk_k(n, codec)
+        return k, int(self._core.topk_capacity(k, n, bool(codec.exact), float(codec.tolerance)))
+
+    @staticmethod
+    def _topk_payload_bytes(cap: int, es: int) -> int:
+        return (cap * es + 7) // 8 * 8 + cap * 4
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="pycomm-group", daemon=True)
+            self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            job()
+
+    def _stream(self, device: torch.device):
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        s = self._streams.get(idx)
+        if s is None:
+            s = self._streams[idx] = torch.cuda.Stream(device=idx)
+        return s
+
+    def _job(self, run, work, fut, tensor, out, op, codec, worker, server, seq) -> Callable[[], None]:
+        """The call as the worker thread runs it: on CUDA, on this
+        communicator's stream after an event of the caller's stream."""
+        ready = None
+        if tensor.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(tensor.device))
+
+        def job() -> None:
+            t0 = time.perf_counter()
+            try:
+                if ready is None:
+                    run(tensor, out, op, codec, worker, server, seq)
+                else:
+                    stream = self._stream(tensor.device)
+                    with torch.cuda.device(tensor.device), torch.cuda.stream(stream):
+                        stream.wait_event(ready)
+                        for t in (tensor, out, worker, server):
+                            if t is not None:
+                                t.record_stream(stream)  # the caller's allocations, used on our stream
+                        run(tensor, out, op, codec, worker, server, seq)
+                        work.run_seconds = time.perf_counter() - t0
+                        fut.set_result([out])  # records an event on our stream for whoever waits
+                        return
+                work.run_seconds = time.perf_counter() - t0
+                fut.set_result([out])
+            except BaseException as e:  # noqa: BLE001 - the waiter gets it
+                fut.set_exception(e if isinstance(e, (CommError, RuntimeError)) else CommError(str(e)))
+
+        return job
+
+    def _seed(self, codec, seq: int, which: int) -> int:
+        return _as_int64(self._core.rounding_seed(int(codec.seed) & _MASK64, seq, self.rank, which))
+
+    def _quantized(self, tensor, out, op, codec, worker, server, seq) -> None:
+        ops = torch.ops.pycomm
+        n, w, me = tensor.numel(), self.world_size, self.rank
+        bits, block, stoch = codec.bits, int(codec.block), bool(codec.stochastic)
+        shard = self.compressed_shard_numel(n, codec)
+        slot = _align(_quant_payload_bytes(shard, bits, block))
+        flat, dst = tensor.view(-1), out.view(-1)
+
+        def span(q):
+            lo = min(n, q * shard)
+            return lo, min(n, lo + shard) - lo
+
+        # 1. Quantize every shard of (input + worker residual) into the slot of
+        #    the rank that reduces it; the residual keeps what rounding lost.
+        with record_function("pycomm::compress"):
+            send = torch.zeros(w * slot, dtype=torch.uint8, device=tensor.device)
+            seed = self._seed(codec, seq, 0)
+            for q in range(w):
+                lo, ln = span(q)
+                p = ops.quantize(flat[lo:lo + ln], bits, block, stoch, seed,
+                                 None if worker is None else worker[lo:lo + ln], lo)
+                send[q * slot:q * slot + p.numel()].copy_(p)
+        # 2. Slot q goes to rank q; we get every rank's version of our shard.
+        with record_function("pycomm::communicate"):
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send, group=self.group)
+        # 3. Reduce our shard in float32 in rank order, average if asked and
+        #    requantize with the server residual, in one pass.
+        with record_function("pycomm::reduce"):
+            lo, ln = span(me)
+            need = _quant_payload_bytes(ln, bits, block)
+            srcs = [recv[q * slot:q * slot + need] for q in range(w)]
+            mine = ops.dequant_reduce_requant(srcs, None, ln, bits, block, 1.0 / w if op == "avg" else 1.0, stoch,
+                                              self._seed(codec, seq, 1), None if server is None else server[:ln], me * shard)
+            slot_mine = torch.zeros(slot, dtype=torch.uint8, device=tensor.device)
+            slot_mine[:mine.numel()].copy_(mine)
+        # 4. Every rank's reduced shard, to every rank.
+        with record_function("pycomm::communicate"):
+            gathered = torch.empty(w * slot, dtype=torch.uint8, device=tensor.device)
+            _all_gather(gathered, slot_mine, group=self.group)
+        # 5. Every rank decodes the same bytes: the same result everywhere.
+        with record_function("pycomm::decompress"):
+            for q in range(w):
+                lo, ln = span(q)
+                if ln:
+                    dst[lo:lo + ln].copy_(ops.dequantize(gathered[q * slot:q * slot + slot], ln, bits, block,
+                                                         tensor.dtype))
+
+    def _sparse(self, tensor, out, op, codec, worker, server, seq) -> None:
+        ops = torch.ops.pycomm
+        n, w = tensor.numel(), self.world_size
+        es = tensor.element_size()
+        k, cap = self._topk_sizes(n, codec)
+        slot = _align(_COUNT_BYTES + self._topk_payload_bytes(cap, es))
+        vbytes = (cap * es + 7) // 8 * 8
+        # 1. This rank's top-k of (input + residual); the residual keeps what is not sent.
+        with record_function("pycomm::compress"):
+            buf, kept, cap2 = ops.topk(tensor.view(-1), k, bool(codec.exact), float(codec.tolerance),
+                                       float(codec.sample_fraction), self._seed(codec, seq, 2), worker)
+            if cap2 != cap:
+                raise CommError(f"pycomm.GroupCommunicator: top-k capacity {cap2} differs from the agreed {cap}")
+            mine = torch.zeros(slot, dtype=torch.uint8, device=tensor.device)
+            mine[:_COUNT_BYTES].copy_(torch.tensor([kept], dtype=torch.int64).view(torch.uint8))
+            mine[_COUNT_BYTES:_COUNT_BYTES + buf.numel()].copy_(buf)
+        # 2. Everybody gets everybody's (value, index) list.
+        with record_function("pycomm::communicate"):
+            gathered = torch.empty(w * slot, dtype=torch.uint8, device=tensor.device)
+            _all_gather(gathered, mine, group=self.group)
+        # 3. Scatter-add the lists in rank order into float32, average, round once.
+        with record_function("pycomm::decompress"):
+            rows = gathered.view(w, slot)
+            counts = rows[:, :_COUNT_BYTES].contiguous().view(torch.int64).view(-1).tolist()  # one read-back
+            acc = torch.zeros(n, dtype=torch.float32, device=tensor.device)
+            for q, cnt in enumerate(counts):
+                if not 0 <= cnt <= cap:
+                    raise CommError(f"pycomm: rank {q} sent {cnt} top-k entries, more than the {cap} agreed on")
+                body = rows[q, _COUNT_BYTES:]
+                values = body[:cap * es].view(tensor.dtype)[:cnt]
+                indices = body[vbytes:vbytes + cap * 4].view(torch.int32)[:cnt]
+                ops.scatter_add(acc, values, indices)
+            if op == "avg":
+                acc.div_(w)
+            out.view(-1).copy_(acc)

@@ -1,0 +1,111 @@
+"""Worker-side cases for pycomm.GroupCommunicator: the device-generic
+compressed all-reduce over a torch.distributed group, against the
+shared-memory one on the same inputs (run inside harness workers)."""
+from __future__ import annotations
+
+import hashlib
+from typing import Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+import pycomm
+from harness import join_default_group, make_comm
+
+_PAIRS: Dict[Tuple[int, str], Tuple[object, object]] = {}
+
+CODECS = {
+    "int8": lambda: pycomm.Int8(),
+    "int8_b64_stoch": lambda: pycomm.Int8(block=64, stochastic=True, seed=5),
+    "int4": lambda: pycomm.Int4(),
+    "int4_stoch": lambda: pycomm.Int4(block=128, stochastic=True),
+    "topk": lambda: pycomm.TopK(0.05, exact=True),
+    "topk_sampled": lambda: pycomm.TopK(0.02, seed=3),
+}
+
+
+def pair(rank: int, world: int, name: str, device: str = "cpu"):
+    """A shared-memory Communicator and a GroupCommunicator over ranks
+    0..world-1, both fresh (so their sequence numbers, which key stochastic
+    rounding, start together). Every pool rank joins the group creation."""
+    key = (world, name)
+    if key not in _PAIRS:
+        g = dist.new_group(list(range(world)))
+        gc = pycomm.GroupCommunicator(g, backend="gloo")
+        comm = make_comm(rank, world, name) if rank < world and device == "cpu" else None
+        _PAIRS[key] = (comm, gc if rank < world else None)
+    return _PAIRS[key]
+
+
+def init(rank: int, world: int, name: str) -> str:
+    join_default_group(rank, world, name)
+    return dist.get_backend()
+
+
+def _input(seed: int, rank: int, step: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1000 + rank * 31 + step)
+    return (torch.randn(n, generator=g) * (1 + rank)).to(dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (both NaN counts as equal: NaN payloads are not portable)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.cpu(), b.cpu()
+    nan = a.float().isnan()
+    if not torch.equal(nan, b.float().isnan()):
+        return False
+    return torch.equal(a[~nan].view(-1).view(torch.uint8) if a[~nan].numel() else a[~nan].view(torch.uint8),
+                       b[~nan].view(-1).view(torch.uint8) if b[~nan].numel() else b[~nan].view(torch.uint8))
+
+
+def versus_shm(rank: int, world: int, name: str, cases: List[tuple], steps: int = 3) -> List[dict]:
+    """Each case (codec, n, dtype, op) for `steps` steps with error feedback,
+    through both paths on the same inputs: do outputs and residuals agree
+    bit for bit? Returns per case the mismatches and the group output."""
+    comm, gc = pair(rank, world, name)
+    if gc is None:
+        return []
+    out = []
+    for ci, (codec_name, n, dtype, op) in enumerate(cases):
+        codec = CODECS[codec_name]()
+        ef_a, ef_b = pycomm.compression.ErrorFeedback(), pycomm.compression.ErrorFeedback()
+        bad = []
+        for step in range(steps):
+            x = _input(ci, rank, step, n, dtype)
+            a, b = x.clone(), x.clone()
+            comm.all_reduce(a, op=op, compression=codec, error_feedback=ef_a, key="k")
+            work = gc.all_reduce(b, op=op, compression=codec, error_feedback=ef_b, key="k", async_op=True)
+            work.get_future().wait()
+            if not same_bits(a, b):
+                bad.append((step, "output", int((a != b).sum())))
+            ra, rb = ef_a.get("k"), ef_b.get("k")
+            if not same_bits(ra.worker, rb.worker):
+                bad.append((step, "worker residual"))
+            if ra.server is not None and not same_bits(ra.server, rb.server):
+                bad.append((step, "server residual"))
+            if work.bytes_sent <= 0 and world > 1 and n > 0:
+                bad.append((step, "bytes_sent"))
+        out.append({"bad": bad, "out": b, "digest": hashlib.sha1(b.view(torch.uint8).numpy().tobytes()).hexdigest()})
+    return out
+
+
+def bad_calls(rank: int, world: int, name: str) -> List[str]:
+    """Calls the group path refuses, each with its message; the communicator stays usable after."""
+    _, gc = pair(rank, world, name)
+    if gc is None:
+        return []
+    msgs = []
+    for call in (lambda: gc.all_reduce(torch.randn(8), op="max", compression=pycomm.Int8()),
+                 lambda: gc.all_reduce(torch.randn(8, dtype=torch.float64), compression=pycomm.Int8()),
+                 lambda: gc.all_reduce(torch.randn(8), compression="int8"),
+                 lambda: gc.all_reduce(torch.randn(4, 4).t(), compression=pycomm.Int8())):
+        try:
+            call()
+            msgs.append("accepted")
+        except pycomm.CommError as e:
+            msgs.append(str(e))
+    x = torch.full((1000,), float(rank + 1))
+    gc.all_reduce(x, op="avg", compression=pycomm.Int8())
+    msgs.append(float(x[0]))
+    return msgs
