@@ -28,7 +28,7 @@ does. Top-k reads the entry counts back to the host once per call.
 
 Example::
 
-    gc = pycomm.GroupCommunicator()               # a private group over the default group's ranks
+    gc = pycomm.GroupCommunicator()               # over the default group's ranks
     ef = pycomm.compression.ErrorFeedback()
     gc.all_reduce(grad, op="avg", compression=pycomm.Int8(), error_feedback=ef, key="fc")
     work = gc.all_reduce(grad, op="avg", compression=pycomm.TopK(0.01), async_op=True)
@@ -36,6 +36,7 @@ Example::
 """
 from __future__ import annotations
 
+import datetime
 import queue
 import threading
 import time
@@ -43,6 +44,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional
 
 import torch
 import torch.distributed as dist
+import torch._C._distributed_c10d as _c10d
 from torch.profiler import record_function
 
 from . import compression as _compression
@@ -53,10 +55,6 @@ __all__ = ["GroupCommunicator", "GroupWork"]
 _ALIGN = 64  # payload slots start 64-byte aligned, like the shared-memory path's
 _COUNT_BYTES = 8  # the int64 entry count that leads each top-k slot
 _MASK64 = (1 << 64) - 1
-
-
-# torch 2.13 renamed all_gather_into_tensor (same arguments).
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _align(n: int) -> int:
@@ -101,50 +99,127 @@ class GroupWork:
         return self._future.done()
 
 
+class _Lane:
+    """A private group over some ranks with one backend, and the one worker
+    thread that issues its collectives: shared by every GroupCommunicator of
+    those ranks and backend, so each rank issues them in one order.
+
+    The backend is built directly over the default Store (as pycomm's own
+    point-to-point group is), not through ``dist.new_group``: only the
+    members take part, and torch's registry of groups is left alone.
+    """
+
+    def __init__(self, ranks: List[int], backend: str, timeout: float) -> None:
+        from .bootstrap import restart_prefix
+
+        me = ranks.index(dist.get_rank())
+        store = dist.PrefixStore(f"pycomm-lane/{restart_prefix()}{backend}/{'-'.join(map(str, ranks))}/",
+                                 dist.distributed_c10d._get_default_store())
+        delta = datetime.timedelta(seconds=timeout)
+        if backend == "nccl":
+            opts = _c10d.ProcessGroupNCCL.Options()
+            opts._timeout = delta
+            self.pg = _c10d.ProcessGroupNCCL(store, me, len(ranks), opts)
+        elif backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(store, me, len(ranks), delta)
+        else:
+            raise CommError(f"pycomm.GroupCommunicator: backend must be 'gloo' or 'nccl', got {backend!r}")
+        self.queue: "queue.Queue[Callable[[], None]]" = queue.Queue()
+        self.streams: Dict[int, Any] = {}
+        self.thread = threading.Thread(target=self._serve, name="pycomm-group", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            self.queue.get()()
+
+    def stream(self, device: torch.device):
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        s = self.streams.get(idx)
+        if s is None:
+            s = self.streams[idx] = torch.cuda.Stream(device=idx)
+        return s
+
+    # Waiting orders the current stream after the collective (NCCL) or
+    # returns once it is done (Gloo).
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self.pg.alltoall_base(out, inp, [], [], _c10d.AllToAllOptions()).wait()
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self.pg._allgather_base(out, inp, _c10d.AllgatherOptions()).wait()
+
+
+_LANES: Dict[tuple, _Lane] = {}
+_LANES_LOCK = threading.Lock()
+
+
+def _lane(ranks: List[int], backend: str, timeout: float) -> _Lane:
+    key = (tuple(ranks), backend)
+    with _LANES_LOCK:
+        lane = _LANES.get(key)
+        if lane is None:
+            lane = _LANES[key] = _Lane(ranks, backend, timeout)
+        return lane
+
+
+def device_backend(process_group: Optional[dist.ProcessGroup], device: torch.device) -> str:
+    """The backend a private group uses for tensors on ``device``: Gloo for
+    CPU tensors; for CUDA ones NCCL when ``process_group`` runs NCCL, else
+    Gloo (which takes CUDA tensors, through host memory)."""
+    if device.type != "cuda":
+        return "gloo"
+    pg = process_group if process_group is not None else dist.group.WORLD
+    name = str(dist.get_backend(pg)).lower()
+    return "nccl" if "nccl" in name else "gloo"
+
+
 class GroupCommunicator:
     """Compressed all-reduce over a private copy of a ``torch.distributed`` group.
 
     Args:
         process_group: whose ranks take part (default: the default group).
-            Creating a communicator is collective over the *default* group
-            (it calls ``dist.new_group``): create it on every rank, in the
-            same order.
-        backend: the private group's backend (default: ``process_group``'s;
-            "gloo" for CPU tensors, "nccl" for CUDA ones).
+            Only those ranks create the communicator, each the same ones in
+            the same order (the first call on a device creates a private group
+            over them, collectively).
+        backend: the private group's backend (default: :func:`device_backend`:
+            Gloo for CPU tensors, the process group's NCCL for CUDA ones).
+        timeout: seconds a collective of the private group may wait.
 
-    The private group keeps this communicator's collectives, which run on its
+    The private group keeps this communicator's collectives, which run on a
     worker thread, from interleaving with the caller's own on
     ``process_group`` (NCCL and Gloo need every rank to issue a group's
     collectives in one order).
 
     Example::
 
-        gc = pycomm.GroupCommunicator(backend="gloo")
+        gc = pycomm.GroupCommunicator()
         gc.all_reduce(x, op="avg", compression=pycomm.Int4())
     """
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *,
-                 backend: Optional[str] = None) -> None:
+                 backend: Optional[str] = None, timeout: float = 300.0) -> None:
         if not dist.is_initialized():
             raise CommError("pycomm.GroupCommunicator: torch.distributed is not initialized "
                             "(call dist.init_process_group first)")
-        pg = process_group if process_group is not None else dist.group.WORLD
-        ranks = dist.get_process_group_ranks(pg)
-        if backend is None and process_group is not None and process_group is not dist.group.WORLD:
-            backend = dist.get_backend(process_group)
-        self.group = dist.new_group(ranks, backend=backend)
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
-        self.ranks = ranks
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.ranks = dist.get_process_group_ranks(self.process_group)
+        me = dist.get_rank()
+        if me not in self.ranks:
+            raise CommError(f"pycomm.GroupCommunicator: rank {me} is not in the process group {self.ranks}")
+        self.rank = self.ranks.index(me)
+        self.world_size = len(self.ranks)
+        self.backend = backend
+        self.timeout = float(timeout)
         self._core = load_core()
         # Sequence numbers start and advance as the shared-memory
         # communicator's do (from 1; 2 per quantized call, 1 per top-k call):
         # they key stochastic rounding.
         self._seq = 1
-        self._queue: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
-        self._thread: Optional[threading.Thread] = None
-        self._streams: Dict[int, Any] = {}
         self._lock = threading.Lock()
+
+    def lane_backend(self, device: torch.device) -> str:
+        """The backend this communicator's collectives on ``device`` use."""
+        return self.backend or device_backend(self.process_group, device)
 
     # ------------------------------------------------------------ public
 
@@ -183,28 +258,12 @@ class GroupCommunicator:
             fut = torch.futures.Future(devices=[tensor.device] if tensor.is_cuda else None)
             work = GroupWork(fut, sent, plain)
             run = self._quantized if quantized else self._sparse
-            job = self._job(run, work, fut, tensor, out, op, compression, worker, server, seq)
-            self._ensure_thread()
-            self._queue.put(job)
+            lane = _lane(self.ranks, self.lane_backend(tensor.device), self.timeout)
+            lane.queue.put(self._job(lane, run, work, fut, tensor, out, op, compression, worker, server, seq))
         if async_op:
             return work
         fut.wait()
         return None
-
-    def close(self) -> None:
-        """Finish queued calls and stop the worker thread (the group stays)."""
-        with self._lock:
-            t, self._thread = self._thread, None
-            if t is not None:
-                self._queue.put(None)
-        if t is not None:
-            t.join()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
     def __repr__(self) -> str:
         return f"GroupCommunicator(rank={self.rank}, world_size={self.world_size}, ranks={self.ranks})"
@@ -255,26 +314,7 @@ class GroupCommunicator:
     def _topk_payload_bytes(cap: int, es: int) -> int:
         return (cap * es + 7) // 8 * 8 + cap * 4
 
-    def _ensure_thread(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name="pycomm-group", daemon=True)
-            self._thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            job()
-
-    def _stream(self, device: torch.device):
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        s = self._streams.get(idx)
-        if s is None:
-            s = self._streams[idx] = torch.cuda.Stream(device=idx)
-        return s
-
-    def _job(self, run, work, fut, tensor, out, op, codec, worker, server, seq) -> Callable[[], None]:
+    def _job(self, lane, run, work, fut, tensor, out, op, codec, worker, server, seq) -> Callable[[], None]:
         """The call as the worker thread runs it: on CUDA, on this
         communicator's stream after an event of the caller's stream."""
         ready = None
@@ -286,15 +326,15 @@ class GroupCommunicator:
             t0 = time.perf_counter()
             try:
                 if ready is None:
-                    run(tensor, out, op, codec, worker, server, seq)
+                    run(lane, tensor, out, op, codec, worker, server, seq)
                 else:
-                    stream = self._stream(tensor.device)
+                    stream = lane.stream(tensor.device)
                     with torch.cuda.device(tensor.device), torch.cuda.stream(stream):
                         stream.wait_event(ready)
                         for t in (tensor, out, worker, server):
                             if t is not None:
                                 t.record_stream(stream)  # the caller's allocations, used on our stream
-                        run(tensor, out, op, codec, worker, server, seq)
+                        run(lane, tensor, out, op, codec, worker, server, seq)
                         work.run_seconds = time.perf_counter() - t0
                         fut.set_result([out])  # records an event on our stream for whoever waits
                         return
@@ -308,7 +348,7 @@ class GroupCommunicator:
     def _seed(self, codec, seq: int, which: int) -> int:
         return _as_int64(self._core.rounding_seed(int(codec.seed) & _MASK64, seq, self.rank, which))
 
-    def _quantized(self, tensor, out, op, codec, worker, server, seq) -> None:
+    def _quantized(self, lane, tensor, out, op, codec, worker, server, seq) -> None:
         ops = torch.ops.pycomm
         n, w, me = tensor.numel(), self.world_size, self.rank
         bits, block, stoch = codec.bits, int(codec.block), bool(codec.stochastic)
@@ -333,7 +373,7 @@ class GroupCommunicator:
         # 2. Slot q goes to rank q; we get every rank's version of our shard.
         with record_function("pycomm::communicate"):
             recv = torch.empty_like(send)
-            dist.all_to_all_single(recv, send, group=self.group)
+            lane.all_to_all(recv, send)
         # 3. Reduce our shard in float32 in rank order, average if asked and
         #    requantize with the server residual, in one pass.
         with record_function("pycomm::reduce"):
@@ -347,7 +387,7 @@ class GroupCommunicator:
         # 4. Every rank's reduced shard, to every rank.
         with record_function("pycomm::communicate"):
             gathered = torch.empty(w * slot, dtype=torch.uint8, device=tensor.device)
-            _all_gather(gathered, slot_mine, group=self.group)
+            lane.all_gather(gathered, slot_mine)
         # 5. Every rank decodes the same bytes: the same result everywhere.
         with record_function("pycomm::decompress"):
             for q in range(w):
@@ -356,7 +396,7 @@ class GroupCommunicator:
                     dst[lo:lo + ln].copy_(ops.dequantize(gathered[q * slot:q * slot + slot], ln, bits, block,
                                                          tensor.dtype))
 
-    def _sparse(self, tensor, out, op, codec, worker, server, seq) -> None:
+    def _sparse(self, lane, tensor, out, op, codec, worker, server, seq) -> None:
         ops = torch.ops.pycomm
         n, w = tensor.numel(), self.world_size
         es = tensor.element_size()
@@ -375,7 +415,7 @@ class GroupCommunicator:
         # 2. Everybody gets everybody's (value, index) list.
         with record_function("pycomm::communicate"):
             gathered = torch.empty(w * slot, dtype=torch.uint8, device=tensor.device)
-            _all_gather(gathered, mine, group=self.group)
+            lane.all_gather(gathered, mine)
         # 3. Scatter-add the lists in rank order into float32, average, round once.
         with record_function("pycomm::decompress"):
             rows = gathered.view(w, slot)

@@ -27,13 +27,16 @@ CODECS = {
 def pair(rank: int, world: int, name: str, device: str = "cpu"):
     """A shared-memory Communicator and a GroupCommunicator over ranks
     0..world-1, both fresh (so their sequence numbers, which key stochastic
-    rounding, start together). Every pool rank joins the group creation."""
+    rounding, start together)."""
     key = (world, name)
     if key not in _PAIRS:
+        # Every pool rank takes part in creating a subgroup; only its members
+        # build communicators over it.
         g = dist.new_group(list(range(world)))
-        gc = pycomm.GroupCommunicator(g, backend="gloo")
-        comm = make_comm(rank, world, name) if rank < world and device == "cpu" else None
-        _PAIRS[key] = (comm, gc if rank < world else None)
+        member = rank < world
+        gc = pycomm.GroupCommunicator(g, backend="gloo") if member else None
+        comm = make_comm(rank, world, name) if member and device == "cpu" else None
+        _PAIRS[key] = (comm, gc)
     return _PAIRS[key]
 
 
