@@ -21,7 +21,6 @@ Example::
 """
 from __future__ import annotations
 
-import threading
 from typing import Optional
 
 import torch
@@ -93,7 +92,7 @@ class IpcAllReduce:
         out.record_stream(self._stream)
         done = torch.cuda.Event()
         done.record(self._stream)
-        work = IpcWork(done, out)
+        work = IpcWork(done, out, self._stream)
         if async_op:
             return work
         work.wait()
@@ -104,12 +103,14 @@ class IpcWork:
     """Handle of an asynchronous IPC all-reduce (like a NCCL Work).
 
     ``wait()`` makes the current stream wait for the result without blocking
-    the CPU; ``get_future()`` returns a torch Future completed by a helper
-    thread once the kernels finished; ``is_completed()`` polls.
+    the CPU; ``get_future()`` returns a CUDA-aware torch Future, already
+    complete on the CPU side: whoever waits on it (or runs a ``then``
+    callback) has its current stream ordered after the kernels, as with
+    NCCL's ``Work.get_future()``; ``is_completed()`` polls.
     """
 
-    def __init__(self, done: "torch.cuda.Event", result: torch.Tensor) -> None:
-        self._done, self._result = done, result
+    def __init__(self, done: "torch.cuda.Event", result: torch.Tensor, stream: "torch.cuda.Stream") -> None:
+        self._done, self._result, self._stream = done, result, stream
         self._future: Optional[torch.futures.Future] = None
 
     def wait(self) -> bool:
@@ -124,15 +125,10 @@ class IpcWork:
 
     def get_future(self) -> torch.futures.Future:
         if self._future is None:
-            fut: torch.futures.Future = torch.futures.Future()
-
-            def complete() -> None:
-                try:
-                    self._done.synchronize()
-                    fut.set_result(self._result)
-                except Exception as e:  # a failed kernel surfaces here
-                    fut.set_exception(e)
-
-            threading.Thread(target=complete, name="pycomm-ipc-future", daemon=True).start()
+            fut: torch.futures.Future = torch.futures.Future(devices=[self._result.device])
+            # set_result records an event on the current stream (the group's),
+            # which every waiter's stream then waits for.
+            with torch.cuda.stream(self._stream):
+                fut.set_result(self._result)
             self._future = fut
         return self._future

@@ -29,8 +29,35 @@ place. Like PyTorch's PowerSGD hook they can start uncompressed for
 Local SGD (periodic model averaging) is :class:`LocalSGD` (an optimizer
 wrapper) together with :func:`local_sgd_hook`, which stops averaging
 gradients after a warm-up.
+
+Which path a bucket takes (the policy; logged once per kind of bucket, at
+INFO, with the reason):
+
+* CPU buckets: pycomm's :class:`~pycomm.Communicator` (shared memory within a
+  host, its inter-host transport between hosts).
+* CUDA buckets, compressed: :class:`~pycomm.GroupCommunicator`, the same
+  algorithm composed from pycomm's CUDA kernels and the group's own
+  collectives (NCCL), everything on the device.
+* CUDA buckets, plain (``allreduce_hook``, ``bf16_hook``): CUDA IPC when every
+  rank is on one host, each on its own GPU; otherwise the group's own
+  all-reduce.
+
+``path=`` on a state (or the ``PYCOMM_HOOK_PATH`` environment variable)
+forces ``"group"`` (any device; CPU buckets then go over Gloo), ``"ipc"``
+(CUDA buckets) or ``"communicator"`` (CPU buckets).
+
+GPU set-up (DDP on NCCL, gradients sent as int8)::
+
+    dist.init_process_group("nccl")            # or "cpu:pycomm,cuda:nccl"
+    ddp = DistributedDataParallel(model.cuda(), device_ids=[local_rank])
+    ddp.register_comm_hook(hooks.CompressionState(start_iter=10), hooks.int8_hook)
+
+Every state has ``state_dict()`` / ``load_state_dict()`` (iteration count and
+error-feedback residuals) for checkpoints.
 """
 import logging
+import os
+import socket
 import threading
 from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple, Union
 
@@ -41,6 +68,8 @@ from torch.profiler import record_function
 from . import communicator as _communicator
 from . import default as _default
 from . import compression as _compression
+from . import group as _group
+from ._loader import CommError, load_core
 
 logger = logging.getLogger("pycomm")
 
@@ -61,6 +90,9 @@ __all__ = [
 
 Group = Union[None, dist.ProcessGroup, _communicator.Communicator]
 _WIRE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+#: What ``path=`` (or ``PYCOMM_HOOK_PATH``) may say.
+PATHS = ("auto", "communicator", "group", "ipc")
+_ipc_groups = 0  # IPC groups this process made (their Store prefixes)
 
 
 def _resolve_communicator(process_group: Group, communicator: Optional["_communicator.Communicator"]):
@@ -80,9 +112,24 @@ def _resolve_communicator(process_group: Group, communicator: Optional["_communi
     return _communicator.Communicator(process_group)
 
 
+def ipc_refusal(ranks: List[Tuple[str, str, bool]]) -> Optional[str]:
+    """Why CUDA IPC cannot carry plain buckets among ``ranks`` (each rank's
+    (host, GPU id, build has CUDA)), or None if it can."""
+    if not all(r[2] for r in ranks):
+        return "this pycomm build has no CUDA IPC on some rank"
+    if len({r[0] for r in ranks}) > 1:
+        return "the ranks span several hosts"
+    if len({r[1] for r in ranks}) < len(ranks):
+        return ("ranks share a GPU, so an IPC kernel waits for its peers' time slices (measured ~4.5 ms per "
+                "call with 2 ranks on one H100)")
+    if len(ranks) > 8:
+        return "CUDA IPC groups have at most 8 ranks"
+    return None
+
+
 class HookState:
-    """What every pycomm hook keeps: its communicator, the iteration count and
-    running statistics.
+    """What every pycomm hook keeps: where buckets go, the iteration count
+    and running statistics.
 
     Args:
         process_group: the ranks DDP averages over; pass the group you gave
@@ -90,6 +137,13 @@ class HookState:
             communicator). A :class:`pycomm.Communicator` is accepted too.
         communicator: an existing communicator to share (instead of
             ``process_group``).
+        path: ``"auto"`` (the policy in :mod:`pycomm.hooks`), ``"group"``,
+            ``"ipc"`` or ``"communicator"``; default: ``PYCOMM_HOOK_PATH`` or
+            ``"auto"``.
+
+    The communicator (CPU buckets) and the group and IPC paths (CUDA buckets)
+    are set up at the first bucket that needs them, collectively: build
+    states on every rank, in the same order.
 
     Example::
 
@@ -100,12 +154,44 @@ class HookState:
     """
 
     def __init__(self, process_group: Group = None, *,
-                 communicator: Optional["_communicator.Communicator"] = None) -> None:
-        self.communicator = _resolve_communicator(process_group, communicator)
+                 communicator: Optional["_communicator.Communicator"] = None, path: Optional[str] = None) -> None:
+        if communicator is not None and process_group is not None:
+            raise ValueError("pycomm.hooks: pass process_group or communicator, not both")
+        if communicator is not None and not isinstance(communicator, _communicator.Communicator):
+            raise TypeError(f"pycomm.hooks: communicator must be a pycomm.Communicator, got {type(communicator)}")
+        path = path or os.environ.get("PYCOMM_HOOK_PATH") or "auto"
+        if path not in PATHS:
+            raise ValueError(f"pycomm.hooks: path={path!r}; use one of {', '.join(PATHS)}")
+        self.path = path
+        self._comm_arg = communicator if communicator is not None else (
+            process_group if isinstance(process_group, _communicator.Communicator) else None)
+        self.process_group: Optional[dist.ProcessGroup] = (
+            process_group if isinstance(process_group, dist.ProcessGroup) else None)
+        self._communicator: Optional["_communicator.Communicator"] = self._comm_arg
+        self._group_comm: Optional[_group.GroupCommunicator] = None
+        self._ipc: Dict[torch.device, Any] = {}
+        self._routes: Dict[Tuple[str, bool], str] = {}
         # Iterations DDP synchronized (no_sync() steps are not counted).
         self.iteration = 0
         self._lock = threading.Lock()
         self.reset_stats()
+
+    @property
+    def communicator(self) -> "_communicator.Communicator":
+        """pycomm's communicator for CPU buckets (created on first use, collectively)."""
+        if self._communicator is None:
+            pg = self.process_group
+            if pg is None or pg is dist.group.WORLD:
+                self._communicator = _default.get_default()
+            else:
+                self._communicator = _communicator.Communicator(pg)
+        return self._communicator
+
+    @property
+    def world_size(self) -> int:
+        if self._comm_arg is not None:
+            return self._comm_arg.world_size
+        return dist.get_world_size(self.process_group) if dist.is_initialized() else self.communicator.world_size
 
     def reset_stats(self) -> None:
         """Zero the running statistics (the iteration count stays)."""
@@ -119,8 +205,9 @@ class HookState:
         ``bytes_sent`` is what this rank handed to its peers and
         ``bytes_uncompressed`` what a float32 all-reduce would have handed them
         (2(n-1)/n of the bucket), ``compression_ratio`` their quotient and
-        ``comm_seconds`` the time pycomm's progress engine spent on the
-        buckets (compression included, queueing excluded).
+        ``comm_seconds`` the time pycomm spent on the buckets (compression
+        included, queueing excluded; 0 for buckets the group's own
+        all-reduce or CUDA IPC carried, which run asynchronously on the GPU).
         """
         with self._lock:
             out: Dict[str, float] = dict(self._totals)
@@ -128,24 +215,113 @@ class HookState:
         out["compression_ratio"] = out["bytes_uncompressed"] / out["bytes_sent"] if out["bytes_sent"] else 1.0
         return out
 
+    def routes(self) -> Dict[str, str]:
+        """The path each kind of bucket took so far, e.g. ``{"cuda/compressed": "group"}``."""
+        return {f"{dev}/{'compressed' if c else 'plain'}": r for (dev, c), r in self._routes.items()}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What a checkpoint needs to resume the hook as if never stopped.
+
+        Example::
+
+            torch.save({"model": ddp.state_dict(), "hook": state.state_dict()}, path)
+            state.load_state_dict(torch.load(path)["hook"])
+        """
+        return {"iteration": self.iteration}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.iteration = int(state["iteration"])
+
     # -------------------------------------------------------------- internals
 
-    def _record(self, work: Any, sent: int, uncompressed: int, compressed: bool) -> None:
+    def _record(self, seconds: float, sent: int, uncompressed: int, compressed: bool) -> None:
         with self._lock:
             t = self._totals
             t["buckets"] += 1
             t["compressed_buckets"] += int(compressed)
             t["bytes_sent"] += sent
             t["bytes_uncompressed"] += uncompressed
-            t["comm_seconds"] += work.run_seconds
+            t["comm_seconds"] += seconds
 
     def _plain_bytes(self, numel: int, element_size: int) -> int:
-        world = self.communicator.world_size
+        world = self.world_size
         return 2 * (world - 1) * numel * element_size // world if world > 1 else 0
 
     def _end_bucket(self, bucket: dist.GradBucket) -> None:
         if bucket.is_last():
             self.iteration += 1
+
+    # -------------------------------------------------------------- policy
+
+    def _route(self, buf: torch.Tensor, compressed: bool) -> str:
+        """The path of a bucket like ``buf``: decided once per device type and
+        kind (collectively where it asks the peers), logged with its reason."""
+        key = (buf.device.type, compressed)
+        route = self._routes.get(key)
+        if route is None:
+            route, why = self._decide(buf, compressed)
+            self._routes[key] = route
+            logger.info("pycomm.hooks: %s %s buckets take the %s path: %s", buf.device.type,
+                        "compressed" if compressed else "plain", route, why)
+        return route
+
+    def _decide(self, buf: torch.Tensor, compressed: bool) -> Tuple[str, str]:
+        forced = f"path={self.path!r} was asked for"
+        if buf.device.type == "cpu":
+            if self.path == "ipc":
+                raise CommError("pycomm.hooks: path='ipc' takes CUDA buckets; this bucket is on the CPU")
+            if self.path == "group":
+                return "group", forced + " (Gloo)"
+            return "communicator", "CPU tensors go through pycomm's communicator (shared memory within a host)"
+        if buf.device.type != "cuda":
+            raise CommError(f"pycomm.hooks: buckets on {buf.device} are not supported (CPU and CUDA are)")
+        if self.path == "communicator" or self._comm_arg is not None:
+            raise CommError("pycomm.hooks: pycomm's communicator takes CPU tensors only; for CUDA buckets build "
+                            "the state with the DDP process group (or none), not a communicator, and path='auto'")
+        backend = _group.device_backend(self.process_group, buf.device)
+        if compressed:
+            return "group", (forced if self.path == "group" else "compressed CUDA buckets are composed from "
+                             f"pycomm's CUDA kernels and the group's own collectives ({backend}), on the device")
+        if self.path in ("group", "ipc"):
+            return self.path, forced
+        why_not = self._ipc_refusal(buf.device)
+        if why_not is None:
+            return "ipc", "every rank is on this host, each on its own GPU: CUDA IPC (one kernel per call)"
+        return "group", f"the group's own all-reduce ({backend}): {why_not}"
+
+    def _ipc_refusal(self, device: torch.device) -> Optional[str]:
+        """Why CUDA IPC cannot carry this group's plain buckets, or None if it
+        can; the same answer on every rank (it asks them all)."""
+        props = torch.cuda.get_device_properties(device)
+        gpu = props.uuid.hex if hasattr(props, "uuid") else f"{socket.gethostname()}/{device}"
+        mine = (socket.gethostname(), str(gpu), bool(getattr(load_core(), "has_cuda", False)))
+        everyone: List[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.process_group)
+        return ipc_refusal(everyone)
+
+
+    def _group_communicator(self) -> _group.GroupCommunicator:
+        if self._group_comm is None:
+            pg = self.process_group
+            if self._comm_arg is not None:
+                raise CommError("pycomm.hooks: path='group' needs the DDP process group; build the state with "
+                                "process_group=, not communicator=")
+            self._group_comm = _group.GroupCommunicator(pg)
+        return self._group_comm
+
+    def _ipc_group(self, device: torch.device):
+        ipc = self._ipc.get(device)
+        if ipc is None:
+            global _ipc_groups
+            from . import cuda_ipc
+
+            pg = self.process_group if self.process_group is not None else dist.group.WORLD
+            store = dist.distributed_c10d._get_default_store()
+            prefix = f"pycomm.hooks.ipc/{'-'.join(map(str, dist.get_process_group_ranks(pg)))}/{_ipc_groups}"
+            _ipc_groups += 1
+            ipc = self._ipc[device] = cuda_ipc.IpcAllReduce(store, dist.get_rank(pg), dist.get_world_size(pg),
+                                                            device=device, prefix=prefix)
+        return ipc
 
 
 class AllReduceState(HookState):
@@ -163,37 +339,45 @@ class AllReduceState(HookState):
     """
 
     def __init__(self, process_group: Group = None, *, wire_dtype: Optional[torch.dtype] = None,
-                 communicator: Optional["_communicator.Communicator"] = None) -> None:
+                 communicator: Optional["_communicator.Communicator"] = None, path: Optional[str] = None) -> None:
         if wire_dtype not in _WIRE_DTYPES:
             raise ValueError(f"pycomm.hooks: wire_dtype={wire_dtype} is not supported; use None, torch.bfloat16 "
                              "or torch.float16")
-        super().__init__(process_group, communicator=communicator)
+        super().__init__(process_group, communicator=communicator, path=path)
         self.wire_dtype = wire_dtype
 
 
 def _average(state: HookState, bucket: dist.GradBucket, wire_dtype: Optional[torch.dtype],
              name: str) -> torch.futures.Future[torch.Tensor]:
-    """The bucket averaged over ranks, optionally sent as ``wire_dtype``."""
-    comm = state.communicator
+    """The bucket averaged over ranks, optionally sent as ``wire_dtype``, on
+    the path the state's policy picks for it."""
     buf = bucket.buffer()
     cast = wire_dtype is not None and wire_dtype != buf.dtype and buf.is_floating_point()
+    route = state._route(buf, compressed=False)
     with record_function(name):
         if cast:
             with record_function("pycomm::compress"):
                 wire = buf.to(wire_dtype)
         else:
             wire = buf
-        work = comm.all_reduce(wire, op="avg", async_op=True)
+        if route == "communicator":
+            work = state.communicator.all_reduce(wire, op="avg", async_op=True)
+        elif route == "ipc":
+            work = state._ipc_group(buf.device).all_reduce(wire, op="avg", async_op=True)
+        else:  # the group's own all-reduce; Gloo has no AVG, so divide first (as torch's allreduce_hook)
+            wire.div_(state.world_size)
+            work = dist.all_reduce(wire, group=state.process_group, async_op=True)
     uncompressed = state._plain_bytes(buf.numel(), 4 if buf.is_floating_point() else buf.element_size())
     sent = state._plain_bytes(wire.numel(), wire.element_size())
 
     def done(fut: torch.futures.Future) -> torch.Tensor:
-        result = fut.value()[0]  # raises the collective's error, which DDP reports
+        value = fut.value()  # raises the collective's error, which DDP reports
+        result = value[0] if isinstance(value, list) else value
         if cast:
             with record_function("pycomm::decompress"):
                 buf.copy_(result)
             result = buf
-        state._record(work, sent, uncompressed, compressed=cast)
+        state._record(getattr(work, "run_seconds", 0.0), sent, uncompressed, compressed=cast)
         return result
 
     state._end_bucket(bucket)
@@ -211,8 +395,11 @@ def allreduce_hook(state: Optional[AllReduceState], bucket: dist.GradBucket) -> 
         ddp.register_comm_hook(hooks.AllReduceState(), hooks.allreduce_hook)
     """
     if state is None:
-        comm = _default.get_default()
-        work = comm.all_reduce(bucket.buffer(), op="avg", async_op=True)
+        buf = bucket.buffer()
+        if buf.is_cuda:  # as torch's allreduce_hook: the default group's own all-reduce
+            buf.div_(dist.get_world_size())
+            return dist.all_reduce(buf, async_op=True).get_future().then(lambda fut: fut.value()[0])
+        work = _default.get_default().all_reduce(buf, op="avg", async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
     if not isinstance(state, HookState):
         raise TypeError(f"pycomm.hooks.allreduce_hook: state must be a pycomm.hooks.AllReduceState or None, got "
@@ -257,13 +444,13 @@ class CompressionState(HookState):
 
     def __init__(self, process_group: Group = None, codec: Optional[_compression.Codec] = None, *,
                  start_iter: int = 10, error_feedback: bool = True,
-                 communicator: Optional["_communicator.Communicator"] = None) -> None:
+                 communicator: Optional["_communicator.Communicator"] = None, path: Optional[str] = None) -> None:
         if codec is not None and not isinstance(codec, (_compression.Int8, _compression.Int4, _compression.TopK)):
             raise TypeError(f"pycomm.hooks: codec={codec!r} is not a codec; use pycomm.Int8(), pycomm.Int4() or "
                             "pycomm.TopK(ratio)")
         if int(start_iter) < 0:
             raise ValueError(f"pycomm.hooks: start_iter must be >= 0, got {start_iter}")
-        super().__init__(process_group, communicator=communicator)
+        super().__init__(process_group, communicator=communicator, path=path)
         self.codec = codec
         self.start_iter = int(start_iter)
         self.error_feedback: Optional[_compression.ErrorFeedback] = (
@@ -273,6 +460,65 @@ class CompressionState(HookState):
         self._homes: Dict[int, Tuple[Hashable, int, int]] = {}
         self._next_homes: Dict[int, Tuple[Hashable, int, int]] = {}
         self._used_keys: set = set()
+        # Parameters in the order of the first iteration this state saw (DDP's
+        # initial bucket layout, the same in every fresh process): how a
+        # checkpoint names them.
+        self._order: List[int] = []
+        self._position: Dict[int, int] = {}
+        self._order_done = False
+        # From load_state_dict: worker residuals per parameter position, and
+        # server residuals per (bucket index, parameter sizes).
+        self._pending_params: List[Optional[torch.Tensor]] = []
+        self._pending_server: Dict[Tuple[int, Tuple[int, ...]], torch.Tensor] = {}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The iteration count and the error-feedback residuals: the worker
+        residual per parameter (in the order of DDP's first iteration, so a
+        fresh process finds each parameter's again whatever the bucket
+        layout), the server residual per bucket (restored where the bucket
+        holds the same parameters).
+
+        Example::
+
+            ckpt = {"model": ddp.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}
+        """
+        out = super().state_dict()
+        params: List[Optional[torch.Tensor]] = list(self._pending_params) or [None] * len(self._order)
+        params += [None] * (len(self._order) - len(params))
+        servers = dict(self._pending_server)
+        ef = self.error_feedback
+        if ef is not None:
+            for pos, pid in enumerate(self._order):
+                home = self._homes.get(pid)
+                res = ef.get(home[0]) if home is not None else None
+                if res is not None:
+                    params[pos] = res.worker[home[1]:home[1] + home[2]].detach().clone()
+            for key in ef.keys():
+                res = ef.get(key)
+                if res.server is not None:
+                    servers[(key[0], key[2])] = res.server.detach().clone()
+        out["worker_residuals"] = params
+        out["server_residuals"] = servers
+        return out
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: each residual goes back when its
+        parameter's (or bucket's) next compressed all-reduce comes."""
+        super().load_state_dict(state)
+        if self.error_feedback is not None:
+            self.error_feedback.reset()
+        self._homes, self._next_homes, self._used_keys = {}, {}, set()
+        self._pending_params = list(state.get("worker_residuals", []))
+        self._pending_server = {(int(k[0]), tuple(k[1])): v for k, v in state.get("server_residuals", {}).items()}
+
+    def _observe(self, bucket: dist.GradBucket) -> None:
+        if self._order_done:
+            return
+        for p in bucket.parameters():
+            if id(p) not in self._position:
+                self._position[id(p)] = len(self._order)
+                self._order.append(id(p))
+        self._order_done = bucket.is_last()
 
     def _codec(self, want: Optional[type], default: Callable[[], _compression.Codec],
                hook: str) -> _compression.Codec:
@@ -283,11 +529,13 @@ class CompressionState(HookState):
                             f"pycomm.{want.__name__} (or use compression_hook, which takes any codec)")
         return self.codec
 
-    def _residual_key(self, bucket: dist.GradBucket, buf: torch.Tensor, codec: _compression.Codec) -> Hashable:
+    def _residual_key(self, bucket: dist.GradBucket, buf: torch.Tensor, codec: _compression.Codec,
+                      comm: Any) -> Hashable:
         """The bucket's error-feedback key, its residual carried over from the
-        parameters' previous buckets when DDP rebuilt them."""
+        parameters' previous buckets when DDP rebuilt them (or from a loaded
+        checkpoint)."""
         params = bucket.parameters()
-        key = (bucket.index(), tuple(id(p) for p in params))
+        key = (bucket.index(), tuple(id(p) for p in params), tuple(p.numel() for p in params))
         self._used_keys.add(key)
         ef = self.error_feedback
         assert ef is not None
@@ -302,13 +550,35 @@ class CompressionState(HookState):
             # would create it zero) and move each parameter's slice in. The
             # server residual belongs to another shard layout: it restarts
             # from zero, once.
-            shard = self.communicator.compressed_shard_numel(buf.numel(), codec)
+            shard = comm.compressed_shard_numel(buf.numel(), codec)
             worker, _ = ef.residuals(key, buf, codec, shard)
             for off, n, home in layout:
                 old = ef.get(home[0]) if home is not None else None
                 if old is not None and home[2] == n:
                     worker[off:off + n].copy_(old.worker[home[1]:home[1] + n])
+        if ef.get(key) is None and (self._pending_params or self._pending_server):
+            self._restore(key, buf, codec, comm, layout, params)
         return key
+
+    def _restore(self, key, buf, codec, comm, layout, params) -> None:
+        """Put a loaded checkpoint's residuals into a new bucket's."""
+        worker, server = self.error_feedback.residuals(key, buf, codec, comm.compressed_shard_numel(buf.numel(),
+                                                                                                    codec))
+        for (off, n, _), p in zip(layout, params):
+            pos = self._position.get(id(p))
+            saved = self._pending_params[pos] if pos is not None and pos < len(self._pending_params) else None
+            if saved is not None:
+                if saved.numel() == n:
+                    worker[off:off + n].copy_(saved)
+                else:
+                    logger.warning("pycomm.hooks: the checkpoint's residual of parameter %d has %d elements, not %d; "
+                                   "it restarts from zero", pos, saved.numel(), n)
+                self._pending_params[pos] = None
+        saved_server = self._pending_server.pop((key[0], key[2]), None)
+        if server is not None and saved_server is not None and saved_server.numel() == server.numel():
+            server.copy_(saved_server)
+        if not any(t is not None for t in self._pending_params):
+            self._pending_params = []
 
     def _end_bucket(self, bucket: dist.GradBucket) -> None:
         if bucket.is_last() and self.error_feedback is not None and self._used_keys:
@@ -327,18 +597,20 @@ def _compressed(state: CompressionState, bucket: dist.GradBucket, want: Optional
                         f"{type(state).__name__}")
     codec = state._codec(want, default, hook)
     buf = bucket.buffer()
+    state._observe(bucket)
     if state.iteration < state.start_iter or buf.dtype not in _compression.codec_dtypes():
         return _average(state, bucket, None, f"pycomm::{hook}")
-    comm = state.communicator
+    route = state._route(buf, compressed=True)
+    comm = state.communicator if route == "communicator" else state._group_communicator()
     with record_function(f"pycomm::{hook}"):
-        key = state._residual_key(bucket, buf, codec) if state.error_feedback is not None else None
+        key = state._residual_key(bucket, buf, codec, comm) if state.error_feedback is not None else None
         work = comm.all_reduce(buf, op="avg", compression=codec, error_feedback=state.error_feedback, key=key,
                                async_op=True)
     sent, uncompressed = work.bytes_sent, work.bytes_uncompressed
 
     def done(fut: torch.futures.Future) -> torch.Tensor:
         result = fut.value()[0]
-        state._record(work, sent, uncompressed, compressed=True)
+        state._record(work.run_seconds, sent, uncompressed, compressed=True)
         return result
 
     state._end_bucket(bucket)
@@ -394,10 +666,10 @@ class LocalSGDState(HookState):
     """
 
     def __init__(self, process_group: Group = None, *, start_iter: int = 0,
-                 communicator: Optional["_communicator.Communicator"] = None) -> None:
+                 communicator: Optional["_communicator.Communicator"] = None, path: Optional[str] = None) -> None:
         if int(start_iter) < 0:
             raise ValueError(f"pycomm.hooks: start_iter must be >= 0, got {start_iter}")
-        super().__init__(process_group, communicator=communicator)
+        super().__init__(process_group, communicator=communicator, path=path)
         self.start_iter = int(start_iter)
 
 

@@ -56,7 +56,8 @@ def run_ipc_graph_capture(rank: int, world: int, name: str) -> str:
 
 def run_ipc_async(rank: int, world: int, name: str) -> dict:
     """The all-reduce runs on the group's stream, after the caller's stream's work on the input; wait() orders
-    the caller's stream after it; the future completes off this thread."""
+    the caller's stream after it; the future is CUDA-aware (waiting on it orders the stream, the CPU never
+    blocks)."""
     ipc = pycomm.cuda_ipc.IpcAllReduce(worker_store(), rank, world, device="cuda:0", buffer_bytes=1 << 20,
                                        prefix=name)
     x = torch.zeros(1 << 20, device="cuda")
@@ -67,4 +68,6 @@ def run_ipc_async(rank: int, world: int, name: str) -> dict:
     work.wait()
     y = x * 2  # on the caller's stream, after wait()
     got = fut.wait()
-    return {"y": y.cpu(), "future_is_x": got.data_ptr() == x.data_ptr(), "done": work.is_completed()}
+    z = (got + 1).cpu()  # on the caller's stream, after the future
+    yc = y.cpu()  # synchronizes: the kernels are done by now
+    return {"y": yc, "z": z, "future_is_x": got.data_ptr() == x.data_ptr(), "done": work.is_completed()}

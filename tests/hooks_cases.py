@@ -45,6 +45,8 @@ def make_model(name: str, seed: int = 0) -> torch.nn.Module:
         return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
                                    torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.ReLU(),
                                    torch.nn.AdaptiveAvgPool2d(2), torch.nn.Flatten(), torch.nn.Linear(64, 8))
+    if name == "linear":  # one parameter: one bucket, before and after DDP rebuilds its buckets
+        return torch.nn.Linear(32, 8, bias=False)
     if name == "mixed":  # embedding, norm, bias-free layer
         return torch.nn.Sequential(torch.nn.Embedding(50, 24), torch.nn.LayerNorm(24), torch.nn.Flatten(),
                                    torch.nn.Linear(24 * 4, 40, bias=False), torch.nn.GELU(), torch.nn.Linear(40, 8))
@@ -61,13 +63,16 @@ def make_batch(name: str, gen: torch.Generator, batch: int = 8):
     return x, torch.randn(batch, 8, generator=gen)
 
 
-def _state(hook: str, comm, **kw):
+def _state(hook: str, comm, path: str = "auto", group=None, **kw):
+    """A hook's state over ``comm`` (path "auto"), or over the DDP process
+    group ``group`` when another path is forced."""
+    where = dict(communicator=comm) if path == "auto" else dict(process_group=group, path=path)
     if hook in ("allreduce", "bf16"):
-        return hooks.AllReduceState(communicator=comm, wire_dtype=torch.bfloat16 if hook == "bf16" else None)
+        return hooks.AllReduceState(wire_dtype=torch.bfloat16 if hook == "bf16" else None, **where)
     if hook == "local_sgd":
-        return hooks.LocalSGDState(communicator=comm, **kw)
+        return hooks.LocalSGDState(**where, **kw)
     codec = {"int8": pycomm.Int8(), "int4": pycomm.Int4(), "topk": pycomm.TopK(0.25)}[hook]
-    return hooks.CompressionState(codec=codec, communicator=comm, start_iter=kw.get("start_iter", 0))
+    return hooks.CompressionState(codec=codec, start_iter=kw.get("start_iter", 0), **where)
 
 
 HOOKS = {"allreduce": hooks.allreduce_hook, "bf16": hooks.allreduce_hook, "int8": hooks.int8_hook,
@@ -115,7 +120,7 @@ def grads_match(rank: int, world: int, model_name: str, bucket_mb: float, steps:
             "buckets": len({i for _, i in seen})}
 
 
-def compose(rank: int, world: int, hook: str, option: str, iters: int = 3) -> Dict[str, object]:
+def compose(rank: int, world: int, hook: str, option: str, iters: int = 3, path: str = "auto") -> Dict[str, object]:
     """A hook under one DDP option (gradient_as_bucket_view, static_graph or
     no_sync accumulation), against DDP without a hook on the same data and
     parameters (no optimizer step: every iteration's gradients are comparable).
@@ -131,7 +136,8 @@ def compose(rank: int, world: int, hook: str, option: str, iters: int = 3) -> Di
         kw["static_graph"] = True
     ref = DDP(make_model("mlp"), **kw)
     ours = DDP(make_model("mlp"), **kw)
-    ours.register_comm_hook(_state(hook, comm), HOOKS[hook])
+    state = _state(hook, comm, path, g)
+    ours.register_comm_hook(state, HOOKS[hook])
     gen = torch.Generator().manual_seed(2000 + rank)
     sums = [None, None]
     per_iter = []
@@ -151,7 +157,8 @@ def compose(rank: int, world: int, hook: str, option: str, iters: int = 3) -> Di
             if i == 1:
                 per_iter.append(gr)
     err = ((sums[1] - sums[0]).norm() / sums[0].norm()).item()
-    return {"rel_err": err, "grads": per_iter, "finite": all(bool(t.isfinite().all()) for t in per_iter)}
+    return {"rel_err": err, "grads": per_iter, "finite": all(bool(t.isfinite().all()) for t in per_iter),
+            "routes": state.routes()}
 
 
 def completion_threads(rank: int, world: int) -> Dict[str, object]:
@@ -277,7 +284,7 @@ def _digits():
 
 
 def digits_accuracy(rank: int, world: int, hook: Optional[str], steps: int, start_iter: int = 0,
-                    ratio: float = 0.01, seed: int = 0, exact: bool = True) -> float:
+                    ratio: float = 0.01, seed: int = 0, exact: bool = True, path: str = "auto") -> float:
     """An MLP on scikit-learn's digits: each rank trains on its quarter of a
     global batch of 64 for ``steps`` steps (SGD with momentum, cosine decay to
     zero, so every run ends converged); accuracy on a held-out split."""
@@ -289,12 +296,13 @@ def digits_accuracy(rank: int, world: int, hook: Optional[str], steps: int, star
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
                                 torch.nn.ReLU(), torch.nn.Linear(128, 10))
     m = DDP(model, process_group=g)
+    where = dict(communicator=comm) if path == "auto" else dict(process_group=g, path=path)
     if hook == "int8":
-        m.register_comm_hook(hooks.CompressionState(codec=pycomm.Int8(), communicator=comm, start_iter=start_iter),
+        m.register_comm_hook(hooks.CompressionState(codec=pycomm.Int8(), start_iter=start_iter, **where),
                              hooks.int8_hook)
     elif hook == "topk":
-        m.register_comm_hook(hooks.CompressionState(codec=pycomm.TopK(ratio, exact=exact), communicator=comm,
-                                                    start_iter=start_iter), hooks.topk_hook)
+        m.register_comm_hook(hooks.CompressionState(codec=pycomm.TopK(ratio, exact=exact), start_iter=start_iter,
+                                                    **where), hooks.topk_hook)
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
     gen = torch.Generator().manual_seed(7 + seed)  # the same global batches on every rank
@@ -307,3 +315,124 @@ def digits_accuracy(rank: int, world: int, hook: Optional[str], steps: int, star
         sched.step()
     with torch.no_grad():
         return (model(xte).argmax(1) == yte).float().mean().item() * 100
+
+
+# ---------------------------------------------------------------- policy and checkpoints
+
+
+class _FakeCudaBuffer:
+    """What the policy reads of a bucket: its device (no CUDA needed)."""
+    device = torch.device("cuda", 0)
+
+
+def policy_decisions(rank: int, world: int) -> Dict[str, object]:
+    """Each branch of the hook policy, with the line it logs; the peers' facts
+    the IPC decision reads are faked where this machine has no GPU."""
+    import logging
+
+    g, comm = _group(world)
+    if rank >= world:
+        return {}
+    lines: List[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    log = logging.getLogger("pycomm")
+    handler, old = Keep(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    out: Dict[str, object] = {}
+    try:
+        cpu = torch.randn(4)
+        out["cpu_auto"] = hooks.AllReduceState(communicator=comm)._route(cpu, False)
+        out["cpu_group"] = hooks.AllReduceState(g, path="group")._route(cpu, True)
+        try:
+            hooks.AllReduceState(g, path="ipc")._route(cpu, False)
+        except pycomm.CommError as e:
+            out["cpu_ipc"] = str(e)
+        fake = _FakeCudaBuffer()
+        st = hooks.CompressionState(g)
+        out["cuda_compressed"] = st._route(fake, True)
+        for name, reason in (("cuda_plain_ipc", None), ("cuda_plain_group", "the ranks span several hosts")):
+            st = hooks.AllReduceState(g)
+            st._ipc_refusal = lambda device, r=reason: r
+            out[name] = st._route(fake, False)
+            st._route(fake, False)  # decided once: logged once
+        try:
+            hooks.AllReduceState(communicator=comm)._route(fake, False)
+        except pycomm.CommError as e:
+            out["cuda_with_communicator"] = str(e)
+        os_env = __import__("os").environ
+        os_env["PYCOMM_HOOK_PATH"] = "group"
+        try:
+            out["env_path"] = hooks.AllReduceState(g).path
+        finally:
+            del os_env["PYCOMM_HOOK_PATH"]
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old)
+    out["lines"] = lines
+    out["refusals"] = [hooks.ipc_refusal(r) for r in (
+        [("h", "g0", True), ("h", "g1", True)], [("h", "g0", True), ("h2", "g1", True)],
+        [("h", "g0", True), ("h", "g0", True)], [("h", "g0", True), ("h", "g1", False)],
+        [("h", f"g{i}", True) for i in range(9)])]
+    return out
+
+
+def checkpoint_resume(rank: int, world: int, hook: str, path: str = "auto", model: str = "linear"
+                      ) -> Dict[str, object]:
+    """Train 4 steps; at step 2 save the hook state (and model and optimizer),
+    restore them into a fresh DDP model and hook state, run steps 3-4 on
+    both. Returns whether the resumed run's parameters equal the uninterrupted
+    one's, and how far they are from them with and without the hook's state.
+    (A fresh DDP compresses its first step in its first bucket layout, so
+    only a model whose layout does not change can be resumed bit for bit.)"""
+    g, comm = _group(world)
+    if rank >= world:
+        return {}
+
+    def fresh():
+        m = DDP(make_model(model), process_group=g, bucket_cap_mb=0.002)
+        st = _state(hook, comm, path, g)
+        m.register_comm_hook(st, HOOKS[hook])
+        return m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), st
+
+    def step(m, opt, batch):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(m(batch[0]), batch[1]).backward()
+        opt.step()
+
+    gen = torch.Generator().manual_seed(3000 + rank)
+    batches = [make_batch("mlp", gen) for _ in range(4)]
+    m, opt, st = fresh()
+    for b in batches[:2]:
+        step(m, opt, b)
+    ckpt = {"model": {k: v.clone() for k, v in m.state_dict().items()}, "opt": opt.state_dict(),
+            "hook": st.state_dict()}
+    import io
+    buf = io.BytesIO()
+    torch.save(ckpt, buf)  # a real round trip through serialization
+    for b in batches[2:]:
+        step(m, opt, b)
+    m2, opt2, st2 = fresh()
+    ckpt = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    m2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    st2.load_state_dict(ckpt["hook"])
+    for b in batches[2:]:
+        step(m2, opt2, b)
+    def dist_to(other):
+        return max((a - b).abs().max().item() for a, b in zip(m.parameters(), other.parameters()))
+
+    same = all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
+    # Without the hook's state the resumed run differs (the residuals matter).
+    m3, opt3, st3 = fresh()
+    m3.load_state_dict(ckpt["model"])
+    opt3.load_state_dict(ckpt["opt"])
+    st3.load_state_dict({"iteration": ckpt["hook"]["iteration"]})
+    for b in batches[2:]:
+        step(m3, opt3, b)
+    return {"same": same, "with": dist_to(m2), "without": dist_to(m3), "iteration": st2.iteration,
+            "saved": sum(t is not None for t in ckpt["hook"].get("worker_residuals", []))}

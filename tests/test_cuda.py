@@ -147,4 +147,5 @@ def test_ipc_all_reduce_is_stream_ordered_and_async(gpu_pool):
     out = gpu_pool.run(run_ipc_async, 2, gpu_pool.new_name(), world=2)
     for res in out:
         assert torch.equal(res["y"], torch.full((1 << 20,), 6.0)), res["y"][:4]
+        assert torch.equal(res["z"], torch.full((1 << 20,), 4.0)), res["z"][:4]
         assert res["future_is_x"] and res["done"]
