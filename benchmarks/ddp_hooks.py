@@ -16,8 +16,9 @@ For DDP on gloo (no hook) and for pycomm's allreduce_hook it reports
 (1: communication entirely hidden; 0: none of it).
 
 e2e: a ~25M-parameter MLP trained for a fixed number of steps with DDP's
-default (gloo), PyTorch's bf16_compress_hook, and pycomm's allreduce_hook,
-int8_hook and topk_hook (1 %): median step time (forward, backward,
+default (gloo), PyTorch's bf16_compress_hook, and pycomm's allreduce_hook, int8_hook and
+topk_hook (1 %), each compressed hook also through the device-generic group
+path (``int8-group``, ``topk-group``): median step time (forward, backward,
 optimizer) and the final loss, every config on the same data. "none" (a hook
 that sends nothing; each rank trains alone) gives the compute floor.
 Medians over the measured steps; ratios are side by side in one run.
@@ -168,11 +169,13 @@ def e2e(args):
         elif name == "allreduce":
             state = hooks.AllReduceState(communicator=comm)
             model.register_comm_hook(state, hooks.allreduce_hook)
-        elif name == "int8":
-            state = hooks.CompressionState(codec=pycomm.Int8(), communicator=comm, start_iter=args.start_iter)
+        elif name in ("int8", "int8-group"):  # -group: the device-generic path over a Gloo group
+            where = dict(communicator=comm) if name == "int8" else dict(path="group")
+            state = hooks.CompressionState(codec=pycomm.Int8(), start_iter=args.start_iter, **where)
             model.register_comm_hook(state, hooks.int8_hook)
-        elif name == "topk":
-            state = hooks.CompressionState(codec=pycomm.TopK(0.01), communicator=comm, start_iter=args.start_iter)
+        elif name in ("topk", "topk-group"):
+            where = dict(communicator=comm) if name == "topk" else dict(path="group")
+            state = hooks.CompressionState(codec=pycomm.TopK(0.01), start_iter=args.start_iter, **where)
             model.register_comm_hook(state, hooks.topk_hook)
         elif name != "gloo":
             raise SystemExit(f"unknown config {name}")
@@ -214,7 +217,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=["overlap", "e2e"])
     p.add_argument("--configs", default=None, help="comma-separated (overlap: gloo,pycomm; "
-                   "e2e: none,gloo,torch-bf16,allreduce,int8,topk; none: no communication)")
+                   "e2e: none,gloo,torch-bf16,allreduce,int8,topk; also int8-group, topk-group (the "
+                   "device-generic path forced); none: no communication)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch", type=int, default=None)

@@ -116,6 +116,7 @@ class _Lane:
         store = dist.PrefixStore(f"pycomm-lane/{restart_prefix()}{backend}/{'-'.join(map(str, ranks))}/",
                                  dist.distributed_c10d._get_default_store())
         delta = datetime.timedelta(seconds=timeout)
+        self.nccl, self.size = backend == "nccl", len(ranks)
         if backend == "nccl":
             opts = _c10d.ProcessGroupNCCL.Options()
             opts._timeout = delta
@@ -146,7 +147,10 @@ class _Lane:
         self.pg.alltoall_base(out, inp, [], [], _c10d.AllToAllOptions()).wait()
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        self.pg._allgather_base(out, inp, _c10d.AllgatherOptions()).wait()
+        if self.nccl:
+            self.pg._allgather_base(out, inp, _c10d.AllgatherOptions()).wait()
+        else:  # Gloo's list form takes CUDA tensors too
+            self.pg.allgather([list(out.chunk(self.size))], [inp]).wait()
 
 
 _LANES: Dict[tuple, _Lane] = {}

@@ -293,7 +293,7 @@ class HookState:
         """Why CUDA IPC cannot carry this group's plain buckets, or None if it
         can; the same answer on every rank (it asks them all)."""
         props = torch.cuda.get_device_properties(device)
-        gpu = props.uuid.hex if hasattr(props, "uuid") else f"{socket.gethostname()}/{device}"
+        gpu = str(props.uuid) if hasattr(props, "uuid") else f"{socket.gethostname()}/{device}"
         mine = (socket.gethostname(), str(gpu), bool(getattr(load_core(), "has_cuda", False)))
         everyone: List[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self.process_group)

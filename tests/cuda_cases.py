@@ -1,6 +1,7 @@
 """Worker-side CUDA IPC cases (run inside harness workers, every rank on GPU 0)."""
 from __future__ import annotations
 
+import hashlib
 from typing import List
 
 import torch
@@ -71,3 +72,73 @@ def run_ipc_async(rank: int, world: int, name: str) -> dict:
     z = (got + 1).cpu()  # on the caller's stream, after the future
     yc = y.cpu()  # synchronizes: the kernels are done by now
     return {"y": yc, "z": z, "future_is_x": got.data_ptr() == x.data_ptr(), "done": work.is_completed()}
+
+
+# ---------------------------------------------------------------- the group path on CUDA tensors
+
+
+def group_cuda_versus_cpu(rank: int, world: int, cases: List[tuple], steps: int = 3) -> List[list]:
+    """Each case (codec, n, dtype, op) through the device-generic group path
+    on CUDA tensors and on CPU tensors (the CPU one equals the shared-memory
+    path, test_group.py), with error feedback over several steps: the
+    mismatches in outputs and residuals (none expected). Sampled top-k draws
+    its sample differently on a GPU, so its selection (and result) is
+    compared across ranks only: a digest of each step's output. Runs on every pool
+    rank; ranks >= world sit out. The default group is Gloo (NCCL refuses
+    several ranks on one GPU), which takes CUDA tensors through host memory."""
+    from group_cases import CODECS, _input, same_bits
+    from hooks_cases import _group
+
+    g, _ = _group(world)
+    if rank >= world:
+        return []
+    gpu, cpu = pycomm.GroupCommunicator(g), pycomm.GroupCommunicator(g)
+    out = []
+    for ci, (codec_name, n, dtype, op) in enumerate(cases):
+        codec = CODECS[codec_name]()
+        ef_g, ef_c = pycomm.compression.ErrorFeedback(), pycomm.compression.ErrorFeedback()
+        bad = []
+        for step in range(steps):
+            x = _input(ci, rank, step, n, dtype)
+            a, b = x.cuda(), x.clone()
+            gpu.all_reduce(a, op=op, compression=codec, error_feedback=ef_g, key="k")
+            cpu.all_reduce(b, op=op, compression=codec, error_feedback=ef_c, key="k")
+            if codec_name == "topk_sampled":
+                bad.append(hashlib.sha1(a.cpu().view(torch.uint8).numpy().tobytes()).hexdigest())
+                continue
+            if not same_bits(a, b):
+                bad.append((step, "output"))
+            rg, rc = ef_g.get("k"), ef_c.get("k")
+            if rg.worker.device.type != "cuda" or not same_bits(rg.worker, rc.worker):
+                bad.append((step, "worker residual"))
+            if rc.server is not None and not same_bits(rg.server, rc.server):
+                bad.append((step, "server residual"))
+        out.append(bad)
+    return out
+
+
+def group_cuda_does_not_block(rank: int, world: int) -> dict:
+    """An asynchronous compressed all-reduce of a CUDA tensor returns while
+    the caller's stream is still busy (the caller never waits for the GPU),
+    and waiting on its future orders the caller's stream after the result."""
+    import time
+
+    from hooks_cases import _group
+
+    g, _ = _group(world)
+    if rank >= world:
+        return {}
+    gc = pycomm.GroupCommunicator(g)
+    x = torch.full((1 << 16,), float(rank + 1), device="cuda")
+    gc.all_reduce(x.clone(), op="avg", compression=pycomm.Int8())  # warm-up: the private group exists
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time on the caller's stream
+    x.mul_(2)
+    busy_before = not torch.cuda.current_stream().query()
+    t0 = time.perf_counter()
+    work = gc.all_reduce(x, op="avg", compression=pycomm.Int8(), async_op=True)
+    returned = time.perf_counter() - t0
+    busy = not torch.cuda.current_stream().query()
+    work.get_future().wait()
+    y = (x + 1).cpu()
+    return {"returned_s": returned, "stream_busy_before": busy_before, "stream_busy_at_return": busy, "y": y}

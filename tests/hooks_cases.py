@@ -63,10 +63,11 @@ def make_batch(name: str, gen: torch.Generator, batch: int = 8):
     return x, torch.randn(batch, 8, generator=gen)
 
 
-def _state(hook: str, comm, path: str = "auto", group=None, **kw):
-    """A hook's state over ``comm`` (path "auto"), or over the DDP process
-    group ``group`` when another path is forced."""
-    where = dict(communicator=comm) if path == "auto" else dict(process_group=group, path=path)
+def _state(hook: str, comm, path: str = "auto", group=None, device: str = "cpu", **kw):
+    """A hook's state over ``comm`` (CPU, path "auto"), or over the DDP
+    process group ``group`` (CUDA buckets, or another path forced)."""
+    where = (dict(communicator=comm) if path == "auto" and device == "cpu"
+             else dict(process_group=group, path=path))
     if hook in ("allreduce", "bf16"):
         return hooks.AllReduceState(wire_dtype=torch.bfloat16 if hook == "bf16" else None, **where)
     if hook == "local_sgd":
@@ -120,7 +121,8 @@ def grads_match(rank: int, world: int, model_name: str, bucket_mb: float, steps:
             "buckets": len({i for _, i in seen})}
 
 
-def compose(rank: int, world: int, hook: str, option: str, iters: int = 3, path: str = "auto") -> Dict[str, object]:
+def compose(rank: int, world: int, hook: str, option: str, iters: int = 3, path: str = "auto",
+            device: str = "cpu") -> Dict[str, object]:
     """A hook under one DDP option (gradient_as_bucket_view, static_graph or
     no_sync accumulation), against DDP without a hook on the same data and
     parameters (no optimizer step: every iteration's gradients are comparable).
@@ -134,15 +136,15 @@ def compose(rank: int, world: int, hook: str, option: str, iters: int = 3, path:
         kw["gradient_as_bucket_view"] = True
     if option == "static_graph":
         kw["static_graph"] = True
-    ref = DDP(make_model("mlp"), **kw)
-    ours = DDP(make_model("mlp"), **kw)
-    state = _state(hook, comm, path, g)
+    ref = DDP(make_model("mlp").to(device), **kw)
+    ours = DDP(make_model("mlp").to(device), **kw)
+    state = _state(hook, comm, path, g, device)
     ours.register_comm_hook(state, HOOKS[hook])
     gen = torch.Generator().manual_seed(2000 + rank)
     sums = [None, None]
     per_iter = []
     for _ in range(iters):
-        micro = [make_batch("mlp", gen) for _ in range(3 if option == "no_sync" else 1)]
+        micro = [tuple(t.to(device) for t in make_batch("mlp", gen)) for _ in range(3 if option == "no_sync" else 1)]
         for i, m in enumerate((ref, ours)):
             for p in m.parameters():
                 p.grad = None
@@ -152,7 +154,7 @@ def compose(rank: int, world: int, hook: str, option: str, iters: int = 3, path:
                         torch.nn.functional.mse_loss(m(x), y).backward()
                 else:
                     torch.nn.functional.mse_loss(m(x), y).backward()
-            gr = _grads(m.module).clone()
+            gr = _grads(m.module).cpu()
             sums[i] = gr if sums[i] is None else sums[i] + gr
             if i == 1:
                 per_iter.append(gr)
@@ -284,7 +286,8 @@ def _digits():
 
 
 def digits_accuracy(rank: int, world: int, hook: Optional[str], steps: int, start_iter: int = 0,
-                    ratio: float = 0.01, seed: int = 0, exact: bool = True, path: str = "auto") -> float:
+                    ratio: float = 0.01, seed: int = 0, exact: bool = True, path: str = "auto",
+                    device: str = "cpu") -> float:
     """An MLP on scikit-learn's digits: each rank trains on its quarter of a
     global batch of 64 for ``steps`` steps (SGD with momentum, cosine decay to
     zero, so every run ends converged); accuracy on a held-out split."""
@@ -295,8 +298,11 @@ def digits_accuracy(rank: int, world: int, hook: Optional[str], steps: int, star
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
                                 torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    model = model.to(device)
+    xtr, ytr, xte, yte = (t.to(device) for t in (xtr, ytr, xte, yte))
     m = DDP(model, process_group=g)
-    where = dict(communicator=comm) if path == "auto" else dict(process_group=g, path=path)
+    where = (dict(communicator=comm) if path == "auto" and device == "cpu"
+             else dict(process_group=g, path=path))
     if hook == "int8":
         m.register_comm_hook(hooks.CompressionState(codec=pycomm.Int8(), start_iter=start_iter, **where),
                              hooks.int8_hook)

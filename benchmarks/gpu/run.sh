@@ -20,8 +20,11 @@ echo "built in ${SECONDS}s"
 "$PY" -c "import pycomm, pycomm._C as c; assert c.has_cuda, 'built without CUDA'; print('pycomm built with CUDA')"
 # Every step under a timeout: a hang must not eat the GPU lease.
 STEP_TIMEOUT=${STEP_TIMEOUT:-240}
-timeout "$STEP_TIMEOUT" "$PY" -m pytest -q -m cuda -p no:cacheprovider ${CUDA_TESTS:-tests/test_cuda.py} 2>&1 \
+# Every test under its own limit too (pytest-timeout, where installed).
+PER_TEST=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${TEST_TIMEOUT:-120}")
+timeout "$STEP_TIMEOUT" "$PY" -m pytest -q -m cuda -p no:cacheprovider $PER_TEST -rf ${CUDA_TESTS:-tests/test_cuda.py} 2>&1 \
   | tee "$LOG/tests.log" | tail -30
+[ -n "${SKIP_BENCH:-}" ] && exit 0
 timeout "$STEP_TIMEOUT" "$PY" benchmarks/gpu/kernels.py 2>&1 | tee "$LOG/kernels.log"
 for w in 2 4; do
   timeout "$STEP_TIMEOUT" "$PY" benchmarks/gpu/allreduce.py --world "$w" --max-bytes $((64 << 20)) 2>&1 \
