@@ -132,7 +132,9 @@ def group_cuda_does_not_block(rank: int, world: int) -> dict:
     x = torch.full((1 << 16,), float(rank + 1), device="cuda")
     gc.all_reduce(x.clone(), op="avg", compression=pycomm.Int8())  # warm-up: the private group exists
     torch.cuda.synchronize()
-    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time on the caller's stream
+    a = torch.randn(8192, 8192, device="cuda")
+    for _ in range(20):  # ~0.3 s of real work queued on the caller's stream (20 x 1.1 TFLOP)
+        a = (a @ a).clamp_(-1, 1)
     x.mul_(2)
     busy_before = not torch.cuda.current_stream().query()
     t0 = time.perf_counter()
