@@ -36,11 +36,12 @@ Example::
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import queue
 import threading
 import time
-from typing import Any, Callable, Dict, Hashable, List, Optional
+from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -125,14 +126,37 @@ class _Lane:
             self.pg = dist.ProcessGroupGloo(store, me, len(ranks), delta)
         else:
             raise CommError(f"pycomm.GroupCommunicator: backend must be 'gloo' or 'nccl', got {backend!r}")
-        self.queue: "queue.Queue[Callable[[], None]]" = queue.Queue()
+        self.queue: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
         self.streams: Dict[int, Any] = {}
+        self._buffers: Dict[Tuple[str, str], torch.Tensor] = {}
         self.thread = threading.Thread(target=self._serve, name="pycomm-group", daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
         while True:
-            self.queue.get()()
+            job = self.queue.get()
+            if job is None:
+                return
+            job()
+
+    def close(self) -> None:
+        """Finish the queued calls, stop the thread and release the backend."""
+        self.queue.put(None)
+        self.thread.join()
+        self._buffers.clear()
+        pg, self.pg = self.pg, None
+        del pg  # joins the backend's own threads now, not during interpreter teardown
+
+    def buffer(self, role: str, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A uint8 scratch buffer of ``nbytes`` for ``role``, reused from call to
+        call (grown when too small): steady-state calls touch no fresh pages,
+        whose first-touch faults cost as much as the kernels. Only the lane's
+        thread uses them, one call at a time (on CUDA, in its stream's order)."""
+        key = (role, str(device))
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._buffers[key] = torch.empty(max(nbytes, 64), dtype=torch.uint8, device=device)
+        return buf[:nbytes]
 
     def stream(self, device: torch.device):
         idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -155,6 +179,15 @@ class _Lane:
 
 _LANES: Dict[tuple, _Lane] = {}
 _LANES_LOCK = threading.Lock()
+
+
+@atexit.register
+def _close_lanes() -> None:
+    with _LANES_LOCK:
+        lanes = list(_LANES.values())
+        _LANES.clear()
+    for lane in lanes:
+        lane.close()
 
 
 def _lane(ranks: List[int], backend: str, timeout: float) -> _Lane:
@@ -366,17 +399,19 @@ class GroupCommunicator:
 
         # 1. Quantize every shard of (input + worker residual) into the slot of
         #    the rank that reduces it; the residual keeps what rounding lost.
+        dev = tensor.device
         with record_function("pycomm::compress"):
-            send = torch.zeros(w * slot, dtype=torch.uint8, device=tensor.device)
+            send = lane.buffer("send", w * slot, dev)
             seed = self._seed(codec, seq, 0)
             for q in range(w):
                 lo, ln = span(q)
-                p = ops.quantize(flat[lo:lo + ln], bits, block, stoch, seed,
-                                 None if worker is None else worker[lo:lo + ln], lo)
-                send[q * slot:q * slot + p.numel()].copy_(p)
+                used = _quant_payload_bytes(ln, bits, block)
+                ops.quantize_into(flat[lo:lo + ln], send[q * slot:q * slot + used], bits, block, stoch, seed,
+                                  None if worker is None else worker[lo:lo + ln], lo)
+                send[q * slot + used:(q + 1) * slot].zero_()  # the alignment travels too: keep it deterministic
         # 2. Slot q goes to rank q; we get every rank's version of our shard.
         with record_function("pycomm::communicate"):
-            recv = torch.empty_like(send)
+            recv = lane.buffer("recv", w * slot, dev)
             lane.all_to_all(recv, send)
         # 3. Reduce our shard in float32 in rank order, average if asked and
         #    requantize with the server residual, in one pass.
@@ -384,21 +419,21 @@ class GroupCommunicator:
             lo, ln = span(me)
             need = _quant_payload_bytes(ln, bits, block)
             srcs = [recv[q * slot:q * slot + need] for q in range(w)]
-            mine = ops.dequant_reduce_requant(srcs, None, ln, bits, block, 1.0 / w if op == "avg" else 1.0, stoch,
-                                              self._seed(codec, seq, 1), None if server is None else server[:ln], me * shard)
-            slot_mine = torch.zeros(slot, dtype=torch.uint8, device=tensor.device)
-            slot_mine[:mine.numel()].copy_(mine)
+            mine = lane.buffer("mine", slot, dev)
+            ops.dequant_reduce_requant_into(mine[:need], srcs, None, ln, bits, block,
+                                            1.0 / w if op == "avg" else 1.0, stoch, self._seed(codec, seq, 1),
+                                            None if server is None else server[:ln], me * shard)
+            mine[need:].zero_()
         # 4. Every rank's reduced shard, to every rank.
         with record_function("pycomm::communicate"):
-            gathered = torch.empty(w * slot, dtype=torch.uint8, device=tensor.device)
-            lane.all_gather(gathered, slot_mine)
+            gathered = lane.buffer("gathered", w * slot, dev)
+            lane.all_gather(gathered, mine)
         # 5. Every rank decodes the same bytes: the same result everywhere.
         with record_function("pycomm::decompress"):
             for q in range(w):
                 lo, ln = span(q)
                 if ln:
-                    dst[lo:lo + ln].copy_(ops.dequantize(gathered[q * slot:q * slot + slot], ln, bits, block,
-                                                         tensor.dtype))
+                    ops.dequantize_into(dst[lo:lo + ln], gathered[q * slot:(q + 1) * slot], bits, block)
 
     def _sparse(self, lane, tensor, out, op, codec, worker, server, seq) -> None:
         ops = torch.ops.pycomm
@@ -413,18 +448,19 @@ class GroupCommunicator:
                                        float(codec.sample_fraction), self._seed(codec, seq, 2), worker)
             if cap2 != cap:
                 raise CommError(f"pycomm.GroupCommunicator: top-k capacity {cap2} differs from the agreed {cap}")
-            mine = torch.zeros(slot, dtype=torch.uint8, device=tensor.device)
+            mine = lane.buffer("mine", slot, tensor.device)
             mine[:_COUNT_BYTES].copy_(torch.tensor([kept], dtype=torch.int64).view(torch.uint8))
             mine[_COUNT_BYTES:_COUNT_BYTES + buf.numel()].copy_(buf)
+            mine[_COUNT_BYTES + buf.numel():].zero_()
         # 2. Everybody gets everybody's (value, index) list.
         with record_function("pycomm::communicate"):
-            gathered = torch.empty(w * slot, dtype=torch.uint8, device=tensor.device)
+            gathered = lane.buffer("gathered", w * slot, tensor.device)
             lane.all_gather(gathered, mine)
         # 3. Scatter-add the lists in rank order into float32, average, round once.
         with record_function("pycomm::decompress"):
             rows = gathered.view(w, slot)
             counts = rows[:, :_COUNT_BYTES].contiguous().view(torch.int64).view(-1).tolist()  # one read-back
-            acc = torch.zeros(n, dtype=torch.float32, device=tensor.device)
+            acc = lane.buffer("acc", 4 * n, tensor.device).view(torch.float32).zero_()
             for q, cnt in enumerate(counts):
                 if not 0 <= cnt <= cap:
                     raise CommError(f"pycomm: rank {q} sent {cnt} top-k entries, more than the {cap} agreed on")

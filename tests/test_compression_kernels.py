@@ -424,3 +424,35 @@ def test_cuda_kernels_compile(path, tmp_path):
 def test_cuda_sources_exist():
     names = {os.path.basename(p) for p in CUDA_FILES}
     assert {"quant.cu", "topk.cu", "reduce.cu", "cuda_ipc.cu"} <= names
+
+
+@pytest.mark.parametrize("bits,stochastic", [(8, False), (4, True)])
+def test_into_operators_equal_the_allocating_ones(bits, stochastic):
+    """quantize_into / dequant_reduce_requant_into / dequantize_into write the
+    allocating operators' bits into the caller's buffers (a shard at an index
+    base, as the group path uses them), padding included, and refuse buffers
+    that are too small."""
+    ops = torch.ops.pycomm
+    n, block, base = 5001, 128, 3 * 128
+    x = rand_blocks(n, block, 41)
+    r1, r2 = torch.randn(n) * 0.01, None
+    r2 = r1.clone()
+    want = ops.quantize(x, bits, block, stochastic, 9, r1, base)
+    buf = torch.full((want.numel() + 8,), 0xAB, dtype=torch.uint8)
+    ops.quantize_into(x, buf[:want.numel()], bits, block, stochastic, 9, r2, base)
+    assert torch.equal(buf[:want.numel()], want) and torch.equal(r1, r2)
+    assert (buf[want.numel():] == 0xAB).all()  # nothing written past the payload
+    srcs = [ops.quantize(rand_blocks(n, block, s), bits, block, False, 0, None) for s in range(3)]
+    s1, s2 = torch.zeros(n), torch.zeros(n)
+    red = ops.dequant_reduce_requant(srcs, None, n, bits, block, 0.5, stochastic, 3, s1, base)
+    out = torch.full_like(red, 0xCD)
+    ops.dequant_reduce_requant_into(out, srcs, None, n, bits, block, 0.5, stochastic, 3, s2, base)
+    assert torch.equal(out, red) and torch.equal(s1, s2)
+    for dtype in (torch.float32, torch.bfloat16):
+        dense = torch.full((n,), float("nan"), dtype=dtype)
+        ops.dequantize_into(dense, red, bits, block)
+        assert torch.equal(dense, ops.dequantize(red, n, bits, block, dtype))
+    with pytest.raises(RuntimeError, match="needs"):
+        ops.quantize_into(x, buf[:want.numel() - 8], bits, block, False, 0, None)
+    with pytest.raises(RuntimeError, match="needs"):
+        ops.dequantize_into(torch.empty(n + block), red, bits, block)

@@ -198,7 +198,7 @@ def test_group_path_on_cuda_returns_before_the_gpu_is_done(ddp_pool):
     from cuda_cases import group_cuda_does_not_block
 
     for res in ddp_pool.run(group_cuda_does_not_block, 2)[:2]:
-        assert res["stream_busy_before"] and res["stream_busy_at_return"] and res["returned_s"] < 0.05, res
+        assert res["gpu_s"] > 0.05 and res["returned_s"] < 0.1 * res["gpu_s"], res
         assert torch.allclose(res["y"], torch.full((1 << 16,), 4.0), atol=0.02), res["y"][:4]
 
 

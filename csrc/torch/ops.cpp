@@ -103,47 +103,63 @@ void check_index_base(int64_t index_base, const char* op) {
 
 }  // namespace
 
+void quantize_into(const at::Tensor& x, const at::Tensor& payload, int64_t bits, int64_t block, bool stochastic,
+                   int64_t seed, const c10::optional<at::Tensor>& residual, int64_t index_base) {
+  const char* op = "quantize";
+  check_index_base(index_base, op);
+  check_quant_args(op, bits, block);
+  check_dense(x, x.device(), op, "input");
+  const c10::DeviceGuard guard(x.device());
+  const DeviceKernels& k = kernels_for(x, op);
+  const DType dt = float_dtype(x, op, "input");
+  float* r = residual_ptr(residual, x.device(), x.numel(), op);
+  check_payload(payload, x.device(), x.numel(), bits, block, op);
+  kernels::QuantSpec s{static_cast<int>(bits), static_cast<int>(block), stochastic, static_cast<uint64_t>(seed)};
+  guarded([&] { k.quantize(s, dt, x.data_ptr(), r, x.numel(), payload.data_ptr<uint8_t>(), index_base); });
+}
+
 at::Tensor quantize(const at::Tensor& x, int64_t bits, int64_t block, bool stochastic, int64_t seed,
                     const c10::optional<at::Tensor>& residual, int64_t index_base) {
-  check_index_base(index_base, "quantize");
   check_quant_args("quantize", bits, block);
-  check_dense(x, x.device(), "quantize", "input");
-  const c10::DeviceGuard guard(x.device());
-  const DeviceKernels& k = kernels_for(x, "quantize");
-  const DType dt = float_dtype(x, "quantize", "input");
-  float* r = residual_ptr(residual, x.device(), x.numel(), "quantize");
   auto out = at::empty({static_cast<int64_t>(kernels::quant_payload_bytes(x.numel(), bits, block))},
                        x.options().dtype(at::kByte));
-  kernels::QuantSpec s{static_cast<int>(bits), static_cast<int>(block), stochastic, static_cast<uint64_t>(seed)};
-  guarded([&] { k.quantize(s, dt, x.data_ptr(), r, x.numel(), out.data_ptr<uint8_t>(), index_base); });
+  quantize_into(x, out, bits, block, stochastic, seed, residual, index_base);
   return out;
+}
+
+// D(payload) into `out` (overwrite) or added to it (accumulate).
+void dequantize_to(const at::Tensor& out, const at::Tensor& payload, int64_t bits, int64_t block, bool accumulate,
+                   const char* op) {
+  check_quant_args(op, bits, block);
+  check_dense(out, out.device(), op, accumulate ? "acc" : "out");
+  const c10::DeviceGuard guard(out.device());
+  const DeviceKernels& k = kernels_for(out, op);
+  const DType dt = float_dtype(out, op, accumulate ? "acc" : "out");
+  check_payload(payload, out.device(), out.numel(), bits, block, op);
+  guarded([&] {
+    k.dequantize(bits, block, payload.data_ptr<uint8_t>(), out.numel(), dt, out.data_ptr(), accumulate);
+  });
 }
 
 at::Tensor dequantize(const at::Tensor& payload, int64_t numel, int64_t bits, int64_t block, at::ScalarType dtype) {
   check_quant_args("dequantize", bits, block);
   check_payload(payload, payload.device(), numel, bits, block, "dequantize");
-  const c10::DeviceGuard guard(payload.device());
-  const DeviceKernels& k = kernels_for(payload, "dequantize");
   auto out = at::empty({numel}, payload.options().dtype(dtype));
-  const DType dt = float_dtype(out, "dequantize", "dtype");
-  guarded([&] { k.dequantize(bits, block, payload.data_ptr<uint8_t>(), numel, dt, out.data_ptr(), false); });
+  dequantize_to(out, payload, bits, block, false, "dequantize");
   return out;
 }
 
-void dequantize_accumulate(const at::Tensor& acc, const at::Tensor& payload, int64_t bits, int64_t block) {
-  const char* op = "dequantize_accumulate";
-  check_quant_args(op, bits, block);
-  check_dense(acc, acc.device(), op, "acc");
-  const c10::DeviceGuard guard(acc.device());
-  const DeviceKernels& k = kernels_for(acc, op);
-  const DType dt = float_dtype(acc, op, "acc");
-  check_payload(payload, acc.device(), acc.numel(), bits, block, op);
-  guarded([&] { k.dequantize(bits, block, payload.data_ptr<uint8_t>(), acc.numel(), dt, acc.data_ptr(), true); });
+void dequantize_into(const at::Tensor& out, const at::Tensor& payload, int64_t bits, int64_t block) {
+  dequantize_to(out, payload, bits, block, false, "dequantize_into");
 }
 
-at::Tensor dequant_reduce_requant(at::TensorList payloads, const c10::optional<at::Tensor>& dense, int64_t numel,
-                                  int64_t bits, int64_t block, double post_scale, bool stochastic, int64_t seed,
-                                  const c10::optional<at::Tensor>& residual, int64_t index_base) {
+void dequantize_accumulate(const at::Tensor& acc, const at::Tensor& payload, int64_t bits, int64_t block) {
+  dequantize_to(acc, payload, bits, block, true, "dequantize_accumulate");
+}
+
+void dequant_reduce_requant_into(const at::Tensor& out, at::TensorList payloads, const c10::optional<at::Tensor>& dense,
+                                 int64_t numel, int64_t bits, int64_t block, double post_scale, bool stochastic,
+                                 int64_t seed, const c10::optional<at::Tensor>& residual, int64_t index_base) {
   const char* op = "dequant_reduce_requant";
   check_quant_args(op, bits, block);
   check_index_base(index_base, op);
@@ -170,13 +186,23 @@ at::Tensor dequant_reduce_requant(at::TensorList payloads, const c10::optional<a
     a.dense_dtype = float_dtype(*dense, op, "dense");
   }
   a.post_scale = static_cast<float>(post_scale);
-  auto out = at::empty({static_cast<int64_t>(kernels::quant_payload_bytes(numel, bits, block))},
-                       payloads[0].options());
+  check_payload(out, device, numel, bits, block, op);
   a.out_payload = out.data_ptr<uint8_t>();
   a.requant = kernels::QuantSpec{a.bits, a.block, stochastic, static_cast<uint64_t>(seed)};
   a.residual = residual_ptr(residual, device, numel, op);
   a.index_base = static_cast<uint64_t>(index_base);
   guarded([&] { k.dequant_reduce(a); });
+}
+
+at::Tensor dequant_reduce_requant(at::TensorList payloads, const c10::optional<at::Tensor>& dense, int64_t numel,
+                                  int64_t bits, int64_t block, double post_scale, bool stochastic, int64_t seed,
+                                  const c10::optional<at::Tensor>& residual, int64_t index_base) {
+  check_quant_args("dequant_reduce_requant", bits, block);
+  TORCH_CHECK(!payloads.empty(), "pycomm.dequant_reduce_requant: needs at least one payload");
+  auto out = at::empty({static_cast<int64_t>(kernels::quant_payload_bytes(numel, bits, block))},
+                       payloads[0].options());
+  dequant_reduce_requant_into(out, payloads, dense, numel, bits, block, post_scale, stochastic, seed, residual,
+                              index_base);
   return out;
 }
 
@@ -273,6 +299,17 @@ TORCH_LIBRARY(pycomm, m) {
       "quantize(Tensor x, int bits, int block, bool stochastic, int seed, Tensor(a!)? residual, int index_base=0) "
       "-> Tensor");
   m.def("dequantize(Tensor payload, int numel, int bits, int block, ScalarType dtype) -> Tensor");
+  // The _into twins write into a caller's buffer (a payload of at least the
+  // needed bytes; an output of the payload's numel): callers that reuse
+  // buffers touch no fresh pages, whose first-touch faults cost as much as
+  // the kernels.
+  m.def(
+      "quantize_into(Tensor x, Tensor(a!) payload, int bits, int block, bool stochastic, int seed, "
+      "Tensor(b!)? residual, int index_base=0) -> ()");
+  m.def("dequantize_into(Tensor(a!) out, Tensor payload, int bits, int block) -> ()");
+  m.def(
+      "dequant_reduce_requant_into(Tensor(a!) out, Tensor[] payloads, Tensor? dense, int numel, int bits, int block, "
+      "float post_scale, bool stochastic, int seed, Tensor(b!)? residual, int index_base=0) -> ()");
   m.def("dequantize_accumulate(Tensor(a!) acc, Tensor payload, int bits, int block) -> ()");
   m.def(
       "dequant_reduce_requant(Tensor[] payloads, Tensor? dense, int numel, int bits, int block, float post_scale, "
@@ -291,6 +328,9 @@ namespace ops {
 
 void register_impls(torch::Library& m) {
   m.impl("quantize", &quantize);
+  m.impl("quantize_into", &quantize_into);
+  m.impl("dequantize_into", &dequantize_into);
+  m.impl("dequant_reduce_requant_into", &dequant_reduce_requant_into);
   m.impl("dequantize", &dequantize);
   m.impl("dequantize_accumulate", &dequantize_accumulate);
   m.impl("dequant_reduce_requant", &dequant_reduce_requant);

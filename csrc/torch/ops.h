@@ -40,6 +40,12 @@ const DeviceKernels& cuda_kernels();  // ops_cuda.cpp
 at::Tensor quantize(const at::Tensor& x, int64_t bits, int64_t block, bool stochastic, int64_t seed,
                     const c10::optional<at::Tensor>& residual, int64_t index_base);
 at::Tensor dequantize(const at::Tensor& payload, int64_t numel, int64_t bits, int64_t block, at::ScalarType dtype);
+void quantize_into(const at::Tensor& x, const at::Tensor& payload, int64_t bits, int64_t block, bool stochastic,
+                   int64_t seed, const c10::optional<at::Tensor>& residual, int64_t index_base);
+void dequantize_into(const at::Tensor& out, const at::Tensor& payload, int64_t bits, int64_t block);
+void dequant_reduce_requant_into(const at::Tensor& out, at::TensorList payloads, const c10::optional<at::Tensor>& dense,
+                                 int64_t numel, int64_t bits, int64_t block, double post_scale, bool stochastic,
+                                 int64_t seed, const c10::optional<at::Tensor>& residual, int64_t index_base);
 void dequantize_accumulate(const at::Tensor& acc, const at::Tensor& payload, int64_t bits, int64_t block);
 at::Tensor dequant_reduce_requant(at::TensorList payloads, const c10::optional<at::Tensor>& dense, int64_t numel,
                                   int64_t bits, int64_t block, double post_scale, bool stochastic, int64_t seed,
