@@ -68,12 +68,6 @@ def _as_int64(u: int) -> int:
     return u - (1 << 64) if u >= 1 << 63 else u
 
 
-def _quant_payload_bytes(n: int, bits: int, block: int) -> int:
-    nb = (n + block - 1) // block
-    codes = n if bits == 8 else (n + 1) // 2
-    return (nb * 4 + codes + 7) // 8 * 8
-
-
 class GroupWork:
     """An asynchronous :meth:`GroupCommunicator.all_reduce`.
 
@@ -334,22 +328,13 @@ class GroupCommunicator:
         plain = 2 * (w - 1) * n * tensor.element_size() // w if w > 1 else 0
         if _compression.is_quantizer(codec):
             shard = self.compressed_shard_numel(n, codec)
-            return 2 * (w - 1) * _align(_quant_payload_bytes(shard, codec.bits, codec.block)), plain
+            return 2 * (w - 1) * _align(self._core.quant_payload_bytes(shard, codec.bits, codec.block)), plain
         k, cap = self._topk_sizes(n, codec)
-        return (w - 1) * _align(_COUNT_BYTES + self._topk_payload_bytes(cap, tensor.element_size())), plain
-
-    @staticmethod
-    def _topk_k(n: int, codec) -> int:
-        # As the shared-memory path: round(ratio * n), at least 1, at most n.
-        return 0 if n == 0 else min(n, max(1, int(round(codec.ratio * n))))
+        return (w - 1) * _align(_COUNT_BYTES + self._core.topk_payload_bytes(cap, tensor.element_size())), plain
 
     def _topk_sizes(self, n: int, codec):
-        k = self._topk_k(n, codec)
+        k = int(self._core.topk_entries(n, float(codec.ratio)))
         return k, int(self._core.topk_capacity(k, n, bool(codec.exact), float(codec.tolerance)))
-
-    @staticmethod
-    def _topk_payload_bytes(cap: int, es: int) -> int:
-        return (cap * es + 7) // 8 * 8 + cap * 4
 
     def _job(self, lane, run, work, fut, tensor, out, op, codec, worker, server, seq) -> Callable[[], None]:
         """The call as the worker thread runs it: on CUDA, on this
@@ -390,7 +375,7 @@ class GroupCommunicator:
         n, w, me = tensor.numel(), self.world_size, self.rank
         bits, block, stoch = codec.bits, int(codec.block), bool(codec.stochastic)
         shard = self.compressed_shard_numel(n, codec)
-        slot = _align(_quant_payload_bytes(shard, bits, block))
+        slot = _align(self._core.quant_payload_bytes(shard, bits, block))
         flat, dst = tensor.view(-1), out.view(-1)
 
         def span(q):
@@ -405,7 +390,7 @@ class GroupCommunicator:
             seed = self._seed(codec, seq, 0)
             for q in range(w):
                 lo, ln = span(q)
-                used = _quant_payload_bytes(ln, bits, block)
+                used = self._core.quant_payload_bytes(ln, bits, block)
                 ops.quantize_into(flat[lo:lo + ln], send[q * slot:q * slot + used], bits, block, stoch, seed,
                                   None if worker is None else worker[lo:lo + ln], lo)
                 send[q * slot + used:(q + 1) * slot].zero_()  # the alignment travels too: keep it deterministic
@@ -417,7 +402,7 @@ class GroupCommunicator:
         #    requantize with the server residual, in one pass.
         with record_function("pycomm::reduce"):
             lo, ln = span(me)
-            need = _quant_payload_bytes(ln, bits, block)
+            need = self._core.quant_payload_bytes(ln, bits, block)
             srcs = [recv[q * slot:q * slot + need] for q in range(w)]
             mine = lane.buffer("mine", slot, dev)
             ops.dequant_reduce_requant_into(mine[:need], srcs, None, ln, bits, block,
@@ -440,7 +425,7 @@ class GroupCommunicator:
         n, w = tensor.numel(), self.world_size
         es = tensor.element_size()
         k, cap = self._topk_sizes(n, codec)
-        slot = _align(_COUNT_BYTES + self._topk_payload_bytes(cap, es))
+        slot = _align(_COUNT_BYTES + self._core.topk_payload_bytes(cap, es))
         vbytes = (cap * es + 7) // 8 * 8
         # 1. This rank's top-k of (input + residual); the residual keeps what is not sent.
         with record_function("pycomm::compress"):

@@ -21,6 +21,7 @@ CODECS = {
     "int4_stoch": lambda: pycomm.Int4(block=128, stochastic=True),
     "topk": lambda: pycomm.TopK(0.05, exact=True),
     "topk_sampled": lambda: pycomm.TopK(0.02, seed=3),
+    "topk_half_entry": lambda: pycomm.TopK(0.25, exact=True),  # 0.25 x 10 = 2.5 entries: rounds away from zero
 }
 
 

@@ -17,9 +17,13 @@ SparseAllReduce::SparseAllReduce(Transport& transport, Workspace& workspace, con
                                  const CompressedCall& call)
     : CompressedAllReduce(transport, workspace, codec, call) {
   const size_t n = call.n;
-  k_ = n == 0 ? 0 : std::min(n, std::max<size_t>(1, static_cast<size_t>(std::llround(codec.ratio * n))));
+  k_ = entries(n, codec.ratio);
   cap_ = kernels::topk_capacity(k_, n, codec.exact, codec.tolerance);
   slot_ = Carver::align(kCountBytes + kernels::topk_payload_bytes(cap_, dtype_size(call.dtype)));
+}
+
+size_t SparseAllReduce::entries(size_t n, double ratio) {
+  return n == 0 ? 0 : std::min(n, std::max<size_t>(1, static_cast<size_t>(std::llround(ratio * n))));
 }
 
 CompressionStats SparseAllReduce::stats() const {

@@ -13,6 +13,9 @@ namespace pycomm {
 class SparseAllReduce : public CompressedAllReduce {
  public:
   SparseAllReduce(Transport& transport, Workspace& workspace, const Codec& codec, const CompressedCall& call);
+  // Entries each rank selects from n: round(ratio * n) (halves away from
+  // zero), at least 1, at most n.
+  static size_t entries(size_t n, double ratio);
   void run(uint64_t seq) override;
   int seq_span() const override { return 1; }
   CompressionStats stats() const override;

@@ -10,6 +10,7 @@
 #include "../algorithms/tuner.h"
 #include "../compression/compressed_allreduce.h"
 #include "../compression/quantized_allreduce.h"
+#include "../compression/sparse_allreduce.h"
 #include "../kernels/quant.h"
 #include "backend.h"
 #include "communicator.h"
@@ -302,6 +303,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // one definition, so both compute the same bits.
   m.def("compressed_shard_elems", &QuantizedAllReduce::shard_elems, py::arg("numel"), py::arg("world"),
         py::arg("block"));
+  m.def("topk_entries", &SparseAllReduce::entries, py::arg("numel"), py::arg("ratio"));
+  m.def("quant_payload_bytes", &kernels::quant_payload_bytes, py::arg("numel"), py::arg("bits"), py::arg("block"));
+  m.def("topk_payload_bytes", &kernels::topk_payload_bytes, py::arg("capacity"), py::arg("elem_size"));
   m.def("topk_capacity", &kernels::topk_capacity, py::arg("k"), py::arg("numel"), py::arg("exact"),
         py::arg("tolerance"));
   m.def("rounding_seed", &rounding_seed, py::arg("user_seed"), py::arg("seq"), py::arg("rank"), py::arg("which"));
