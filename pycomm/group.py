@@ -18,9 +18,10 @@ same inputs the result and the residuals are the shared-memory compressed
 all-reduce's, bit for bit (``tests/test_group.py`` checks it), and every rank
 gets the same bits.
 
-Calls run in submission order on one worker thread per communicator, so the
-caller never blocks (DDP keeps computing backward) and every rank issues the
-group's collectives in the same order. CUDA work runs on a stream of the
+Calls run in submission order on one worker thread per group and backend,
+so the caller never blocks (DDP keeps computing backward) and every rank
+issues the group's collectives in the same order; one call's all-gather
+travels while the next call quantizes and exchanges. CUDA work runs on a stream of the
 communicator's own, ordered after the caller's current stream with an event;
 the returned future is CUDA-aware: waiting on it orders the waiter's stream
 after the result (no host synchronisation), as NCCL's ``Work.get_future()``
@@ -37,6 +38,7 @@ Example::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import queue
 import threading
@@ -123,15 +125,32 @@ class _Lane:
         self.queue: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
         self.streams: Dict[int, Any] = {}
         self._buffers: Dict[Tuple[str, str], torch.Tensor] = {}
+        self.calls = 0  # calls started: their parity picks the buffers two calls in flight must not share
         self.thread = threading.Thread(target=self._serve, name="pycomm-group", daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
+        # Two calls in flight at most: a call's first part runs (up to its
+        # last collective, left in flight), then the previous call is
+        # finished. So one bucket's all-gather travels while the next
+        # bucket quantizes and exchanges; with nothing queued, a call is
+        # finished at once. Collectives are still issued in queue order.
+        pending: Optional[Callable[[], None]] = None
         while True:
-            job = self.queue.get()
+            try:
+                job = self.queue.get(block=pending is None)
+            except queue.Empty:
+                pending()
+                pending = None
+                continue
             if job is None:
+                if pending is not None:
+                    pending()
                 return
-            job()
+            finish = job()
+            if pending is not None:
+                pending()
+            pending = finish
 
     def close(self) -> None:
         """Finish the queued calls, stop the thread and release the backend."""
@@ -164,11 +183,11 @@ class _Lane:
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         self.pg.alltoall_base(out, inp, [], [], _c10d.AllToAllOptions()).wait()
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor):
+        """Started, not waited for: returns the Work."""
         if self.nccl:
-            self.pg._allgather_base(out, inp, _c10d.AllgatherOptions()).wait()
-        else:  # Gloo's list form takes CUDA tensors too
-            self.pg.allgather([list(out.chunk(self.size))], [inp]).wait()
+            return self.pg._allgather_base(out, inp, _c10d.AllgatherOptions())
+        return self.pg.allgather([list(out.chunk(self.size))], [inp])  # Gloo's list form takes CUDA tensors too
 
 
 _LANES: Dict[tuple, _Lane] = {}
@@ -336,41 +355,66 @@ class GroupCommunicator:
         k = int(self._core.topk_entries(n, float(codec.ratio)))
         return k, int(self._core.topk_capacity(k, n, bool(codec.exact), float(codec.tolerance)))
 
-    def _job(self, lane, run, work, fut, tensor, out, op, codec, worker, server, seq) -> Callable[[], None]:
-        """The call as the worker thread runs it: on CUDA, on this
-        communicator's stream after an event of the caller's stream."""
+    def _job(self, lane, run, work, fut, tensor, out, op, codec, worker, server, seq) -> Callable[[], Any]:
+        """The call as the lane's thread runs it, in two parts: ``run`` is a
+        generator that yields once its last collective is in flight; the job
+        runs it that far and returns the rest, which the lane calls later.
+        On CUDA both parts run on the lane's stream, after an event of the
+        caller's stream."""
         ready = None
         if tensor.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(tensor.device))
 
-        def job() -> None:
+        def on_stream():
+            if ready is None:
+                return contextlib.nullcontext()
+            stream = lane.stream(tensor.device)
+            stack = contextlib.ExitStack()
+            stack.enter_context(torch.cuda.device(tensor.device))
+            stack.enter_context(torch.cuda.stream(stream))
+            return stack
+
+        def fail(e: BaseException) -> None:
+            fut.set_exception(e if isinstance(e, (CommError, RuntimeError)) else CommError(str(e)))
+
+        def start() -> Optional[Callable[[], None]]:
             t0 = time.perf_counter()
             try:
-                if ready is None:
-                    run(lane, tensor, out, op, codec, worker, server, seq)
-                else:
-                    stream = lane.stream(tensor.device)
-                    with torch.cuda.device(tensor.device), torch.cuda.stream(stream):
+                with on_stream():
+                    if ready is not None:
+                        stream = torch.cuda.current_stream()
                         stream.wait_event(ready)
                         for t in (tensor, out, worker, server):
                             if t is not None:
                                 t.record_stream(stream)  # the caller's allocations, used on our stream
-                        run(lane, tensor, out, op, codec, worker, server, seq)
-                        work.run_seconds = time.perf_counter() - t0
-                        fut.set_result([out])  # records an event on our stream for whoever waits
-                        return
-                work.run_seconds = time.perf_counter() - t0
-                fut.set_result([out])
+                    steps = run(lane, tensor, out, op, codec, worker, server, seq, lane.calls % 2)
+                    lane.calls += 1
+                    next(steps, None)
             except BaseException as e:  # noqa: BLE001 - the waiter gets it
-                fut.set_exception(e if isinstance(e, (CommError, RuntimeError)) else CommError(str(e)))
+                fail(e)
+                return None
+            first = time.perf_counter() - t0
 
-        return job
+            def finish() -> None:
+                t1 = time.perf_counter()
+                try:
+                    with on_stream():
+                        for _ in steps:
+                            pass
+                        work.run_seconds = first + time.perf_counter() - t1
+                        fut.set_result([out])  # on CUDA: records an event on our stream for whoever waits
+                except BaseException as e:  # noqa: BLE001
+                    fail(e)
+
+            return finish
+
+        return start
 
     def _seed(self, codec, seq: int, which: int) -> int:
         return _as_int64(self._core.rounding_seed(int(codec.seed) & _MASK64, seq, self.rank, which))
 
-    def _quantized(self, lane, tensor, out, op, codec, worker, server, seq) -> None:
+    def _quantized(self, lane, tensor, out, op, codec, worker, server, seq, parity):
         ops = torch.ops.pycomm
         n, w, me = tensor.numel(), self.world_size, self.rank
         bits, block, stoch = codec.bits, int(codec.block), bool(codec.stochastic)
@@ -404,15 +448,18 @@ class GroupCommunicator:
             lo, ln = span(me)
             need = self._core.quant_payload_bytes(ln, bits, block)
             srcs = [recv[q * slot:q * slot + need] for q in range(w)]
-            mine = lane.buffer("mine", slot, dev)
+            mine = lane.buffer(f"mine{parity}", slot, dev)
             ops.dequant_reduce_requant_into(mine[:need], srcs, None, ln, bits, block,
                                             1.0 / w if op == "avg" else 1.0, stoch, self._seed(codec, seq, 1),
                                             None if server is None else server[:ln], me * shard)
             mine[need:].zero_()
-        # 4. Every rank's reduced shard, to every rank.
+        # 4. Every rank's reduced shard, to every rank; the lane finishes the
+        #    previous call while it travels.
         with record_function("pycomm::communicate"):
-            gathered = lane.buffer("gathered", w * slot, dev)
-            lane.all_gather(gathered, mine)
+            gathered = lane.buffer(f"gathered{parity}", w * slot, dev)
+            gather = lane.all_gather(gathered, mine)
+        yield
+        gather.wait()
         # 5. Every rank decodes the same bytes: the same result everywhere.
         with record_function("pycomm::decompress"):
             for q in range(w):
@@ -420,7 +467,7 @@ class GroupCommunicator:
                 if ln:
                     ops.dequantize_into(dst[lo:lo + ln], gathered[q * slot:(q + 1) * slot], bits, block)
 
-    def _sparse(self, lane, tensor, out, op, codec, worker, server, seq) -> None:
+    def _sparse(self, lane, tensor, out, op, codec, worker, server, seq, parity):
         ops = torch.ops.pycomm
         n, w = tensor.numel(), self.world_size
         es = tensor.element_size()
@@ -433,14 +480,17 @@ class GroupCommunicator:
                                        float(codec.sample_fraction), self._seed(codec, seq, 2), worker)
             if cap2 != cap:
                 raise CommError(f"pycomm.GroupCommunicator: top-k capacity {cap2} differs from the agreed {cap}")
-            mine = lane.buffer("mine", slot, tensor.device)
+            mine = lane.buffer(f"mine{parity}", slot, tensor.device)
             mine[:_COUNT_BYTES].copy_(torch.tensor([kept], dtype=torch.int64).view(torch.uint8))
             mine[_COUNT_BYTES:_COUNT_BYTES + buf.numel()].copy_(buf)
             mine[_COUNT_BYTES + buf.numel():].zero_()
-        # 2. Everybody gets everybody's (value, index) list.
+        # 2. Everybody gets everybody's (value, index) list; the lane
+        #    finishes the previous call while it travels.
         with record_function("pycomm::communicate"):
-            gathered = lane.buffer("gathered", w * slot, tensor.device)
-            lane.all_gather(gathered, mine)
+            gathered = lane.buffer(f"gathered{parity}", w * slot, tensor.device)
+            gather = lane.all_gather(gathered, mine)
+        yield
+        gather.wait()
         # 3. Scatter-add the lists in rank order into float32, average, round once.
         with record_function("pycomm::decompress"):
             rows = gathered.view(w, slot)
