@@ -13,16 +13,17 @@ does: on GPUs over NCCL with everything on the device, on CPUs over Gloo.
   ``all_gather_into_tensor`` of every rank's list → scatter-add in rank order
   into float32 → average → round once into the tensor's dtype.
 
-Shard sizes and stochastic-rounding keys come from the extension, so on the
-same inputs the result and the residuals are the shared-memory compressed
-all-reduce's, bit for bit (``tests/test_group.py`` checks it), and every rank
-gets the same bits.
+Shard sizes, payload sizes, top-k entry counts and stochastic-rounding keys
+come from the extension, so on the same inputs the result and the residuals
+are the shared-memory compressed all-reduce's, bit for bit
+(``tests/test_group.py`` checks it), and every rank gets the same bits.
 
 Calls run in submission order on one worker thread per group and backend,
 so the caller never blocks (DDP keeps computing backward) and every rank
 issues the group's collectives in the same order; one call's all-gather
-travels while the next call quantizes and exchanges. CUDA work runs on a stream of the
-communicator's own, ordered after the caller's current stream with an event;
+travels while the next call quantizes and exchanges. CUDA work runs on a
+stream of that thread's own, ordered after the caller's current stream with
+an event;
 the returned future is CUDA-aware: waiting on it orders the waiter's stream
 after the result (no host synchronisation), as NCCL's ``Work.get_future()``
 does. Top-k reads the entry counts back to the host once per call.

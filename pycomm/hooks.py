@@ -92,7 +92,6 @@ Group = Union[None, dist.ProcessGroup, _communicator.Communicator]
 _WIRE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 #: What ``path=`` (or ``PYCOMM_HOOK_PATH``) may say.
 PATHS = ("auto", "communicator", "group", "ipc")
-_ipc_groups = 0  # IPC groups this process made (their Store prefixes)
 
 
 def _resolve_communicator(process_group: Group, communicator: Optional["_communicator.Communicator"]):
@@ -312,15 +311,18 @@ class HookState:
     def _ipc_group(self, device: torch.device):
         ipc = self._ipc.get(device)
         if ipc is None:
-            global _ipc_groups
             from . import cuda_ipc
 
             pg = self.process_group if self.process_group is not None else dist.group.WORLD
             store = dist.distributed_c10d._get_default_store()
-            prefix = f"pycomm.hooks.ipc/{'-'.join(map(str, dist.get_process_group_ranks(pg)))}/{_ipc_groups}"
-            _ipc_groups += 1
-            ipc = self._ipc[device] = cuda_ipc.IpcAllReduce(store, dist.get_rank(pg), dist.get_world_size(pg),
-                                                            device=device, prefix=prefix)
+            ranks = "-".join(map(str, dist.get_process_group_ranks(pg)))
+            world = dist.get_world_size(pg)
+            # The n-th IPC group of these ranks: every rank counts itself in;
+            # none counts for the next group before all counted for this one,
+            # since building a group waits for every rank's handles.
+            n = (store.add(f"pycomm.hooks.ipc/{ranks}/count", 1) - 1) // world
+            ipc = self._ipc[device] = cuda_ipc.IpcAllReduce(store, dist.get_rank(pg), world, device=device,
+                                                            prefix=f"pycomm.hooks.ipc/{ranks}/{n}")
         return ipc
 
 
