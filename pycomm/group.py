@@ -71,6 +71,10 @@ def _as_int64(u: int) -> int:
     return u - (1 << 64) if u >= 1 << 63 else u
 
 
+def _capturing(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class GroupWork:
     """An asynchronous :meth:`GroupCommunicator.all_reduce`.
 
@@ -337,6 +341,10 @@ class GroupCommunicator:
                             f"{', '.join(str(d) for d in _compression.codec_dtypes())}; got {tensor.dtype}")
         if tensor.layout != torch.strided or not tensor.is_contiguous():
             raise CommError("pycomm.GroupCommunicator.all_reduce: the tensor must be dense and contiguous")
+        if _capturing(tensor):
+            raise CommError("pycomm.GroupCommunicator.all_reduce: cannot be captured in a CUDA graph (it runs on "
+                            "a thread and stream of its own); call it outside the capture, or capture only the "
+                            "model and run the hooks eagerly")
         if output is not None and (output.shape != tensor.shape or output.dtype != tensor.dtype
                                    or output.device != tensor.device or not output.is_contiguous()):
             raise CommError("pycomm.GroupCommunicator.all_reduce: output must be a contiguous tensor of the "

@@ -109,6 +109,15 @@ def bad_calls(rank: int, world: int, name: str) -> List[str]:
             msgs.append("accepted")
         except pycomm.CommError as e:
             msgs.append(str(e))
+    real = pycomm.group._capturing
+    pycomm.group._capturing = lambda t: True  # as under CUDA graph capture
+    try:
+        gc.all_reduce(torch.randn(8), compression=pycomm.Int8())
+        msgs.append("accepted")
+    except pycomm.CommError as e:
+        msgs.append(str(e))
+    finally:
+        pycomm.group._capturing = real
     x = torch.full((1000,), float(rank + 1))
     gc.all_reduce(x, op="avg", compression=pycomm.Int8())
     msgs.append(float(x[0]))
