@@ -205,7 +205,7 @@ class Communicator:
         if algorithm not in ("auto", "direct"):
             self._c.reject(f"pycomm.all_reduce: compression runs its own algorithm; algorithm={algorithm!r} "
                            "cannot be combined with it (use 'auto')")
-        if not isinstance(codec, (_compression.Int8, _compression.Int4, _compression.TopK)):
+        if not _compression.is_codec(codec):
             self._c.reject(f"pycomm.all_reduce: compression={codec!r} is not a codec; use pycomm.Int8(), "
                            "pycomm.Int4() or pycomm.TopK()")
         worker = server = None

@@ -139,6 +139,16 @@ def is_quantizer(codec: object) -> bool:
     return isinstance(codec, _Quantizer)
 
 
+def is_codec(obj: object) -> bool:
+    """Whether ``obj`` is one of the codecs (:class:`Int8`, :class:`Int4`, :class:`TopK`)."""
+    return isinstance(obj, (Int8, Int4, TopK))
+
+
+def plain_allreduce_bytes(numel: int, element_size: int, world: int) -> int:
+    """What one rank hands its peers in an uncompressed all-reduce: 2(n-1)/n of the tensor."""
+    return 2 * (world - 1) * numel * element_size // world if world > 1 else 0
+
+
 def core_args(codec: Codec) -> tuple:
     """The codec as the core's compressed all-reduce takes it: (kind, block,
     stochastic, seed, ratio, exact, tolerance, sample_fraction). Parameters a
@@ -380,11 +390,16 @@ def topk(
     x = x.contiguous()
     buf, count, cap = _ops().topk(x.view(-1), int(k), exact, float(tolerance), float(sample_fraction), seed,
                                   residual)
-    es = x.element_size()
-    vbytes = (cap * es + 7) // 8 * 8
-    values = buf[: cap * es].view(x.dtype)[:count]
-    indices = buf[vbytes: vbytes + cap * 4].view(torch.int32)[:count]
+    values, indices = topk_entries(buf, count, cap, x.dtype)
     return Sparse(buf, values, indices, x.shape)
+
+
+def topk_entries(buf: torch.Tensor, count: int, cap: int, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The first ``count`` (values, int32 indices) of a top-k buffer of capacity
+    ``cap``, as views: the values in ``dtype`` padded to 8 bytes, then the indices."""
+    es = torch.empty((), dtype=dtype).element_size()
+    vbytes = (cap * es + 7) // 8 * 8
+    return buf[: cap * es].view(dtype)[:count], buf[vbytes: vbytes + cap * 4].view(torch.int32)[:count]
 
 
 def scatter_add(dense: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

@@ -333,7 +333,7 @@ class GroupCommunicator:
         if op not in ("sum", "avg"):
             raise CommError(f"pycomm.GroupCommunicator.all_reduce: a compressed all-reduce sums or averages; "
                             f"op={op!r} is not supported")
-        if not isinstance(codec, (_compression.Int8, _compression.Int4, _compression.TopK)):
+        if not _compression.is_codec(codec):
             raise CommError(f"pycomm.GroupCommunicator.all_reduce: compression={codec!r} is not a codec; use "
                             "pycomm.Int8(), pycomm.Int4() or pycomm.TopK()")
         if tensor.dtype not in _compression.codec_dtypes():
@@ -353,11 +353,11 @@ class GroupCommunicator:
 
     def _bytes(self, tensor, codec):
         n, w = tensor.numel(), self.world_size
-        plain = 2 * (w - 1) * n * tensor.element_size() // w if w > 1 else 0
+        plain = _compression.plain_allreduce_bytes(n, tensor.element_size(), w)
         if _compression.is_quantizer(codec):
             shard = self.compressed_shard_numel(n, codec)
             return 2 * (w - 1) * _align(self._core.quant_payload_bytes(shard, codec.bits, codec.block)), plain
-        k, cap = self._topk_sizes(n, codec)
+        _, cap = self._topk_sizes(n, codec)
         return (w - 1) * _align(_COUNT_BYTES + self._core.topk_payload_bytes(cap, tensor.element_size())), plain
 
     def _topk_sizes(self, n: int, codec):
@@ -482,7 +482,6 @@ class GroupCommunicator:
         es = tensor.element_size()
         k, cap = self._topk_sizes(n, codec)
         slot = _align(_COUNT_BYTES + self._core.topk_payload_bytes(cap, es))
-        vbytes = (cap * es + 7) // 8 * 8
         # 1. This rank's top-k of (input + residual); the residual keeps what is not sent.
         with record_function("pycomm::compress"):
             buf, kept, cap2 = ops.topk(tensor.view(-1), k, bool(codec.exact), float(codec.tolerance),
@@ -508,10 +507,7 @@ class GroupCommunicator:
             for q, cnt in enumerate(counts):
                 if not 0 <= cnt <= cap:
                     raise CommError(f"pycomm: rank {q} sent {cnt} top-k entries, more than the {cap} agreed on")
-                body = rows[q, _COUNT_BYTES:]
-                values = body[:cap * es].view(tensor.dtype)[:cnt]
-                indices = body[vbytes:vbytes + cap * 4].view(torch.int32)[:cnt]
-                ops.scatter_add(acc, values, indices)
+                ops.scatter_add(acc, *_compression.topk_entries(rows[q, _COUNT_BYTES:], cnt, cap, tensor.dtype))
             if op == "avg":
                 acc.div_(w)
             out.view(-1).copy_(acc)

@@ -94,18 +94,26 @@ _WIRE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 PATHS = ("auto", "communicator", "group", "ipc")
 
 
-def _resolve_communicator(process_group: Group, communicator: Optional["_communicator.Communicator"]):
-    """The communicator a state uses: the one given, the default one (ranks of
-    the default group), or a new one over ``process_group``'s ranks. Creating
-    one is collective: build states on every rank, in the same order."""
+def _given_communicator(process_group: Group, communicator: Optional["_communicator.Communicator"]
+                        ) -> Optional["_communicator.Communicator"]:
+    """The communicator the caller passed (as ``communicator`` or as
+    ``process_group``), or None; raises on a bad pair."""
     if communicator is not None and process_group is not None:
         raise ValueError("pycomm.hooks: pass process_group or communicator, not both")
     if isinstance(process_group, _communicator.Communicator):
         return process_group
-    if communicator is not None:
-        if not isinstance(communicator, _communicator.Communicator):
-            raise TypeError(f"pycomm.hooks: communicator must be a pycomm.Communicator, got {type(communicator)}")
-        return communicator
+    if communicator is not None and not isinstance(communicator, _communicator.Communicator):
+        raise TypeError(f"pycomm.hooks: communicator must be a pycomm.Communicator, got {type(communicator)}")
+    return communicator
+
+
+def _resolve_communicator(process_group: Group, communicator: Optional["_communicator.Communicator"]):
+    """The communicator a state uses: the one given, the default one (ranks of
+    the default group), or a new one over ``process_group``'s ranks. Creating
+    one is collective: build states on every rank, in the same order."""
+    given = _given_communicator(process_group, communicator)
+    if given is not None:
+        return given
     if process_group is None or process_group is dist.group.WORLD:
         return _default.get_default()
     return _communicator.Communicator(process_group)
@@ -154,16 +162,11 @@ class HookState:
 
     def __init__(self, process_group: Group = None, *,
                  communicator: Optional["_communicator.Communicator"] = None, path: Optional[str] = None) -> None:
-        if communicator is not None and process_group is not None:
-            raise ValueError("pycomm.hooks: pass process_group or communicator, not both")
-        if communicator is not None and not isinstance(communicator, _communicator.Communicator):
-            raise TypeError(f"pycomm.hooks: communicator must be a pycomm.Communicator, got {type(communicator)}")
+        self._comm_arg = _given_communicator(process_group, communicator)
         path = path or os.environ.get("PYCOMM_HOOK_PATH") or "auto"
         if path not in PATHS:
             raise ValueError(f"pycomm.hooks: path={path!r}; use one of {', '.join(PATHS)}")
         self.path = path
-        self._comm_arg = communicator if communicator is not None else (
-            process_group if isinstance(process_group, _communicator.Communicator) else None)
         self.process_group: Optional[dist.ProcessGroup] = (
             process_group if isinstance(process_group, dist.ProcessGroup) else None)
         self._communicator: Optional["_communicator.Communicator"] = self._comm_arg
@@ -179,11 +182,7 @@ class HookState:
     def communicator(self) -> "_communicator.Communicator":
         """pycomm's communicator for CPU buckets (created on first use, collectively)."""
         if self._communicator is None:
-            pg = self.process_group
-            if pg is None or pg is dist.group.WORLD:
-                self._communicator = _default.get_default()
-            else:
-                self._communicator = _communicator.Communicator(pg)
+            self._communicator = _resolve_communicator(self.process_group, None)
         return self._communicator
 
     @property
@@ -243,8 +242,7 @@ class HookState:
             t["comm_seconds"] += seconds
 
     def _plain_bytes(self, numel: int, element_size: int) -> int:
-        world = self.world_size
-        return 2 * (world - 1) * numel * element_size // world if world > 1 else 0
+        return _compression.plain_allreduce_bytes(numel, element_size, self.world_size)
 
     def _end_bucket(self, bucket: dist.GradBucket) -> None:
         if bucket.is_last():
@@ -293,11 +291,10 @@ class HookState:
         can; the same answer on every rank (it asks them all)."""
         props = torch.cuda.get_device_properties(device)
         gpu = str(props.uuid) if hasattr(props, "uuid") else f"{socket.gethostname()}/{device}"
-        mine = (socket.gethostname(), str(gpu), bool(getattr(load_core(), "has_cuda", False)))
+        mine = (socket.gethostname(), gpu, bool(getattr(load_core(), "has_cuda", False)))
         everyone: List[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self.process_group)
         return ipc_refusal(everyone)
-
 
     def _group_communicator(self) -> _group.GroupCommunicator:
         if self._group_comm is None:
@@ -447,7 +444,7 @@ class CompressionState(HookState):
     def __init__(self, process_group: Group = None, codec: Optional[_compression.Codec] = None, *,
                  start_iter: int = 10, error_feedback: bool = True,
                  communicator: Optional["_communicator.Communicator"] = None, path: Optional[str] = None) -> None:
-        if codec is not None and not isinstance(codec, (_compression.Int8, _compression.Int4, _compression.TopK)):
+        if codec is not None and not _compression.is_codec(codec):
             raise TypeError(f"pycomm.hooks: codec={codec!r} is not a codec; use pycomm.Int8(), pycomm.Int4() or "
                             "pycomm.TopK(ratio)")
         if int(start_iter) < 0:
@@ -547,25 +544,25 @@ class CompressionState(HookState):
             layout.append((offset, p.numel(), self._homes.get(id(p))))
             self._next_homes[id(p)] = (key, offset, p.numel())
             offset += p.numel()
-        if ef.get(key) is None and any(home is not None for _, _, home in layout):
-            # A rebuilt bucket: create its residual now (the all-reduce
-            # would create it zero) and move each parameter's slice in. The
-            # server residual belongs to another shard layout: it restarts
-            # from zero, once.
-            shard = comm.compressed_shard_numel(buf.numel(), codec)
-            worker, _ = ef.residuals(key, buf, codec, shard)
-            for off, n, home in layout:
-                old = ef.get(home[0]) if home is not None else None
-                if old is not None and home[2] == n:
-                    worker[off:off + n].copy_(old.worker[home[1]:home[1] + n])
-        if ef.get(key) is None and (self._pending_params or self._pending_server):
-            self._restore(key, buf, codec, comm, layout, params)
+        rebuilt = any(home is not None for _, _, home in layout)
+        if ef.get(key) is None and (rebuilt or self._pending_params or self._pending_server):
+            # A new bucket with something to put in: create its residuals now
+            # (the all-reduce would create them zero).
+            worker, server = ef.residuals(key, buf, codec, comm.compressed_shard_numel(buf.numel(), codec))
+            if rebuilt:
+                # A rebuilt bucket: move each parameter's slice in. The server
+                # residual belongs to another shard layout: it restarts from
+                # zero, once.
+                for off, n, home in layout:
+                    old = ef.get(home[0]) if home is not None else None
+                    if old is not None and home[2] == n:
+                        worker[off:off + n].copy_(old.worker[home[1]:home[1] + n])
+            else:
+                self._restore(key, worker, server, layout, params)
         return key
 
-    def _restore(self, key, buf, codec, comm, layout, params) -> None:
+    def _restore(self, key, worker, server, layout, params) -> None:
         """Put a loaded checkpoint's residuals into a new bucket's."""
-        worker, server = self.error_feedback.residuals(key, buf, codec, comm.compressed_shard_numel(buf.numel(),
-                                                                                                    codec))
         for (off, n, _), p in zip(layout, params):
             pos = self._position.get(id(p))
             saved = self._pending_params[pos] if pos is not None and pos < len(self._pending_params) else None

@@ -1,7 +1,6 @@
 """Worker-side CUDA IPC cases (run inside harness workers, every rank on GPU 0)."""
 from __future__ import annotations
 
-import hashlib
 from typing import List
 
 import torch
@@ -86,7 +85,7 @@ def group_cuda_versus_cpu(rank: int, world: int, cases: List[tuple], steps: int 
     compared across ranks only: a digest of each step's output. Runs on every pool
     rank; ranks >= world sit out. The default group is Gloo (NCCL refuses
     several ranks on one GPU), which takes CUDA tensors through host memory."""
-    from group_cases import CODECS, _input, same_bits
+    from group_cases import CODECS, _input, digest, mismatches
     from hooks_cases import _group
 
     g, _ = _group(world)
@@ -104,15 +103,11 @@ def group_cuda_versus_cpu(rank: int, world: int, cases: List[tuple], steps: int 
             gpu.all_reduce(a, op=op, compression=codec, error_feedback=ef_g, key="k")
             cpu.all_reduce(b, op=op, compression=codec, error_feedback=ef_c, key="k")
             if codec_name == "topk_sampled":
-                bad.append(hashlib.sha1(a.cpu().view(torch.uint8).numpy().tobytes()).hexdigest())
+                bad.append(digest(a))
                 continue
-            if not same_bits(a, b):
-                bad.append((step, "output"))
-            rg, rc = ef_g.get("k"), ef_c.get("k")
-            if rg.worker.device.type != "cuda" or not same_bits(rg.worker, rc.worker):
-                bad.append((step, "worker residual"))
-            if rc.server is not None and not same_bits(rg.server, rc.server):
-                bad.append((step, "server residual"))
+            bad += mismatches(step, a, b, ef_g, ef_c)
+            if ef_g.get("k").worker.device.type != "cuda":
+                bad.append((step, "worker residual not on the GPU"))
         out.append(bad)
     return out
 

@@ -9,27 +9,13 @@ a CPU rank and back.
 import pytest
 import torch
 
+from group_cases import same_bits
 from test_compression_kernels import REDUCE_DTYPES, rand_blocks, reduce_inputs
 
 pytestmark = pytest.mark.cuda
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
 OPS = torch.ops.pycomm
-
-
-def same_bits(a, b):
-    """Bit for bit, except that any NaN equals any NaN: IEEE leaves a NaN's
-    payload to the hardware (x86 keeps the first operand's, a GPU returns its
-    canonical NaN), and no two devices promise the same one."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    a, b = a.cpu(), b.cpu()
-    if a.is_floating_point():
-        nan = a.isnan()
-        if not torch.equal(nan, b.isnan()):
-            return False
-        a, b = a[~nan], b[~nan]
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)

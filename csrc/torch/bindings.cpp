@@ -298,9 +298,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("communicator"), py::arg("peer") = py::none(), py::arg("algorithms") = std::vector<int>{},
       "A torch.distributed backend (c10d Backend) running on `communicator`; `peer` carries point-to-point calls.");
-  // The compressed all-reduce's shard size and rounding keys, for the same
-  // algorithm composed over a torch.distributed group (pycomm/group.py):
-  // one definition, so both compute the same bits.
+  // The compressed all-reduce's sizes (shard, payload, top-k entries and
+  // capacity) and rounding keys, for the same algorithm composed over a
+  // torch.distributed group (pycomm/group.py): one definition, so both
+  // compute the same bits.
   m.def("compressed_shard_elems", &QuantizedAllReduce::shard_elems, py::arg("numel"), py::arg("world"),
         py::arg("block"));
   m.def("topk_entries", &SparseAllReduce::entries, py::arg("numel"), py::arg("ratio"));

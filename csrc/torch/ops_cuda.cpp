@@ -14,8 +14,7 @@ cudaStream_t current() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
 const DeviceKernels kCuda{
     [](const kernels::QuantSpec& s, DType dt, const void* x, float* r, size_t n, uint8_t* payload,
-       uint64_t index_base) { kernels::quantize_cuda(s, dt, x, r, n, payload, index_base, current());
-    },
+       uint64_t index_base) { kernels::quantize_cuda(s, dt, x, r, n, payload, index_base, current()); },
     [](int bits, int block, const uint8_t* payload, size_t n, DType dt, void* out, bool accumulate) {
       kernels::dequantize_cuda(bits, block, payload, n, dt, out, accumulate, current());
     },
