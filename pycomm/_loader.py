@@ -21,7 +21,12 @@ if _core is not None:
     Work = _core.Work
 else:
 
-    class CommError(RuntimeError):  # type: ignore[no-redef]
+    try:
+        from torch.distributed import DistBackendError as _CommErrorBase
+    except ImportError:  # torch without distributed support
+        _CommErrorBase = RuntimeError  # type: ignore[misc,assignment]
+
+    class CommError(_CommErrorBase):  # type: ignore[no-redef]
         """A collective failed: bad input, ranks that disagree, a dead peer, a timeout."""
 
     class Work:  # type: ignore[no-redef]

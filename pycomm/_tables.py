@@ -55,7 +55,7 @@ class CoreTable(Mapping):
 
 #: User-facing algorithm names -> ids ("auto", "ring", "tree", "direct", "hierarchical", "hier").
 ALGORITHMS = CoreTable("algorithms")
-#: Reduce op names -> ids ("sum", "avg", "max", "min").
+#: Reduce op names -> ids ("sum", "avg", "max", "min", "product", "band", "bor", "bxor").
 REDUCE_OPS = CoreTable("reduce_ops")
 #: Codec names -> ids ("int8", "int4", "topk").
 CODECS = CoreTable("codecs")

@@ -99,7 +99,7 @@ def wait_keys(store: "dist.Store", keys: List[str], timeout: float, what: str) -
         ranks = [k.rsplit("/", 1)[-1] for k in missing if k.startswith("host/")]
         detail = f"; ranks {', '.join(ranks)} never arrived" if ranks else ""
         raise CommError(
-            f"pycomm: bootstrap timed out after {timeout:g} s waiting for {what}{detail} "
+            f"pycomm: bootstrap: Timed out waiting {round(timeout * 1000)}ms for {what}{detail} "
             "(did every rank create the communicator?)"
         ) from e
 

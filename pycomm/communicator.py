@@ -18,7 +18,7 @@ import torch.distributed as dist
 from . import bootstrap
 from . import compression as _compression
 from ._loader import CommError, Work, load_core
-from ._tables import ALGORITHMS, Op, collective_id, reduce_op_id
+from ._tables import ALGORITHMS, REDUCE_OPS, Op, collective_id, reduce_op_id
 
 logger = logging.getLogger("pycomm")
 
@@ -154,7 +154,7 @@ class Communicator:
         op_id = reduce_op_id(op)
         if op_id is None:
             self._c.reject(f"pycomm.{coll}: unsupported reduce op {op!r}; "
-                           "use sum, avg, max, min or the matching dist.ReduceOp")
+                           f"use one of {', '.join(REDUCE_OPS)} or the matching dist.ReduceOp")
         return op_id
 
     # -------------------------------------------------------------- collectives
@@ -173,7 +173,8 @@ class Communicator:
     ) -> Optional[Work]:
         """Reduce ``tensor`` over all ranks; the result lands in ``output`` (default: in place).
 
-        ``op`` is ``"sum"``, ``"avg"``, ``"max"``, ``"min"`` or a ``dist.ReduceOp``.
+        ``op`` is ``"sum"``, ``"avg"``, ``"max"``, ``"min"``, ``"product"``, ``"band"``, ``"bor"``,
+        ``"bxor"`` or the matching ``dist.ReduceOp`` (bitwise ops on integral and bool tensors only).
         float16/bfloat16 accumulate in float32. Every rank gets the same bits.
 
         ``compression`` (:class:`pycomm.Int8`, :class:`pycomm.Int4`,

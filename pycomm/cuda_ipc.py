@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from ._loader import CommError, load_core
-from ._tables import CoreTable, Op, reduce_op_id
+from ._tables import REDUCE_OPS, CoreTable, Op, reduce_op_id
 from .bootstrap import wait_keys
 
 #: The IPC kernels by name ("auto", "one_shot", "two_shot"; CUDA builds only).
@@ -77,8 +77,9 @@ class IpcAllReduce:
         must call with the same size, dtype, op and algorithm, in the same order.
         """
         op_id = reduce_op_id(op)
-        if op_id is None:
-            raise CommError(f"pycomm: unknown reduce op {op!r}; use sum, avg, max or min")
+        # The IPC kernels reduce with sum, avg, max and min (what gradients need).
+        if op_id is None or op_id not in {REDUCE_OPS[n] for n in ("sum", "avg", "max", "min")}:
+            raise CommError(f"pycomm: the CUDA IPC all-reduce takes op sum, avg, max or min, got {op!r}")
         if algorithm not in IPC_ALGORITHMS:
             raise CommError(f"pycomm: algorithm must be one of {', '.join(IPC_ALGORITHMS)}, got {algorithm!r}")
         if tensor.device != self.device:

@@ -31,9 +31,9 @@ def bad_inputs(rank: int, world: int, name: str) -> List[tuple]:
     good = torch.ones(n)
     cases = {
         "non-contiguous": lambda: comm.all_reduce(torch.ones(n, 2).t()),
-        "int8": lambda: comm.all_reduce(torch.ones(n, dtype=torch.int8)),
+        "int16 sum": lambda: comm.all_reduce(torch.ones(n, dtype=torch.int16)),
         "complex": lambda: comm.all_reduce(torch.ones(n, dtype=torch.complex64)),
-        "bool": lambda: comm.broadcast(torch.ones(n, dtype=torch.bool)),
+        "band on float": lambda: comm.all_reduce(good.clone(), op="band"),
         "meta device": lambda: comm.all_reduce(torch.empty(n, device="meta")),
         "output size": lambda: comm.all_reduce(good.clone(), output=torch.empty(n + 1)),
         "output dtype": lambda: comm.all_reduce(good.clone(), output=torch.empty(n, dtype=torch.float64)),

@@ -49,6 +49,11 @@ def _reduced(base: torch.Tensor, op: object, world: int) -> torch.Tensor:
     gives each rank), for op "sum", "avg", "max" or "min" in any spelling
     (a dist.ReduceOp too); unknown spellings count as sum."""
     name = str(op).lower()
+    if "product" in name:
+        out = base.clone()
+        for r in range(1, world):
+            out = out * (base + r)
+        return out
     if "max" in name:
         return base + world - 1
     if "min" in name:
@@ -385,13 +390,16 @@ def stale_segment(rank: int, name: str, token: str, world: int = 2) -> Dict[str,
 
 FUZZ_DTYPES = ["float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8",
                "int8", "int16", "bool", "complex64"]
-SUPPORTED = {"float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8"}
+# Every fuzz dtype moves; these also reduce (int16 and complex64 are copy-only).
+REDUCIBLE = {"float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8", "int8", "bool"}
 # Element counts at and around the 64 KiB round and 256 KiB segment
 # boundaries of a float32 tensor, split across world sizes 1-3.
 FUZZ_SIZES = [0, 1, 2, 3, 5, 16383, 16384, 16385, 24577, 49151, 65535, 65536, 65537]
 LAYOUTS = ["contiguous", "offset", "transposed", "strided", "expanded"]
 OUTPUTS = ["in place", "separate", "wrong size", "wrong dtype", "overlap"]
-OPS = ["sum", "avg", "max", "min", "SUM", "prod", "product", 3, "ReduceOp.SUM", "ReduceOp.AVG"]
+GOOD_OPS = ["sum", "avg", "max", "min", "SUM", "product", "ReduceOp.SUM", "ReduceOp.AVG", "ReduceOp.PRODUCT"]
+BAD_OPS = ["prod", "mul", 3]
+OPS = GOOD_OPS + BAD_OPS
 FUZZ_ALGOS = ["auto", "ring", "tree", "direct", "hierarchical", "butterfly", ""]
 _fuzz_comms: Dict[str, Any] = {}
 
@@ -486,6 +494,10 @@ def fuzz_one(rank: int, world: int, name: str, case: Dict[str, Any]) -> tuple:
         return ("err", type(e).__name__, str(e))
     if dtype == torch.uint8:
         want = want % 256
+    if dtype == torch.bool:  # bool reductions are logical: OR for sum and max, AND for min and product
+        want = want != 0
+    if res.is_complex():  # the patterns are real
+        res = res.real
     if res.dtype.is_floating_point:
         # Sums of small integers are exact in every float dtype; an average
         # is rounded once to the tensor's dtype.
@@ -508,14 +520,14 @@ def fuzz_problems(case: Dict[str, Any], world: int) -> List[str]:
     op = case["op"]
     opname = op.lower().replace("reduceop.", "") if isinstance(op, str) else None
     if coll in ("all_reduce", "reduce_scatter"):
-        if opname not in ("sum", "avg", "max", "min"):
+        if opname not in ("sum", "avg", "max", "min", "product"):
             problems.append("unsupported reduce op")
-        elif opname == "avg" and not dtype.is_floating_point and case["dtype"] in SUPPORTED:
+        elif case["dtype"] not in REDUCIBLE:
+            problems.append("reductions take")
+        elif opname == "avg" and not dtype.is_floating_point:
             problems.append("floating-point")
     if case["device"] == "meta":
         problems.append("device")
-    if case["dtype"] not in SUPPORTED:
-        problems.append("dtype")
     size = n * world if coll == "reduce_scatter" else n
     if not _layout(size, dtype, case["layout"], case["device"], 0, 0).is_contiguous():
         problems.append("not contiguous")

@@ -346,16 +346,30 @@ def test_ops_are_registered_torch_operators():
     assert "Tensor(a!)? residual" in str(torch.ops.pycomm.quantize.default._schema)
 
 
-REDUCE_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8]
+REDUCE_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8,
+                 torch.int8, torch.bool]
+COMBINE = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum, "product": torch.mul,
+           "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
+
+
+def reduce_ops(dtype):
+    """The ops the kernel takes for `dtype` (the core's check_reducible)."""
+    ops = ["sum", "max", "min", "product"]
+    return ops + (["avg"] if dtype.is_floating_point else ["band", "bor", "bxor"])
 
 
 def reduce_reference(xs, op):
-    """What every rank must compute: sources combined in list order, 16-bit floats in float32, rounded once."""
+    """What every rank must compute: sources combined in list order, 16-bit floats in float32, rounded once;
+    bools as 0/1 with sum and max meaning OR, product and min AND."""
+    if xs[0].dtype == torch.bool:
+        acc = xs[0].clone()
+        for x in xs[1:]:
+            acc = acc | x if op in ("sum", "max") else acc & x if op in ("product", "min") else COMBINE[op](acc, x)
+        return acc
     acc_dtype = torch.float32 if xs[0].dtype in (torch.float16, torch.bfloat16) else xs[0].dtype
     acc = xs[0].to(acc_dtype)
     for x in xs[1:]:
-        x = x.to(acc_dtype)
-        acc = acc + x if op in ("sum", "avg") else torch.maximum(acc, x) if op == "max" else torch.minimum(acc, x)
+        acc = COMBINE[op](acc, x.to(acc_dtype))
     out = acc.to(xs[0].dtype)
     if op == "avg":
         out = (out.to(acc_dtype) / len(xs)).to(xs[0].dtype)
@@ -369,7 +383,7 @@ def reduce_inputs(dtype, nsrc, n, seed):
         if n > 3:
             xs[-1][1] = float("nan")  # max/min propagate NaN like torch.maximum
     else:
-        lo, hi = (0, 256) if dtype == torch.uint8 else (-10**6, 10**6)
+        lo, hi = {torch.uint8: (0, 256), torch.int8: (-128, 128), torch.bool: (0, 2)}.get(dtype, (-10**6, 10**6))
         xs = [torch.randint(lo, hi, (n,), generator=g, dtype=torch.int64).to(dtype) for _ in range(nsrc)]
     return xs
 
@@ -378,7 +392,7 @@ def reduce_inputs(dtype, nsrc, n, seed):
 def test_reduce_op_matches_ordered_reference_bitwise(dtype):
     """torch.ops.pycomm.reduce: the transports' reduction kernel, bit for bit against the ordered reference
     (uint8 sums wrap like torch's)."""
-    ops = ["sum", "max", "min"] + (["avg"] if dtype.is_floating_point else [])
+    ops = reduce_ops(dtype)
     for i, (nsrc, n) in enumerate([(1, 37), (2, 1), (2, 4099), (3, 513), (5, 100003)]):
         xs = reduce_inputs(dtype, nsrc, n, 1000 + i)
         for op in ops:
@@ -395,11 +409,12 @@ def test_reduce_op_matches_ordered_reference_bitwise(dtype):
 def test_reduce_op_bad_input():
     x = torch.randn(8)
     for args, msg in (
-        (([x, x], "prod"), "op must be sum, avg, max or min"),
+        (([x, x], "prod"), "op must be sum, avg, max, min, product, band, bor or bxor"),
+        (([x, x], "band"), "op=band needs an integral or bool tensor"),
         (([x, torch.randn(9)],), "dtype and shape"),
         (([x, x.double()],), "dtype and shape"),
         (([torch.ones(8, dtype=torch.int32)] * 2, "avg"), "floating-point"),
-        (([torch.ones(8, dtype=torch.complex64)] * 2,), "not supported"),
+        (([torch.ones(8, dtype=torch.complex64)] * 2,), "reductions take floating, int8, uint8, int32, int64 and bool"),
         (([torch.randn(8, 2).t()] * 2,), "contiguous"),
     ):
         with pytest.raises(RuntimeError, match=msg):

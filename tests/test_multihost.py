@@ -157,7 +157,7 @@ def test_late_peer_times_out_on_time(pool8, kw):
     timeout = 1.5
     results = pool8.run(late_peer, 3, pool8.new_name(), timeout, world=3, timeout=60, **kw)
     err0, elapsed0 = results[0]
-    assert err0 and "timed out" in err0 and "rank 1" in err0, err0
+    assert err0 and "Timed out waiting" in err0 and "rank 1" in err0, err0
     assert elapsed0 < timeout + 1.0, elapsed0
     assert results[1][0], "the late rank went on as if nothing happened"
 

@@ -142,11 +142,11 @@ def _mostly(good, bad):
 
 CASE = st.fixed_dictionaries({
     "coll": st.sampled_from(["all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all"]),
-    "dtype": _mostly(sorted(rc.SUPPORTED), sorted(set(rc.FUZZ_DTYPES) - rc.SUPPORTED)),
+    "dtype": _mostly(sorted(rc.REDUCIBLE), sorted(set(rc.FUZZ_DTYPES) - rc.REDUCIBLE)),
     "n": st.sampled_from(rc.FUZZ_SIZES),
     "layout": _mostly(["contiguous", "offset"], ["transposed", "strided", "expanded"]),
     "device": _mostly(["cpu"] * 3, ["meta"]),
-    "op": _mostly(rc.OPS[:5] + rc.OPS[8:], rc.OPS[5:8]),
+    "op": _mostly(rc.GOOD_OPS, rc.BAD_OPS),
     "algorithm": _mostly(rc.FUZZ_ALGOS[:5], rc.FUZZ_ALGOS[5:]),
     "output": _mostly(rc.OUTPUTS[:2], rc.OUTPUTS[2:]),
     "root": _mostly([0, 1, 2], [-1, 3]),

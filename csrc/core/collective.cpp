@@ -6,17 +6,10 @@
 
 namespace pycomm {
 
-const char* dtype_name(DType t) {
-  switch (t) {
-    case DType::kFloat32: return "float32";
-    case DType::kFloat64: return "float64";
-    case DType::kFloat16: return "float16";
-    case DType::kBFloat16: return "bfloat16";
-    case DType::kInt32: return "int32";
-    case DType::kInt64: return "int64";
-    case DType::kUInt8: return "uint8";
-  }
-  return "?";
+const char* dtype_name(DType t) { return dtype_valid(t) ? kDTypes[static_cast<int>(t)].name : "?"; }
+
+std::string timed_out_waiting(double seconds) {
+  return "Timed out waiting " + std::to_string(static_cast<long long>(seconds * 1000.0 + 0.5)) + "ms";
 }
 
 const char* redop_name(RedOp op) {
@@ -25,8 +18,30 @@ const char* redop_name(RedOp op) {
     case RedOp::kAvg: return "avg";
     case RedOp::kMax: return "max";
     case RedOp::kMin: return "min";
+    case RedOp::kProduct: return "product";
+    case RedOp::kBand: return "band";
+    case RedOp::kBor: return "bor";
+    case RedOp::kBxor: return "bxor";
   }
   return "?";
+}
+
+std::string check_reducible(DType t, RedOp op) {
+  const std::string head = std::string("op=") + redop_name(op) + " ";
+  switch (dtype_kind(t)) {
+    case DTypeKind::kCopyOnly:
+      return std::string("reductions take floating, int8, uint8, int32, int64 and bool tensors, got ") +
+             dtype_name(t) + " (copies such as broadcast and all_gather take every dtype)";
+    case DTypeKind::kFloating:
+      if (op == RedOp::kBand || op == RedOp::kBor || op == RedOp::kBxor)
+        return head + "needs an integral or bool tensor, got " + dtype_name(t);
+      return "";
+    case DTypeKind::kIntegral:
+    case DTypeKind::kBool:
+      if (op == RedOp::kAvg) return head + "needs a floating-point tensor, got " + dtype_name(t);
+      return "";
+  }
+  return "";
 }
 
 const char* failure_kind_name(FailureKind kind) {

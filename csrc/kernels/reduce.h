@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "../core/common.h"
 
@@ -22,6 +23,8 @@ namespace kernels {
 // device code agree bit for bit.
 struct Half { uint16_t bits; };
 struct BFloat16 { uint16_t bits; };
+// One byte read as false (0) or true (anything else), written as 0 or 1.
+struct Bool { uint8_t bits; };
 
 PYCOMM_HOST_DEVICE float bits_to_float(uint32_t u) {
   float f;
@@ -75,14 +78,19 @@ inline Half from_float_f16(float f) {
 template <typename T> struct Acc { using type = T; };
 template <> struct Acc<Half> { using type = float; };
 template <> struct Acc<BFloat16> { using type = float; };
+// Wide enough that a sum of any number of trues stays non-zero.
+template <> struct Acc<Bool> { using type = uint32_t; };
 
 template <typename T> PYCOMM_HOST_DEVICE typename Acc<T>::type load_acc(T v) { return v; }
 PYCOMM_HOST_DEVICE float load_acc(Half v) { return to_float(v); }
 PYCOMM_HOST_DEVICE float load_acc(BFloat16 v) { return to_float(v); }
+PYCOMM_HOST_DEVICE uint32_t load_acc(Bool v) { return v.bits != 0; }
 
 template <typename T> PYCOMM_HOST_DEVICE T store_acc(typename Acc<T>::type v) { return v; }
 template <> PYCOMM_HOST_DEVICE Half store_acc<Half>(float v) { return from_float_f16(v); }
 template <> PYCOMM_HOST_DEVICE BFloat16 store_acc<BFloat16>(float v) { return from_float_bf16(v); }
+// Storing collapses to 0/1: a bool sum is OR and a product AND.
+template <> PYCOMM_HOST_DEVICE Bool store_acc<Bool>(uint32_t v) { return Bool{static_cast<uint8_t>(v != 0)}; }
 
 // max/min propagate NaN like torch.maximum/torch.minimum: comparisons with
 // NaN are false, so test the incoming value explicitly.
@@ -94,8 +102,18 @@ PYCOMM_HOST_DEVICE A combine(A a, A b) {
     return a + b;
   } else if constexpr (kOp == RedOp::kMax) {
     return (is_nan(a) || a > b) ? a : b;
-  } else {
+  } else if constexpr (kOp == RedOp::kMin) {
     return (is_nan(a) || a < b) ? a : b;
+  } else if constexpr (kOp == RedOp::kProduct) {
+    return a * b;
+  } else if constexpr (std::is_integral<A>::value) {
+    if constexpr (kOp == RedOp::kBand) return a & b;
+    if constexpr (kOp == RedOp::kBor) return a | b;
+    return a ^ b;
+  } else {
+    // Bitwise ops on floating dtypes are refused before any kernel runs
+    // (check_reducible); this branch only keeps the template total.
+    return a;
   }
 }
 

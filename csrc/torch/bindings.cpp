@@ -45,7 +45,7 @@ Algorithm to_algo(int a) {
   return static_cast<Algorithm>(a);
 }
 RedOp to_op(int op) {
-  if (op < 0 || op > static_cast<int>(RedOp::kMin)) throw CommError("pycomm: unknown reduce op id");
+  if (op < 0 || op > kLastRedOp) throw CommError("pycomm: unknown reduce op id");
   return static_cast<RedOp>(op);
 }
 Collective to_coll(int c) {
@@ -95,7 +95,7 @@ py::dict op_kind_table() {
 }
 py::dict redop_table() {
   py::dict d;
-  for (int op = 0; op <= static_cast<int>(RedOp::kMin); ++op) d[redop_name(static_cast<RedOp>(op))] = op;
+  for (int op = 0; op <= kLastRedOp; ++op) d[redop_name(static_cast<RedOp>(op))] = op;
   return d;
 }
 py::dict codec_table() {
@@ -135,11 +135,20 @@ std::vector<std::tuple<int, int, int, int, int>> schedule_ops(int algo, int coll
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace pycomm;
   m.doc() = "pycomm compiled core";
+  // A torch.distributed.DistBackendError (so a RuntimeError), as NCCL's and
+  // Gloo's failures are: code that catches torch's error types catches
+  // pycomm's too.
+  py::object base = py::reinterpret_borrow<py::object>(PyExc_RuntimeError);
+  try {
+    base = py::module_::import("torch.distributed").attr("DistBackendError");
+  } catch (const py::error_already_set&) {
+    PyErr_Clear();  // torch without distributed support: a plain RuntimeError
+  }
   comm_error_type() = py::reinterpret_borrow<py::object>(
       PyErr_NewExceptionWithDoc("pycomm._C.CommError",
                                 "A collective failed: bad input, ranks that disagree, a dead peer, a timeout. "
                                 "blamed_rank and failure name the rank that caused it, where known.",
-                                PyExc_RuntimeError, nullptr));
+                                base.ptr(), nullptr));
   m.attr("CommError") = comm_error_type();
   py::register_exception_translator([](std::exception_ptr p) {
     try {

@@ -214,10 +214,10 @@ std::shared_ptr<Work> Communicator::launch(Collective coll, RedOp op, int root, 
   } catch (const CommError& e) {
     return reject(e.what());
   }
-  if ((desc.coll == Collective::kAllReduce || desc.coll == Collective::kReduceScatter) &&
-      desc.op == RedOp::kAvg && !dtype_is_floating(desc.dtype))
-    return reject(std::string("pycomm.") + collective_name(desc.coll) +
-                  ": op=avg needs a floating-point tensor, got " + dtype_name(desc.dtype));
+  if (desc.coll == Collective::kAllReduce || desc.coll == Collective::kReduceScatter) {
+    const std::string why = check_reducible(desc.dtype, desc.op);
+    if (!why.empty()) return reject(std::string("pycomm.") + collective_name(desc.coll) + ": " + why);
+  }
   auto work = std::make_shared<Work>();
   work->desc_ = desc;
   if (input.data_ptr() != output.data_ptr()) work->inputs_ = {input};

@@ -260,15 +260,14 @@ at::Tensor reduce(at::TensorList srcs, c10::string_view op_name) {
   const at::Tensor& first = srcs[0];
   // The ops by their names in common.cpp (redop_name), the one table of them.
   int red_id = 0;
-  while (red_id <= static_cast<int>(RedOp::kMin) && op_name != redop_name(static_cast<RedOp>(red_id))) ++red_id;
-  TORCH_CHECK(red_id <= static_cast<int>(RedOp::kMin), "pycomm.reduce: op must be sum, avg, max or min, got '",
+  while (red_id <= kLastRedOp && op_name != redop_name(static_cast<RedOp>(red_id))) ++red_id;
+  TORCH_CHECK(red_id <= kLastRedOp, "pycomm.reduce: op must be sum, avg, max, min, product, band, bor or bxor, got '",
               std::string(op_name), "'");
   const RedOp red = static_cast<RedOp>(red_id);
   DType dt;
-  TORCH_CHECK(to_dtype(first.scalar_type(), &dt), "pycomm.reduce: dtype ", first.scalar_type(),
-              " is not supported (float32/64, float16, bfloat16, int32/64, uint8)");
-  TORCH_CHECK(red != RedOp::kAvg || dtype_is_floating(dt), "pycomm.reduce: avg needs a floating-point dtype, got ",
-              first.scalar_type());
+  TORCH_CHECK(to_dtype(first.scalar_type(), &dt), "pycomm.reduce: dtype ", first.scalar_type(), " is not supported");
+  const std::string why = check_reducible(dt, red);
+  TORCH_CHECK(why.empty(), "pycomm.reduce: ", why);
   std::vector<const void*> ptrs;
   for (const auto& t : srcs) {
     check_dense(t, first.device(), op, "every tensor");

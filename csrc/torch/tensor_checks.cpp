@@ -48,7 +48,7 @@ std::string check_tensor(const at::Tensor& t, const char* role, Collective coll)
   DType dt;
   if (!to_dtype(t.scalar_type(), &dt)) {
     os << role << " has dtype torch." << c10::getDtypeNames(t.scalar_type()).first
-       << ", which is not supported (use float32, float64, float16, bfloat16, int32, int64 or uint8)";
+       << ", which pycomm cannot move (every dtype with whole bytes per element is supported)";
     return os.str();
   }
   if (!t.is_contiguous()) {

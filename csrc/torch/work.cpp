@@ -41,7 +41,7 @@ bool Work::wait(double timeout_s) {
     cv_.wait(lk, [&] { return done_; });
   } else if (!cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return done_; })) {
     std::ostringstream os;
-    os << "pycomm: Work.wait timed out after " << timeout_s << " s; " << collective_name(desc_.coll) << " #"
+    os << "pycomm: Work.wait: " << timed_out_waiting(timeout_s) << "; " << collective_name(desc_.coll) << " #"
        << seq_ << " is still in progress";
     throw CommError(os.str());
   }

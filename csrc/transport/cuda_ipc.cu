@@ -155,6 +155,7 @@ void launch_typed(const IpcArgs& a, RedOp op, void* out, size_t count, unsigned 
     case RedOp::kAvg: ipc_all_reduce_kernel<T, RedOp::kSum><<<grid, kThreads, 0, stream>>>(a, o, count); break;
     case RedOp::kMax: ipc_all_reduce_kernel<T, RedOp::kMax><<<grid, kThreads, 0, stream>>>(a, o, count); break;
     case RedOp::kMin: ipc_all_reduce_kernel<T, RedOp::kMin><<<grid, kThreads, 0, stream>>>(a, o, count); break;
+    default: throw CommError(std::string("pycomm: CUDA IPC all-reduce takes op sum, avg, max or min, got ") + redop_name(op));
   }
 }
 
@@ -273,6 +274,9 @@ void CudaIpcAllReduce::all_reduce(const void* in, void* out, size_t count, DType
       case DType::kInt32: launch_typed<int32_t>(a, op, o, n, grid, stream); break;
       case DType::kInt64: launch_typed<int64_t>(a, op, o, n, grid, stream); break;
       case DType::kUInt8: launch_typed<uint8_t>(a, op, o, n, grid, stream); break;
+      default:
+        throw CommError(std::string("pycomm: CUDA IPC all-reduce takes float32, float64, float16, bfloat16, int32, "
+                                    "int64 and uint8 tensors, got ") + dtype_name(dtype));
     }
     check(cudaGetLastError(), "all-reduce launch");
   }

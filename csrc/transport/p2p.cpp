@@ -157,8 +157,8 @@ void ShmChannels::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* waite
   shm_.wait_until(word, waiters, peer, ctx, std::min<std::chrono::steady_clock::duration>(shm_.spin_, kMaxSpin),
                   &next_liveness, ready, [&] {
                     std::ostringstream os;
-                    os << "pycomm: " << collective_name(ctx.coll) << " #" << ctx.seq << " timed out after "
-                       << shm_.timeout() << " s on rank " << shm_.name(shm_.rank_) << " waiting for rank "
+                    os << "pycomm: " << collective_name(ctx.coll) << " #" << ctx.seq << " on rank "
+                       << shm_.name(shm_.rank_) << ": " << timed_out_waiting(shm_.timeout()) << " for rank "
                        << shm_.name(peer) << " (" << what << ")";
                     return os.str();
                   });

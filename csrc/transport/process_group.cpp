@@ -144,8 +144,8 @@ void PgTransport::wait(TransferPtr& work, int peer, const char* what, const Ctx&
   std::ostringstream os;
   os << "pycomm: " << collective_name(ctx.desc->coll) << " #" << ctx.seq;
   if (std::chrono::steady_clock::now() >= ctx.deadline) {
-    os << " timed out after " << timeout() << " s on rank " << name(rank_) << " waiting for rank " << name(peer)
-       << " (" << what << ")";
+    os << " on rank " << name(rank_) << ": " << timed_out_waiting(timeout()) << " for rank " << name(peer) << " ("
+       << what << ")";
   } else {
     os << " failed on rank " << name(rank_) << " while waiting for rank " << name(peer) << " (" << what
        << "): " << error << "; rank " << name(peer) << " may have died or left";

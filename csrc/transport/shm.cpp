@@ -336,8 +336,10 @@ std::string ShmTransport::peer_gone(int q, const OpContext& ctx, Blame* blame) {
   uint64_t starttime = 0;
   const bool found = read_proc_stat(pid, &state, &starttime);
   if (!found || state == 'Z' || state == 'X' || starttime != pc.starttime) {
+    // "Connection closed by peer" is Gloo's phrase for a lost peer, which
+    // users' error handling matches on; the rest says which and where.
     os << "pycomm: rank " << name(q) << " (pid " << pid << ") died; detected by rank " << name(rank_) << " during "
-       << collective_name(ctx.coll) << " #" << ctx.seq;
+       << collective_name(ctx.coll) << " #" << ctx.seq << " (Connection closed by peer)";
     *blame = {FailureKind::kDied, name(q)};
     return os.str();
   }
@@ -356,8 +358,8 @@ void ShmTransport::wait_on(std::atomic<uint32_t>* word, int peer, const OpContex
         for (const auto& slot : pc.headers)
           if (slot.call.op > last->call.op) last = &slot;
         std::ostringstream os;
-        os << "pycomm: " << collective_name(ctx.coll) << " #" << ctx.seq << " timed out after " << timeout()
-           << " s on rank " << name(rank_) << " waiting for rank " << name(peer) << " (" << what << "); rank "
+        os << "pycomm: " << collective_name(ctx.coll) << " #" << ctx.seq << " on rank " << name(rank_) << ": "
+           << timed_out_waiting(timeout()) << " for rank " << name(peer) << " (" << what << "); rank "
            << name(peer) << " last entered collective #" << last->call.seq;
         return os.str();
       });

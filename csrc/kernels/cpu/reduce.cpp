@@ -3,6 +3,8 @@
 // pass per source.
 #include <algorithm>
 #include <cstring>
+#include <string>
+#include <type_traits>
 
 #include "../kernels.h"
 #include "../reduce.h"
@@ -60,7 +62,20 @@ void reduce_op(RedOp op, void* out0, void* out1, const void* const* srcs, int ns
     case RedOp::kAvg: return reduce_typed<T, RedOp::kSum>(out0, out1, srcs, nsrc, count);
     case RedOp::kMax: return reduce_typed<T, RedOp::kMax>(out0, out1, srcs, nsrc, count);
     case RedOp::kMin: return reduce_typed<T, RedOp::kMin>(out0, out1, srcs, nsrc, count);
+    case RedOp::kProduct: return reduce_typed<T, RedOp::kProduct>(out0, out1, srcs, nsrc, count);
+    case RedOp::kBand:
+    case RedOp::kBor:
+    case RedOp::kBxor:
+      // Floating dtypes never get here (check_reducible), and instantiating
+      // bitwise loops for them would only cost compile time.
+      if constexpr (std::is_integral<typename Acc<T>::type>::value) {
+        if (op == RedOp::kBand) return reduce_typed<T, RedOp::kBand>(out0, out1, srcs, nsrc, count);
+        if (op == RedOp::kBor) return reduce_typed<T, RedOp::kBor>(out0, out1, srcs, nsrc, count);
+        return reduce_typed<T, RedOp::kBxor>(out0, out1, srcs, nsrc, count);
+      }
+      break;
   }
+  throw CommError(std::string("pycomm: op=") + redop_name(op) + " needs an integral or bool dtype");
 }
 
 template <typename T>
@@ -85,6 +100,10 @@ void reduce_cpu(DType dtype, RedOp op, void* out0, void* out1, const void* const
     case DType::kInt32: return reduce_op<int32_t>(op, out0, out1, srcs, nsrc, count);
     case DType::kInt64: return reduce_op<int64_t>(op, out0, out1, srcs, nsrc, count);
     case DType::kUInt8: return reduce_op<uint8_t>(op, out0, out1, srcs, nsrc, count);
+    case DType::kInt8: return reduce_op<int8_t>(op, out0, out1, srcs, nsrc, count);
+    case DType::kBool: return reduce_op<Bool>(op, out0, out1, srcs, nsrc, count);
+    default:
+      throw CommError(std::string("pycomm: ") + check_reducible(dtype, op));
   }
 }
 
@@ -100,9 +119,7 @@ void divide_cpu(DType dtype, void* data, size_t count, double divisor) {
     case DType::kFloat64: return divide_typed(static_cast<double*>(data), count, divisor);
     case DType::kFloat16: return divide_typed(static_cast<Half*>(data), count, static_cast<float>(divisor));
     case DType::kBFloat16: return divide_typed(static_cast<BFloat16*>(data), count, static_cast<float>(divisor));
-    case DType::kInt32:
-    case DType::kInt64:
-    case DType::kUInt8:
+    default:
       throw CommError("pycomm: avg is only defined for floating-point dtypes");
   }
 }

@@ -80,7 +80,9 @@ void reduce_op(RedOp op, const SourceTable& s, void* out0, void* out1, size_t co
     case RedOp::kAvg: return launch_reduce<T, RedOp::kSum>(s, out0, out1, count, stream);
     case RedOp::kMax: return launch_reduce<T, RedOp::kMax>(s, out0, out1, count, stream);
     case RedOp::kMin: return launch_reduce<T, RedOp::kMin>(s, out0, out1, count, stream);
+    default: break;
   }
+  throw CommError(std::string("pycomm: CUDA reductions take op sum, avg, max or min, got ") + redop_name(op));
 }
 
 }  // namespace
@@ -106,6 +108,9 @@ void reduce_cuda(DType dtype, RedOp op, void* out0, void* out1, const void* cons
     case DType::kInt32: reduce_op<int32_t>(op, s, out0, out1, count, stream); break;
     case DType::kInt64: reduce_op<int64_t>(op, s, out0, out1, count, stream); break;
     case DType::kUInt8: reduce_op<uint8_t>(op, s, out0, out1, count, stream); break;
+    default:
+      throw CommError(std::string("pycomm: CUDA reductions take float32, float64, float16, bfloat16, int32, int64 "
+                                  "and uint8 tensors, got ") + dtype_name(dtype));
   }
   check(cudaGetLastError(), "reduce");
 }
