@@ -18,11 +18,18 @@ What runs where:
   pycomm collective, with its checks (ranks that disagree raise on every
   rank), timeouts and dead-peer detection. Tensor lists are staged through
   one flat buffer, so a coalesced call is one collective.
-- send / recv / irecv from any source, and ``all_to_all_single`` with uneven
-  splits: a private Gloo group over the same ranks (pycomm's transports move
-  data in collective lock-step; these calls are not collectives).
-- Reduce ops SUM, AVG, MIN, MAX. PRODUCT, the bitwise ops, PREMUL_SUM and
-  sparse tensors raise an error naming them, on every rank.
+- send / recv / irecv from any source, all-to-all with uneven blocks (list or
+  ``all_to_all_single`` with splits), sparse all-reduce and
+  ``monitored_barrier``: a private Gloo group over the same ranks (pycomm's
+  transports move fixed-size data in collective lock-step; these calls are
+  not fixed-size collectives).
+- Every dtype for copies (broadcast, gathers, scatter, all-to-all): bool,
+  int8/16, unsigned, complex, float8 ... Reductions take the dtypes Gloo
+  reduces (floating, int8, uint8, int32, int64, bool) with SUM, AVG
+  (floating), PRODUCT, MIN, MAX and, on integral and bool tensors, BAND, BOR
+  and BXOR. PREMUL_SUM raises an error naming it, on every rank.
+- Errors are ``pycomm.CommError``, a ``torch.distributed.DistBackendError``;
+  timeouts say "Timed out waiting <N>ms" as Gloo's do.
 
 The group's timeout (``init_process_group(timeout=...)``) is pycomm's
 timeout. ``PYCOMM_ALGO``, ``PYCOMM_TRANSPORT``, ``PYCOMM_LOCAL_SIZE`` and the
@@ -31,6 +38,7 @@ other ``PYCOMM_*`` variables apply as for :class:`pycomm.Communicator`.
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 from typing import List
 
@@ -74,6 +82,40 @@ def register() -> None:
     if BACKEND_NAME.upper() in getattr(dist.Backend, "_plugins", {}):
         return
     dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=devices())
+    _name_backend_in_ddp_logging()
+
+
+def _name_backend_in_ddp_logging() -> None:
+    """Make DDP's logging data name pycomm instead of "custom".
+
+    torch's DDP logger asks the ProcessGroup for its name, and the
+    ProcessGroup knows only torch's built-in backend types, so every
+    third-party backend is "custom" there. For groups whose backend is
+    pycomm, ``DistributedDataParallel._get_ddp_logging_data()`` reports what
+    ``dist.get_backend(group)`` says, as it does for Gloo and NCCL.
+    """
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:
+        return
+    original = DistributedDataParallel._get_ddp_logging_data
+    if getattr(original, "_pycomm_names_backend", False):
+        return
+
+    @functools.wraps(original)
+    def _get_ddp_logging_data(self):  # type: ignore[no-untyped-def]
+        data = original(self)
+        if data.get("backend_name") == "custom":
+            try:
+                name = str(dist.get_backend(self.process_group))
+            except (RuntimeError, ValueError):  # a group torch no longer knows
+                return data
+            if BACKEND_NAME in name:
+                data["backend_name"] = name
+        return data
+
+    _get_ddp_logging_data._pycomm_names_backend = True  # type: ignore[attr-defined]
+    DistributedDataParallel._get_ddp_logging_data = _get_ddp_logging_data  # type: ignore[method-assign]
 
 
 def devices() -> List[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from typing import Dict, List, Optional
 
 import torch
@@ -13,7 +14,16 @@ import torch.distributed as dist
 from collective_cases import make_input, sweep_on
 from harness import worker_store
 
-_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+        "product": dist.ReduceOp.PRODUCT, "band": dist.ReduceOp.BAND, "bor": dist.ReduceOp.BOR,
+        "bxor": dist.ReduceOp.BXOR}
+
+# Every dtype a copy collective must move, and the ones Gloo reduces.
+COPY_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
+               torch.int32, torch.int64, torch.bool, torch.uint16, torch.uint32, torch.uint64, torch.complex64,
+               torch.complex128, torch.complex32, torch.float8_e4m3fn, torch.float8_e5m2]
+FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+INT_DTYPES = [torch.int8, torch.uint8, torch.int32, torch.int64]
 
 
 def init_default(rank: int, world: int, name: str, timeout: float = 60) -> str:
@@ -135,6 +145,12 @@ def api(rank: int, world: int) -> Dict[str, object]:
     recv = [torch.empty(3) for _ in range(world)]
     dist.all_to_all(recv, blocks, group=g)
     out["all_to_all"] = all(torch.equal(recv[p], torch.full((3,), 100.0 * p + rank)) for p in range(world))
+    # Rank r sends r + p + 1 elements to rank p (the peer group carries it).
+    blocks = [torch.full((rank + p + 1,), 100.0 * rank + p) for p in range(world)]
+    recv = [torch.empty(p + rank + 1) for p in range(world)]
+    dist.all_to_all(recv, blocks, group=g)
+    out["all_to_all uneven"] = all(torch.equal(recv[p], torch.full((p + rank + 1,), 100.0 * p + rank))
+                                   for p in range(world))
     single = torch.arange(world * 2, dtype=torch.float32) + 1000 * rank
     got = torch.empty(world * 2)
     dist.all_to_all_single(got, single, group=g)
@@ -195,22 +211,220 @@ def api(rank: int, world: int) -> Dict[str, object]:
     except RuntimeError as e:
         out["bad list"] = "all_gather" in str(e) and "size and dtype" in str(e)
 
-    # Unsupported: every rank raises, naming it; the group stays usable.
+    # all_gather_coalesced: tensors of several shapes, one call.
+    mine = [make_input(seed + 30, rank, 6, torch.float32).view(2, 3), make_input(seed + 31, rank, 1, torch.float32)]
+    lists = [[torch.empty(2, 3), torch.empty(1)] for _ in range(world)]
+    dist.all_gather_coalesced(lists, mine, group=g)
+    out["all_gather_coalesced"] = all(
+        torch.equal(lists[r][0], make_input(seed + 30, r, 6, torch.float32).view(2, 3))
+        and torch.equal(lists[r][1], make_input(seed + 31, r, 1, torch.float32)) for r in range(world))
+
+    # Sparse all-reduce (the peer group): the dense sum of every rank's entries.
+    dense = [torch.zeros(5, 4, dtype=torch.float64) for _ in range(world)]
+    for r in range(world):
+        gen = torch.Generator().manual_seed(seed + 40 + r)
+        rows = torch.randperm(5, generator=gen)[:2]
+        dense[r][rows] = torch.randn(2, 4, generator=gen, dtype=torch.float64)
+    sp = dense[rank].to_sparse()
+    work = dist.all_reduce(sp, group=g, async_op=True)
+    work.wait()
+    got = work.result()[0] if work.result() else sp
+    out["sparse all_reduce"] = torch.allclose(got.to_dense(), sum(dense))
+
+    # PREMUL_SUM is the one op left: every rank raises, naming it; the group stays usable.
     try:
-        dist.all_reduce(torch.ones(3), op=dist.ReduceOp.PRODUCT, group=g)
-        out["PRODUCT"] = "no error"
+        dist.all_reduce(torch.ones(3), op=dist._make_nccl_premul_sum(2.0), group=g)
+        out["PREMUL_SUM"] = "no error"
     except RuntimeError as e:
-        out["PRODUCT"] = str(e)
-    try:
-        dist.all_reduce(torch.ones(3, 3).to_sparse(), group=g)
-        out["sparse"] = "no error"
-    except RuntimeError as e:
-        out["sparse"] = str(e)
+        out["PREMUL_SUM"] = f"{type(e).__name__}: {e}"
     dist.barrier(group=g)
     t = torch.ones(4)
     dist.all_reduce(t, group=g)
     out["usable after errors"] = torch.equal(t, torch.full((4,), float(world)))
     out["backend"] = dist.get_backend(g)
+    dist.destroy_process_group(g)
+    return out
+
+
+def random_bits(seed: int, rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """n elements of `dtype` with random bytes (bools 0/1): what a copy must move unchanged."""
+    if dtype == torch.bool:
+        return make_input(seed, rank, n, torch.int64) % 2 == 1
+    size = torch.empty(0, dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(seed * 31 + rank)
+    return torch.randint(0, 256, (n * size,), generator=g, dtype=torch.uint8).view(dtype)
+
+
+def _reduce_input(seed: int, rank: int, n: int, dtype: torch.dtype, op: str) -> torch.Tensor:
+    if dtype == torch.bool:
+        return make_input(seed, rank, n, torch.int64) % 3 == 0
+    if op == "product":  # values whose product stays representable
+        g = torch.Generator().manual_seed(seed * 17 + rank)
+        if dtype.is_floating_point:
+            return (0.75 + 0.5 * torch.rand(n, generator=g, dtype=torch.float64)).to(dtype)
+        return torch.randint(-3, 4, (n,), generator=g, dtype=torch.int64).to(dtype)
+    if op in ("band", "bor", "bxor"):
+        g = torch.Generator().manual_seed(seed * 13 + rank)
+        lo, hi = (0, 256) if dtype == torch.uint8 else (-128, 128) if dtype == torch.int8 else (-2**30, 2**30)
+        return torch.randint(lo, hi, (n,), generator=g, dtype=torch.int64).to(dtype)
+    return make_input(seed, rank, n, dtype) if dtype.is_floating_point else (
+        make_input(seed, rank, n, torch.int64) % 100).to(dtype)
+
+
+def _closed_form(xs: List[torch.Tensor], op: str) -> torch.Tensor:
+    """The reduction of xs in rank order, computed as torch would (float64 for floats)."""
+    dtype = xs[0].dtype
+    if dtype == torch.bool:
+        stacked = torch.stack(xs)
+        return stacked.all(0) if op in ("product", "min", "band") else (
+            stacked.sum(0) % 2 == 1 if op == "bxor" else stacked.any(0))
+    wide = [x.double() if dtype.is_floating_point else x for x in xs]
+    acc = wide[0].clone()
+    for x in wide[1:]:
+        if op in ("sum", "avg"):
+            acc = acc + x
+        elif op == "product":
+            acc = acc * x
+        elif op == "max":
+            acc = torch.maximum(acc, x)
+        elif op == "min":
+            acc = torch.minimum(acc, x)
+        else:
+            acc = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}[op](acc, x)
+    if op == "avg":
+        acc = acc / len(xs)
+    return acc.to(dtype)
+
+
+def dtypes(rank: int, world: int) -> Dict[str, object]:
+    """Every dtype through every copy collective (bytes unchanged), and every
+    reducible dtype with every op it takes through all_reduce, reduce and
+    reduce_scatter, against the closed form. Returns failures and counts."""
+    g = _group(world)
+    if g is None:
+        return {}
+    seed = 777 + world
+    failures: List[str] = []
+    checked = 0
+    root = world - 1
+    for i, dt in enumerate(COPY_DTYPES):
+        n = 11 + i
+        xs = [random_bits(seed + i, r, n, dt) for r in range(world)]
+        same = lambda a, b: a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # noqa: E731
+        t = xs[rank].clone() if rank == root else torch.zeros_like(xs[0])
+        dist.broadcast(t, src=root, group=g)
+        checks = {"broadcast": same(t, xs[root])}
+        outs = [torch.zeros_like(xs[0]) for _ in range(world)]
+        dist.all_gather(outs, xs[rank], group=g)
+        checks["all_gather"] = all(same(outs[r], xs[r]) for r in range(world))
+        flat = torch.zeros(world * n, dtype=dt)
+        dist.all_gather_into_tensor(flat, xs[rank], group=g)
+        checks["all_gather_into_tensor"] = same(flat, torch.cat(xs))
+        gathered = [torch.zeros_like(xs[0]) for _ in range(world)] if rank == root else None
+        dist.gather(xs[rank], gathered, dst=root, group=g)
+        checks["gather"] = rank != root or all(same(gathered[r], xs[r]) for r in range(world))
+        pieces = [random_bits(seed + 50 + i, r, n, dt) for r in range(world)]
+        got = torch.zeros_like(xs[0])
+        dist.scatter(got, pieces if rank == root else None, src=root, group=g)
+        checks["scatter"] = same(got, pieces[rank])
+        blocks = [random_bits(seed + 90 + i, r, world * 3, dt) for r in range(world)]
+        recv = torch.zeros(world * 3, dtype=dt)
+        dist.all_to_all_single(recv, blocks[rank], group=g)
+        checks["all_to_all_single"] = same(recv, torch.cat([blocks[p][3 * rank:3 * rank + 3] for p in range(world)]))
+        lists = [[torch.zeros_like(xs[0])] for _ in range(world)]
+        dist.all_gather_coalesced(lists, [xs[rank]], group=g)
+        checks["all_gather_coalesced"] = all(same(lists[r][0], xs[r]) for r in range(world))
+        for name, ok in checks.items():
+            checked += 1
+            if not ok:
+                failures.append(f"{name} {dt}")
+    for i, dt in enumerate(FLOAT_DTYPES + INT_DTYPES + [torch.bool]):
+        ops = ["sum", "product", "max", "min"]
+        ops += ["avg"] if dt.is_floating_point else ["band", "bor", "bxor"]
+        for j, op in enumerate(ops):
+            n = 3 * world + j
+            xs = [_reduce_input(seed + 100 * i + j, r, n, dt, op) for r in range(world)]
+            want = _closed_form(xs, op)
+            tol = {} if not dt.is_floating_point else dict(rtol=2e-2 if dt in (torch.float16, torch.bfloat16)
+                                                            else 1e-5, atol=1e-3)
+            match = (lambda a, b: torch.allclose(a.double(), b.double(), **tol)) if tol else torch.equal
+            t = xs[rank].clone()
+            dist.all_reduce(t, op=_OPS[op], group=g)
+            results = {"all_reduce": match(t, want)}
+            t = xs[rank].clone()
+            dist.reduce(t, dst=root, op=_OPS[op], group=g)
+            results["reduce"] = match(t, want) if rank == root else torch.equal(t, xs[rank])
+            shard = torch.zeros(n // world, dtype=dt)
+            k = n // world
+            dist.reduce_scatter_tensor(shard, torch.cat([x[:k * world] for x in xs[rank:rank + 1]]), op=_OPS[op],
+                                       group=g)
+            results["reduce_scatter_tensor"] = match(shard, want[rank * k:(rank + 1) * k])
+            for name, ok in results.items():
+                checked += 1
+                if not ok:
+                    failures.append(f"{name} {dt} {op}")
+    # What cannot work says so on every rank, and the group stays usable.
+    refusals = {}
+    for what, call in {
+        "band float32": lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND, group=g),
+        "avg int32": lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.AVG, group=g),
+        "sum complex64 view": lambda: dist.all_reduce(torch.ones(3, dtype=torch.int16), group=g),
+    }.items():
+        try:
+            call()
+            refusals[what] = "no error"
+        except RuntimeError as e:
+            refusals[what] = f"{type(e).__name__}: {e}"
+    t = torch.ones(4)
+    dist.all_reduce(t, group=g)
+    usable = torch.equal(t, torch.full((4,), float(world)))
+    dist.destroy_process_group(g)
+    return {"failures": failures, "checked": checked, "refusals": refusals, "usable": usable}
+
+
+def ddp_bool_buffer(rank: int, world: int) -> List[torch.Tensor]:
+    """DDP on a model with a bool buffer (a mask) that differs per rank: the
+    constructor broadcasts it from rank 0; a step trains through it."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    g = _group(world)
+    if g is None:
+        return []
+
+    class Masked(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 6)
+            self.register_buffer("mask", torch.arange(6) % (2 + rank) == 0)
+            self.register_buffer("count", torch.tensor([rank], dtype=torch.int16))
+
+        def forward(self, x):
+            return self.lin(x) * self.mask
+
+    torch.manual_seed(rank)
+    ddp = DDP(Masked(), process_group=g)
+    ddp(torch.randn(3, 6)).sum().backward()
+    logged = ddp._get_ddp_logging_data().get("backend_name")
+    result = [ddp.module.mask.clone(), ddp.module.count.clone(), ddp.module.lin.weight.grad.clone()]
+    del ddp
+    dist.destroy_process_group(g)
+    return result + [logged]
+
+
+def timeout_words(rank: int, world: int) -> str:
+    """Only rank 0 enters a barrier on a group with a 1 s timeout."""
+    g = dist.new_group(list(range(world)), backend="pycomm", timeout=datetime.timedelta(seconds=1))
+    if rank >= world:
+        return ""
+    out = ""
+    if rank == 0:
+        try:
+            dist.barrier(group=g)
+            out = "no error"
+        except dist.DistBackendError as e:
+            out = f"{type(e).__name__}: {e}"
+    else:
+        time.sleep(2.5)  # alive, just late: a rank that left would be named as such
     dist.destroy_process_group(g)
     return out
 

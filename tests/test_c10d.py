@@ -43,11 +43,47 @@ def test_every_call_the_backend_serves(pool, world):
     results = pool.run(c10d_cases.api, world)[:world]
     for rank, res in enumerate(results):
         assert res.pop("backend") == "pycomm"
-        product, sparse = res.pop("PRODUCT"), res.pop("sparse")
-        assert "PRODUCT" in product and "pycomm" in product, (rank, product)
-        assert "sparse" in sparse and "pycomm" in sparse, (rank, sparse)
+        premul = res.pop("PREMUL_SUM")
+        assert premul.startswith("CommError") and "PREMUL_SUM" in premul, (rank, premul)
         failed = [k for k, ok in res.items() if ok is not True]
         assert not failed, f"rank {rank}: {failed}"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_dtype_and_reduce_op(pool, world):
+    """Copies move every dtype bit for bit; reductions take Gloo's dtypes
+    with every op (PRODUCT and the bitwise ones included), closed form."""
+    for rank, res in enumerate(pool.run(c10d_cases.dtypes, world)[:world]):
+        assert res["failures"] == [], (rank, res["failures"])
+        assert res["checked"] >= 200, res["checked"]
+        assert res["usable"], rank
+        for what, err in res["refusals"].items():
+            assert err.startswith("CommError"), (rank, what, err)
+        assert "op=band needs an integral or bool tensor" in res["refusals"]["band float32"]
+        assert "op=avg needs a floating-point tensor" in res["refusals"]["avg int32"]
+        assert "reductions take" in res["refusals"]["sum complex64 view"]
+
+
+def test_ddp_with_a_bool_buffer(pool):
+    """DDP's constructor broadcasts buffers of every dtype; its logging names the backend."""
+    world = 3
+    results = pool.run(c10d_cases.ddp_bool_buffer, world)[:world]
+    for rank, (mask, count, grad, logged) in enumerate(results):
+        assert torch.equal(mask, torch.arange(6) % 2 == 0), (rank, mask)  # rank 0's mask everywhere
+        assert count.item() == 0 and count.dtype == torch.int16
+        assert torch.equal(grad, results[0][2])
+        assert logged == "pycomm"
+
+
+def test_timeouts_speak_torchs_words(pool):
+    """A barrier only rank 0 enters: a DistBackendError saying "Timed out waiting 1000ms", naming the rank."""
+    err = pool.run(c10d_cases.timeout_words, 3)[0]
+    assert err.startswith("CommError") and "Timed out waiting 1000ms" in err and "rank 1" in err, err
+    import torch.distributed as dist
+
+    import pycomm
+
+    assert issubclass(pycomm.CommError, dist.DistBackendError) and issubclass(pycomm.CommError, RuntimeError)
 
 
 def test_mismatch_raises_on_every_rank(pool):

@@ -97,14 +97,17 @@ RedOp C10dBackend::reduce_op(const c10d::ReduceOp& op, const char* what) {
   switch (op.op_) {
     case c10d::ReduceOp::SUM: return RedOp::kSum;
     case c10d::ReduceOp::AVG: return RedOp::kAvg;
+    case c10d::ReduceOp::PRODUCT: return RedOp::kProduct;
     case c10d::ReduceOp::MIN: return RedOp::kMin;
     case c10d::ReduceOp::MAX: return RedOp::kMax;
+    case c10d::ReduceOp::BAND: return RedOp::kBand;
+    case c10d::ReduceOp::BOR: return RedOp::kBor;
+    case c10d::ReduceOp::BXOR: return RedOp::kBxor;
     default: break;
   }
-  static const char* kNames[] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"};
-  const int id = static_cast<int>(op.op_);
-  comm_->reject(name_of(what) + " does not support ReduceOp." + (id < 9 ? kNames[id] : "UNUSED") +
-                "; use SUM, AVG, MIN or MAX");
+  // PREMUL_SUM (NCCL's scaled sum) is the one op left; Gloo refuses it too.
+  comm_->reject(name_of(what) + " does not support ReduceOp.PREMUL_SUM; use SUM, AVG, PRODUCT, MIN, MAX, BAND, " +
+                "BOR or BXOR");
 }
 
 const at::Tensor& C10dBackend::single(const std::vector<at::Tensor>& tensors, const char* what) {
@@ -173,10 +176,21 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::broadcast(std::vector<at::Tensor>& t
 
 c10::intrusive_ptr<c10d::Work> C10dBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                       const c10d::AllreduceOptions& opts) {
+  if (tensors.size() == 1 && tensors[0].is_sparse()) return allreduce_sparse(tensors, opts);
   const at::Tensor& t = single(tensors, "all_reduce");
   const RedOp op = reduce_op(opts.reduceOp, "all_reduce");
   return wrap(comm_->all_reduce(t, t, op, algo(Collective::kAllReduce), false, opts.asyncOp), c10d::OpType::ALLREDUCE,
               "pycomm:all_reduce");
+}
+
+c10::intrusive_ptr<c10d::Work> C10dBackend::allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                             const c10d::AllreduceOptions& opts) {
+  // A sparse tensor's size (its nnz) differs between ranks and is known only
+  // to its owner, so the exchange is not one fixed-size checked collective:
+  // Gloo's sparse all-reduce (sizes first, then indices and values, then a
+  // coalesced sum) carries it. It stays ordered with this group's other
+  // collectives as long as every rank calls them in one order, as c10d asks.
+  return peer("sparse all_reduce").allreduce(tensors, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> C10dBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
@@ -228,6 +242,43 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::_allgather_base(at::Tensor& output, 
   return wrap(comm_->all_gather(output, input, algo(Collective::kAllGather), false, opts.asyncOp),
               c10d::OpType::_ALLGATHER_BASE,
               "pycomm:all_gather_into_tensor");
+}
+
+c10::intrusive_ptr<c10d::Work> C10dBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                                std::vector<at::Tensor>& inputs,
+                                                                const c10d::AllgatherOptions& opts) {
+  // Tensors of any shapes in one all-gather: rank r's block of the flat
+  // output is rank r's inputs back to back; output list r gets them back.
+  check_same_dtype(inputs, "all_gather_coalesced");
+  if (static_cast<int>(outputs.size()) != getSize())
+    comm_->reject(name_of("all_gather_coalesced") + " needs world_size (" + std::to_string(getSize()) +
+                  ") output lists, got " + std::to_string(outputs.size()));
+  for (const auto& list : outputs) {
+    check_same_dtype(list, "all_gather_coalesced");
+    bool ok = list.size() == inputs.size();
+    for (size_t i = 0; ok && i < list.size(); ++i)
+      ok = list[i].numel() == inputs[i].numel() && list[i].scalar_type() == inputs[i].scalar_type();
+    if (!ok)
+      comm_->reject(name_of("all_gather_coalesced") +
+                    ": every output list must match the inputs tensor for tensor (count and dtype)");
+  }
+  if (inputs.empty()) return wrap(comm_->barrier(opts.asyncOp), c10d::OpType::ALLGATHER_COALESCED,
+                                  "pycomm:all_gather_coalesced");
+  const int64_t total = offsets_of(inputs).back();
+  at::Tensor flat_in = flat_like(inputs[0], total);
+  at::Tensor flat_out = flat_like(inputs[0], total * getSize());
+  Staging s;
+  s.before = [flat_in, inputs] { pack(flat_in, inputs); };
+  s.after = [flat_out, outputs, total] {
+    for (size_t r = 0; r < outputs.size(); ++r) unpack(outputs[r], flat_out.narrow(0, r * total, total));
+  };
+  s.keep = inputs;
+  for (const auto& list : outputs) {
+    s.keep.insert(s.keep.end(), list.begin(), list.end());
+    s.result.insert(s.result.end(), list.begin(), list.end());
+  }
+  return wrap(comm_->all_gather(flat_out, flat_in, algo(Collective::kAllGather), false, opts.asyncOp, std::move(s)),
+              c10d::OpType::ALLGATHER_COALESCED, "pycomm:all_gather_coalesced");
 }
 
 c10::intrusive_ptr<c10d::Work> C10dBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
@@ -373,11 +424,13 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::alltoall(std::vector<at::Tensor>& ou
   if (static_cast<int>(inputs.size()) != getSize() || static_cast<int>(outputs.size()) != getSize())
     comm_->reject(name_of("all_to_all") + " needs world_size input and output tensors");
   const int64_t n = inputs[0].numel();
+  bool even = true;
   for (int r = 0; r < getSize(); ++r) {
-    if (inputs[r].numel() != n || outputs[r].numel() != n || outputs[r].scalar_type() != inputs[0].scalar_type())
-      comm_->reject(name_of("all_to_all") +
-                    " needs tensors of one size; for uneven blocks use all_to_all_single with split sizes");
+    if (outputs[r].scalar_type() != inputs[0].scalar_type())
+      comm_->reject(name_of("all_to_all") + " needs inputs and outputs of one dtype");
+    even = even && inputs[r].numel() == n && outputs[r].numel() == n;
   }
+  if (!even) return uneven_all_to_all(outputs, inputs, opts);
   at::Tensor flat_in = flat_like(inputs[0], n * getSize());
   at::Tensor flat_out = flat_like(inputs[0], n * getSize());
   Staging s;
@@ -390,8 +443,33 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::alltoall(std::vector<at::Tensor>& ou
               "pycomm:all_to_all");
 }
 
+c10::intrusive_ptr<c10d::Work> C10dBackend::uneven_all_to_all(std::vector<at::Tensor>& outputs,
+                                                              std::vector<at::Tensor>& inputs,
+                                                              const c10d::AllToAllOptions& opts) {
+  // Blocks of different sizes: as all_to_all_single with splits on the
+  // point-to-point group (each rank knows only its own sizes), staged
+  // through flat buffers. Completes before returning: the copy-out must
+  // follow the exchange, and this path is the rare one.
+  std::vector<int64_t> in_splits, out_splits;
+  for (const auto& t : inputs) in_splits.push_back(t.numel());
+  for (const auto& t : outputs) out_splits.push_back(t.numel());
+  at::Tensor flat_in = flat_like(inputs[0], offsets_of(inputs).back());
+  at::Tensor flat_out = flat_like(inputs[0], offsets_of(outputs).back());
+  pack(flat_in, inputs);
+  auto work = peer("all_to_all with uneven blocks").alltoall_base(flat_out, flat_in, out_splits, in_splits, opts);
+  work->wait();
+  unpack(outputs, flat_out);
+  return work;
+}
+
 c10::intrusive_ptr<c10d::Work> C10dBackend::barrier(const c10d::BarrierOptions& opts) {
   return wrap(comm_->barrier(opts.asyncOp), c10d::OpType::BARRIER, "pycomm:barrier");
+}
+
+void C10dBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  // Gloo's monitored barrier names the ranks that did not arrive; the
+  // point-to-point group runs it as it is.
+  peer("monitored_barrier").monitoredBarrier(opts, wait_all_ranks);
 }
 
 c10::intrusive_ptr<c10d::Work> C10dBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {

@@ -6,9 +6,10 @@
 // one call sequence checked across ranks (a mismatch raises on every rank),
 // bounded waits, a dead peer named. Tensor lists and coalesced calls are
 // staged through one flat buffer and run as a single collective.
-// Point-to-point traffic (send/recv) and all-to-all with uneven splits go to
-// a private Gloo group of the same ranks: pycomm's transports move data in
-// collective lock-step, and those calls are not collectives.
+// Point-to-point traffic (send/recv), all-to-all with uneven splits, sparse
+// all-reduce and the monitored barrier go to a private Gloo group of the same
+// ranks: pycomm's transports move fixed-size data in collective lock-step,
+// and those calls are not fixed-size collectives.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -58,6 +59,8 @@ class C10dBackend : public c10d::Backend {
                                            const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                      const c10d::AllreduceCoalescedOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
@@ -66,6 +69,9 @@ class C10dBackend : public c10d::Backend {
                                            const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                  std::vector<at::Tensor>& inputs,
                                                                  const c10d::AllgatherOptions& opts) override;
@@ -89,6 +95,7 @@ class C10dBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                           const c10d::AllToAllOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
@@ -117,6 +124,8 @@ class C10dBackend : public c10d::Backend {
   std::vector<at::Tensor> rank_list(const std::vector<std::vector<at::Tensor>>& lists, const at::Tensor& like,
                                     const char* what, const char* role);
   int root_of(int64_t root, const char* what);
+  c10::intrusive_ptr<c10d::Work> uneven_all_to_all(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                                   const c10d::AllToAllOptions& opts);
   c10d::Backend& peer(const char* what);
   Algorithm algo(Collective coll) const { return algorithms_[static_cast<int>(coll)]; }
 
