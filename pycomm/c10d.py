@@ -32,7 +32,7 @@ What runs where:
   timeouts say "Timed out waiting <N>ms" as Gloo's do.
 
 The group's timeout (``init_process_group(timeout=...)``) is pycomm's
-timeout. ``PYCOMM_ALGO``, ``PYCOMM_TRANSPORT``, ``PYCOMM_LOCAL_SIZE`` and the
+timeout; a call's own (``dist.barrier(timeout=...)``) bounds that call. ``PYCOMM_ALGO``, ``PYCOMM_TRANSPORT``, ``PYCOMM_LOCAL_SIZE`` and the
 other ``PYCOMM_*`` variables apply as for :class:`pycomm.Communicator`.
 """
 from __future__ import annotations

@@ -411,22 +411,30 @@ def ddp_bool_buffer(rank: int, world: int) -> List[torch.Tensor]:
     return result + [logged]
 
 
-def timeout_words(rank: int, world: int) -> str:
-    """Only rank 0 enters a barrier on a group with a 1 s timeout."""
-    g = dist.new_group(list(range(world)), backend="pycomm", timeout=datetime.timedelta(seconds=1))
+def timeout_words(rank: int, world: int, per_call: bool = False) -> tuple:
+    """Only rank 0 enters a barrier that may wait 1 s: the group's timeout, or
+    (per_call) the barrier's own on a group whose timeout is 60 s.
+    Returns (error, seconds rank 0 waited)."""
+    group_timeout = 60 if per_call else 1
+    g = dist.new_group(list(range(world)), backend="pycomm", timeout=datetime.timedelta(seconds=group_timeout))
     if rank >= world:
-        return ""
-    out = ""
+        return "", 0.0
+    out, waited = "", 0.0
     if rank == 0:
+        t0 = time.monotonic()
         try:
-            dist.barrier(group=g)
+            if per_call:
+                dist.barrier(group=g, timeout=datetime.timedelta(seconds=1))
+            else:
+                dist.barrier(group=g)
             out = "no error"
         except dist.DistBackendError as e:
             out = f"{type(e).__name__}: {e}"
+        waited = time.monotonic() - t0
     else:
         time.sleep(2.5)  # alive, just late: a rank that left would be named as such
     dist.destroy_process_group(g)
-    return out
+    return out, waited
 
 
 def mismatch(rank: int, world: int) -> str:

@@ -75,10 +75,13 @@ def test_ddp_with_a_bool_buffer(pool):
         assert logged == "pycomm"
 
 
-def test_timeouts_speak_torchs_words(pool):
-    """A barrier only rank 0 enters: a DistBackendError saying "Timed out waiting 1000ms", naming the rank."""
-    err = pool.run(c10d_cases.timeout_words, 3)[0]
+@pytest.mark.parametrize("per_call", [False, True], ids=["group timeout", "barrier(timeout=)"])
+def test_timeouts_speak_torchs_words(pool, per_call):
+    """A barrier only rank 0 enters: a DistBackendError saying "Timed out waiting 1000ms", naming the
+    rank, after 1 s, whether the group's timeout or the call's own says so."""
+    err, waited = pool.run(c10d_cases.timeout_words, 3, per_call)[0]
     assert err.startswith("CommError") and "Timed out waiting 1000ms" in err and "rank 1" in err, err
+    assert 0.9 < waited < 10, waited  # not the group's 60 s
     import torch.distributed as dist
 
     import pycomm

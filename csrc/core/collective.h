@@ -79,6 +79,10 @@ struct CollectiveDesc {
   uint32_t tag = 0;
   // Compare headers only, move no data: the multi-host entry check.
   bool check_only = false;
+  // How long this call's waits may take, in seconds; 0 keeps the transport's
+  // timeout. c10d's per-call options carry one (barrier(timeout=...)). Not
+  // part of the header: ranks may bound their own waits differently.
+  double timeout_s = 0;
   // The caller already checked that every rank runs this call: a transport
   // may skip its own header exchange (the process-group transport does).
   bool checked = false;

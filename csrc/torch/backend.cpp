@@ -39,6 +39,17 @@ void unpack(const std::vector<at::Tensor>& tensors, const at::Tensor& flat) {
 
 std::string name_of(const char* what) { return std::string("pycomm backend: ") + what; }
 
+// c10d's per-call timeout (each Options.timeout, unset when not positive) in
+// seconds; 0 leaves the group's timeout.
+double call_timeout(std::chrono::milliseconds t) { return t.count() > 0 ? t.count() / 1000.0 : 0.0; }
+
+// The staging of a call that only needs its own timeout carried.
+Staging timed(std::chrono::milliseconds t) {
+  Staging s;
+  s.timeout_s = call_timeout(t);
+  return s;
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------ C10dWork
@@ -170,7 +181,8 @@ c10d::Backend& C10dBackend::peer(const char* what) {
 c10::intrusive_ptr<c10d::Work> C10dBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                       const c10d::BroadcastOptions& opts) {
   const at::Tensor& t = single(tensors, "broadcast");
-  return wrap(comm_->broadcast(t, static_cast<int>(opts.rootRank), algo(Collective::kBroadcast), false, opts.asyncOp),
+  return wrap(comm_->broadcast(t, static_cast<int>(opts.rootRank), algo(Collective::kBroadcast), false, opts.asyncOp,
+                               timed(opts.timeout)),
               c10d::OpType::BROADCAST, "pycomm:broadcast");
 }
 
@@ -179,7 +191,8 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allreduce(std::vector<at::Tensor>& t
   if (tensors.size() == 1 && tensors[0].is_sparse()) return allreduce_sparse(tensors, opts);
   const at::Tensor& t = single(tensors, "all_reduce");
   const RedOp op = reduce_op(opts.reduceOp, "all_reduce");
-  return wrap(comm_->all_reduce(t, t, op, algo(Collective::kAllReduce), false, opts.asyncOp), c10d::OpType::ALLREDUCE,
+  return wrap(comm_->all_reduce(t, t, op, algo(Collective::kAllReduce), false, opts.asyncOp, timed(opts.timeout)),
+              c10d::OpType::ALLREDUCE,
               "pycomm:all_reduce");
 }
 
@@ -202,9 +215,10 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allreduce_coalesced(std::vector<at::
   // An empty call still takes its turn, so a rank that passed tensors
   // where another passed none fails on both.
   if (tensors.empty())
-    return wrap(comm_->barrier(opts.asyncOp), c10d::OpType::ALLREDUCE_COALESCED, "pycomm:all_reduce_coalesced");
+    return wrap(comm_->barrier(opts.asyncOp, call_timeout(opts.timeout)), c10d::OpType::ALLREDUCE_COALESCED,
+                "pycomm:all_reduce_coalesced");
   at::Tensor flat = flat_like(tensors[0], offsets_of(tensors).back());
-  Staging s;
+  Staging s = timed(opts.timeout);
   s.before = [flat, tensors] { pack(flat, tensors); };
   s.after = [flat, tensors] { unpack(tensors, flat); };
   s.keep = tensors;
@@ -219,7 +233,8 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce(std::vector<at::Tensor>& tens
   const at::Tensor& t = single(tensors, "reduce");
   const RedOp op = reduce_op(opts.reduceOp, "reduce");
   const at::Tensor out = root_of(opts.rootRank, "reduce") == getRank() ? t : at::empty_like(t);
-  return wrap(comm_->all_reduce(t, out, op, algo(Collective::kAllReduce), false, opts.asyncOp), c10d::OpType::REDUCE,
+  return wrap(comm_->all_reduce(t, out, op, algo(Collective::kAllReduce), false, opts.asyncOp, timed(opts.timeout)),
+              c10d::OpType::REDUCE,
               "pycomm:reduce");
 }
 
@@ -229,7 +244,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allgather(std::vector<std::vector<at
   const at::Tensor& in = single(inputs, "all_gather");
   const std::vector<at::Tensor> outs = rank_list(outputs, in, "all_gather", "output");
   at::Tensor flat = flat_like(in, in.numel() * getSize());
-  Staging s;
+  Staging s = timed(opts.timeout);
   s.after = [flat, outs] { unpack(outs, flat); };
   s.keep = outs;
   s.result = outs;
@@ -239,7 +254,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allgather(std::vector<std::vector<at
 
 c10::intrusive_ptr<c10d::Work> C10dBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                             const c10d::AllgatherOptions& opts) {
-  return wrap(comm_->all_gather(output, input, algo(Collective::kAllGather), false, opts.asyncOp),
+  return wrap(comm_->all_gather(output, input, algo(Collective::kAllGather), false, opts.asyncOp, timed(opts.timeout)),
               c10d::OpType::_ALLGATHER_BASE,
               "pycomm:all_gather_into_tensor");
 }
@@ -262,12 +277,13 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allgather_coalesced(std::vector<std:
       comm_->reject(name_of("all_gather_coalesced") +
                     ": every output list must match the inputs tensor for tensor (count and dtype)");
   }
-  if (inputs.empty()) return wrap(comm_->barrier(opts.asyncOp), c10d::OpType::ALLGATHER_COALESCED,
-                                  "pycomm:all_gather_coalesced");
+  if (inputs.empty())
+    return wrap(comm_->barrier(opts.asyncOp, call_timeout(opts.timeout)), c10d::OpType::ALLGATHER_COALESCED,
+                "pycomm:all_gather_coalesced");
   const int64_t total = offsets_of(inputs).back();
   at::Tensor flat_in = flat_like(inputs[0], total);
   at::Tensor flat_out = flat_like(inputs[0], total * getSize());
-  Staging s;
+  Staging s = timed(opts.timeout);
   s.before = [flat_in, inputs] { pack(flat_in, inputs); };
   s.after = [flat_out, outputs, total] {
     for (size_t r = 0; r < outputs.size(); ++r) unpack(outputs[r], flat_out.narrow(0, r * total, total));
@@ -287,12 +303,14 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allgather_into_tensor_coalesced(std:
   // All pairs in one all-gather: rank r's block of the flat output holds
   // every input of rank r, back to back.
   check_coalesced(inputs, outputs, "all_gather_into_tensor_coalesced");
-  if (inputs.empty()) return wrap(comm_->barrier(opts.asyncOp), c10d::OpType::COALESCED, "pycomm:all_gather_coalesced");
+  if (inputs.empty())
+    return wrap(comm_->barrier(opts.asyncOp, call_timeout(opts.timeout)), c10d::OpType::COALESCED,
+                "pycomm:all_gather_coalesced");
   const auto off = offsets_of(inputs);
   const int64_t total = off.back();
   at::Tensor flat_in = flat_like(inputs[0], total);
   at::Tensor flat_out = flat_like(inputs[0], total * getSize());
-  Staging s;
+  Staging s = timed(opts.timeout);
   s.before = [flat_in, inputs] { pack(flat_in, inputs); };
   s.after = [flat_out, outputs, off, total, world = getSize()] {
     for (size_t i = 0; i < outputs.size(); ++i) {
@@ -316,7 +334,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::gather(std::vector<std::vector<at::T
   std::vector<at::Tensor> outs;
   if (getRank() == root) outs = rank_list(outputs, in, "gather", "output");
   at::Tensor flat = flat_like(in, in.numel() * getSize());
-  Staging s;
+  Staging s = timed(opts.timeout);
   if (!outs.empty()) {
     s.after = [flat, outs] { unpack(outs, flat); };
     s.keep = outs;
@@ -338,7 +356,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::scatter(std::vector<at::Tensor>& out
   const int64_t n = out.numel();
   at::Tensor flat_in = flat_like(out, n * getSize());
   at::Tensor flat_out = flat_like(out, n * getSize());
-  Staging s;
+  Staging s = timed(opts.timeout);
   if (!ins.empty()) s.before = [flat_in, ins] { pack(flat_in, ins); };
   s.after = [flat_out, out, n, root] { copy_out(out, flat_out, static_cast<int64_t>(root) * n); };
   s.keep = ins;
@@ -356,7 +374,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce_scatter(std::vector<at::Tenso
   const std::vector<at::Tensor> ins = rank_list(inputs, out, "reduce_scatter", "input");
   const int64_t n = out.numel();
   at::Tensor flat = flat_like(out, n * getSize());
-  Staging s;
+  Staging s = timed(opts.timeout);
   s.before = [flat, ins] { pack(flat, ins); };
   s.keep = ins;
   return wrap(comm_->reduce_scatter(out, flat, op, algo(Collective::kReduceScatter), false, opts.asyncOp, std::move(s)),
@@ -366,7 +384,8 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce_scatter(std::vector<at::Tenso
 c10::intrusive_ptr<c10d::Work> C10dBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                  const c10d::ReduceScatterOptions& opts) {
   const RedOp op = reduce_op(opts.reduceOp, "reduce_scatter_tensor");
-  return wrap(comm_->reduce_scatter(output, input, op, algo(Collective::kReduceScatter), false, opts.asyncOp),
+  return wrap(comm_->reduce_scatter(output, input, op, algo(Collective::kReduceScatter), false, opts.asyncOp,
+                                    timed(opts.timeout)),
               c10d::OpType::_REDUCE_SCATTER_BASE, "pycomm:reduce_scatter_tensor");
 }
 
@@ -378,12 +397,13 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce_scatter_tensor_coalesced(std:
   const RedOp op = reduce_op(opts.reduceOp, "reduce_scatter_tensor_coalesced");
   check_coalesced(outputs, inputs, "reduce_scatter_tensor_coalesced");
   if (inputs.empty())
-    return wrap(comm_->barrier(opts.asyncOp), c10d::OpType::COALESCED, "pycomm:reduce_scatter_coalesced");
+    return wrap(comm_->barrier(opts.asyncOp, call_timeout(opts.timeout)), c10d::OpType::COALESCED,
+                "pycomm:reduce_scatter_coalesced");
   const auto off = offsets_of(outputs);
   const int64_t total = off.back();
   at::Tensor flat_in = flat_like(outputs[0], total * getSize());
   at::Tensor flat_out = flat_like(outputs[0], total);
-  Staging s;
+  Staging s = timed(opts.timeout);
   s.before = [flat_in, inputs, off, total, world = getSize()] {
     for (size_t i = 0; i < inputs.size(); ++i) {
       const int64_t n = off[i + 1] - off[i];
@@ -410,7 +430,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::alltoall_base(at::Tensor& output, at
     return true;
   };
   if (even(output_splits, output) && even(input_splits, input))
-    return wrap(comm_->all_to_all(output, input, opts.asyncOp), c10d::OpType::ALLTOALL_BASE,
+    return wrap(comm_->all_to_all(output, input, opts.asyncOp, timed(opts.timeout)), c10d::OpType::ALLTOALL_BASE,
                 "pycomm:all_to_all_single");
   // Uneven splits: every rank knows only its own, so this cannot be one
   // checked collective; Gloo's all-to-all carries it.
@@ -433,7 +453,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::alltoall(std::vector<at::Tensor>& ou
   if (!even) return uneven_all_to_all(outputs, inputs, opts);
   at::Tensor flat_in = flat_like(inputs[0], n * getSize());
   at::Tensor flat_out = flat_like(inputs[0], n * getSize());
-  Staging s;
+  Staging s = timed(opts.timeout);
   s.before = [flat_in, inputs] { pack(flat_in, inputs); };
   s.after = [flat_out, outputs] { unpack(outputs, flat_out); };
   s.keep = inputs;
@@ -463,7 +483,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::uneven_all_to_all(std::vector<at::Te
 }
 
 c10::intrusive_ptr<c10d::Work> C10dBackend::barrier(const c10d::BarrierOptions& opts) {
-  return wrap(comm_->barrier(opts.asyncOp), c10d::OpType::BARRIER, "pycomm:barrier");
+  return wrap(comm_->barrier(opts.asyncOp, call_timeout(opts.timeout)), c10d::OpType::BARRIER, "pycomm:barrier");
 }
 
 void C10dBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {

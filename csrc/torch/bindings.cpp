@@ -281,7 +281,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("recv", &Communicator::recv, py::arg("out"), py::arg("src"), py::arg("tag"), py::arg("async_op"),
            py::call_guard<py::gil_scoped_release>())
-      .def("barrier", &Communicator::barrier, py::arg("async_op"), py::call_guard<py::gil_scoped_release>())
+      .def("barrier", &Communicator::barrier, py::arg("async_op"), py::arg("timeout_s") = 0.0,
+           py::call_guard<py::gil_scoped_release>())
       .def("resolve",
            [](Communicator& c, int coll, int algo, size_t bytes) {
              return c.resolve(to_coll(coll), to_algo(algo), bytes);

@@ -30,7 +30,7 @@ std::string p2p_prefix(Collective coll) { return std::string("pycomm.") + collec
 
 // What a point-to-point message's waits report and how long they may take.
 OpContext p2p_context(Collective coll, uint64_t seq, double timeout_s) {
-  return OpContext{coll, seq, 0, deadline_after(timeout_s)};
+  return OpContext{coll, seq, 0, deadline_after(timeout_s), timeout_s};
 }
 
 TopologyConfig topology_of(const CommunicatorOptions& o) {
@@ -226,6 +226,7 @@ std::shared_ptr<Work> Communicator::launch(Collective coll, RedOp op, int root, 
   if (!staging.result.empty()) work->outputs_ = std::move(staging.result);
   work->before_ = std::move(staging.before);
   work->after_ = std::move(staging.after);
+  work->desc_.timeout_s = staging.timeout_s;
   return submit(std::move(work), async_op);
 }
 
@@ -285,10 +286,11 @@ std::shared_ptr<Work> Communicator::all_to_all(const at::Tensor& output, const a
                 std::move(staging));
 }
 
-std::shared_ptr<Work> Communicator::barrier(bool async_op) {
+std::shared_ptr<Work> Communicator::barrier(bool async_op, double timeout_s) {
   auto work = std::make_shared<Work>();
   work->desc_.coll = Collective::kBarrier;
   work->desc_.algo = Algorithm::kOneShot;
+  work->desc_.timeout_s = timeout_s;
   return submit(std::move(work), async_op);
 }
 

@@ -64,7 +64,8 @@ class Communicator {
                                   bool async_op, Staging staging = {});
   std::shared_ptr<Work> all_to_all(const at::Tensor& output, const at::Tensor& input, bool async_op,
                                    Staging staging = {});
-  std::shared_ptr<Work> barrier(bool async_op);
+  // `timeout_s` > 0 bounds this barrier's waits instead of the timeout.
+  std::shared_ptr<Work> barrier(bool async_op, double timeout_s = 0);
 
   // Point-to-point, between ranks of one host (shared memory). Unlike
   // collectives these involve two ranks only and do not take a sequence

@@ -28,12 +28,15 @@ namespace pycomm {
 // Both run on the thread that runs the collective, in its turn, so they see
 // the data as it is when the op runs, like every other input. `keep` stays
 // alive until the op completes; `result`, when not empty, is what the Work's
-// future holds instead of the flat output.
+// future holds instead of the flat output. `timeout_s`, when positive,
+// bounds this call's waits instead of the communicator's timeout (c10d's
+// per-call Options.timeout).
 struct Staging {
   std::function<void()> before;
   std::function<void()> after;
   std::vector<at::Tensor> keep;
   std::vector<at::Tensor> result;
+  double timeout_s = 0;
 };
 
 class Work {

@@ -119,6 +119,7 @@ CollectiveDesc step_desc(Collective coll, const CollectiveDesc& outer, uint64_t 
   d.op = inner_op(outer.op);
   d.root = root;
   d.count = count;
+  d.timeout_s = outer.timeout_s;
   d.input = in;
   d.output = out;
   return d;

@@ -158,7 +158,7 @@ void ShmChannels::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* waite
                   &next_liveness, ready, [&] {
                     std::ostringstream os;
                     os << "pycomm: " << collective_name(ctx.coll) << " #" << ctx.seq << " on rank "
-                       << shm_.name(shm_.rank_) << ": " << timed_out_waiting(shm_.timeout()) << " for rank "
+                       << shm_.name(shm_.rank_) << ": " << timed_out_waiting(ctx.timeout_s) << " for rank "
                        << shm_.name(peer) << " (" << what << ")";
                     return os.str();
                   });

@@ -144,7 +144,7 @@ void PgTransport::wait(TransferPtr& work, int peer, const char* what, const Ctx&
   std::ostringstream os;
   os << "pycomm: " << collective_name(ctx.desc->coll) << " #" << ctx.seq;
   if (std::chrono::steady_clock::now() >= ctx.deadline) {
-    os << " on rank " << name(rank_) << ": " << timed_out_waiting(timeout()) << " for rank " << name(peer) << " ("
+    os << " on rank " << name(rank_) << ": " << timed_out_waiting(ctx.timeout_s) << " for rank " << name(peer) << " ("
        << what << ")";
   } else {
     os << " failed on rank " << name(rank_) << " while waiting for rank " << name(peer) << " (" << what
@@ -162,9 +162,10 @@ void PgTransport::run(const CollectiveDesc& desc, uint64_t seq) {
   ctx.desc = &desc;
   ctx.seq = seq;
   ctx.op = ops_++;
+  ctx.timeout_s = desc.timeout_s > 0 ? desc.timeout_s : timeout();
   ctx.deadline = std::chrono::steady_clock::now() +
                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                     std::chrono::duration<double>(timeout()));
+                     std::chrono::duration<double>(ctx.timeout_s));
   try {
     if (!desc.checked && world_ > 1) exchange_headers(ctx);
     if (!desc.check_only) execute(ctx);

@@ -96,6 +96,7 @@ class PgTransport : public Transport {
     uint64_t seq;
     uint64_t op;
     std::chrono::steady_clock::time_point deadline;
+    double timeout_s;  // what `deadline` was set from, for the messages
   };
 
   void exchange_headers(const Ctx& ctx);

@@ -359,7 +359,7 @@ void ShmTransport::wait_on(std::atomic<uint32_t>* word, int peer, const OpContex
           if (slot.call.op > last->call.op) last = &slot;
         std::ostringstream os;
         os << "pycomm: " << collective_name(ctx.coll) << " #" << ctx.seq << " on rank " << name(rank_) << ": "
-           << timed_out_waiting(timeout()) << " for rank " << name(peer) << " (" << what << "); rank "
+           << timed_out_waiting(ctx.timeout_s) << " for rank " << name(peer) << " (" << what << "); rank "
            << name(peer) << " last entered collective #" << last->call.seq;
         return os.str();
       });
@@ -425,7 +425,8 @@ void ShmTransport::run(const CollectiveDesc& desc, uint64_t seq) {
   ctx.coll = desc.coll;
   ctx.seq = seq;
   ctx.op = ++ops_;  // from 1: a slot never written reads as op 0
-  ctx.deadline = deadline_after(timeout());
+  ctx.timeout_s = desc.timeout_s > 0 ? desc.timeout_s : timeout();
+  ctx.deadline = deadline_after(ctx.timeout_s);
   publish_header(desc, seq, ctx.op);
   std::vector<bool> checked(world_, false);
   checked[rank_] = true;

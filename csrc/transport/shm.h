@@ -49,6 +49,7 @@ struct OpContext {
   uint64_t seq = 0;  // the communicator's number of the user call
   uint64_t op = 0;   // this transport's operation counter
   std::chrono::steady_clock::time_point deadline;
+  double timeout_s = 0;  // what `deadline` was set from, for the messages
 };
 
 class ShmTransport : public Transport {
