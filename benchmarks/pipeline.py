@@ -19,7 +19,9 @@ throughput: batches per second of a real MLP with pycomm's runner and with
   times. The first step's loss of both runners must agree (#wrong counts
   disagreements).
 p2p (on request): one-way time of a ping-pong between ranks 0 and 1 through
-  pycomm's channel and through gloo's send/recv, with the echo checked.
+  pycomm's channel and through gloo's send/recv, with the echo checked:
+  --p2p-mode barrier (a barrier before each round trip), back-to-back, or
+  idle (the receiver idles 2 ms before each).
 """
 import argparse
 import statistics
@@ -185,7 +187,7 @@ def bench_throughput(comm, p, args):
 
 def bench_p2p(comm, p, args):
     """Ping-pong between ranks 0 and 1: pycomm's channel against gloo's send/recv."""
-    log("\n## point-to-point: ranks 0 and 1, one message each way per iteration (median of "
+    log(f"\n## point-to-point ({args.p2p_mode}): ranks 0 and 1, one message each way per round trip (median of "
         f"{args.steps * args.rounds})")
     log("| size (B) | gloo (us) | pycomm (us) | gloo GB/s | pycomm GB/s | speed-up | #wrong |")
     log("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -218,11 +220,28 @@ def bench_p2p(comm, p, args):
             if rank == 0 and not torch.equal(buf, msg):
                 wrong += 1
             samples = []
-            for _ in range(args.steps * args.rounds):
-                dist.barrier()
-                t0 = time.perf_counter()
-                fn()
-                samples.append(time.perf_counter() - t0)
+            if args.p2p_mode == "barrier":
+                # Each round trip starts after a barrier (includes the barrier's skew).
+                for _ in range(args.steps * args.rounds):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    fn()
+                    samples.append(time.perf_counter() - t0)
+            else:
+                # Back to back: batches of round trips with nothing in between; "idle": before each
+                # round trip rank 1 idles 2 ms (as between pipeline hops) and rank 0 waits as long,
+                # so the receiver has gone to sleep when the message comes.
+                idle = args.p2p_mode == "idle"
+                reps = 1 if idle else 20
+                for _ in range(args.steps * args.rounds):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(reps):
+                        if idle:
+                            time.sleep(0.002)
+                            t0 = time.perf_counter()
+                        fn()
+                    samples.append((time.perf_counter() - t0) / reps)
             times[name] = statistics.median(samples) / 2  # one way
         wrong = sum(gather(wrong))
         g, o = times["gloo"], times["pycomm"]
@@ -241,6 +260,9 @@ def main():
     ap.add_argument("--sleep-ms", default="10,40", help="bubble: forward times per micro-batch (ms, comma-separated)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--p2p-mode", default="barrier", choices=["barrier", "back-to-back", "idle"],
+                    help="p2p: a barrier before each round trip, round trips back to back, or the "
+                         "receiver idle 2 ms before each")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
