@@ -13,9 +13,7 @@ tests torch reserves for Gloo), and the reverse::
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 from typing import Dict, List, Tuple
@@ -30,19 +28,13 @@ GATES: List[Tuple[str, List[str]]] = [("gloo", []), ("mpi", ["-k", "all_to_all"]
 
 def run_backend(backend: str, world: int, patterns: List[str], timeout: int) -> Tuple[Dict[str, dict], float]:
     """Every selected test on one backend, both gates; (records by test, wall seconds)."""
-    env = dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR", OMP_NUM_THREADS="1")
     records: Dict[str, dict] = {}
     t0 = time.time()
     for gate, select in GATES:
-        cmd = [sys.executable, os.path.join(TESTS, "torch_suite.py"), "--backend", backend, "--world-size",
-               str(world), "--gate", gate, "--timeout", str(timeout), *select]
+        args = ["--gate", gate, *select]
         for p in patterns:
-            cmd += ["-k", p]
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if p.returncode != 0:
-            raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
-        for line in p.stdout.splitlines():
-            rec = json.loads(line)
+            args += ["-k", p]
+        for rec in torch_suite.launch(backend, world, args, test_timeout=timeout).values():
             # A test both gates select (all_to_all ones): the run that did not skip it, and a pass if
             # either passed it.
             old = records.get(rec["test"])

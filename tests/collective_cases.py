@@ -164,3 +164,32 @@ def matrix_failures(per_rank: List[List[Tuple[str, Optional[str], str]]]) -> Lis
         if len(digests) != 1:
             failures.append(f"{key}: ranks disagree bitwise")
     return failures
+
+
+# The reduce kernel's contract, shared by the kernel tests and the c10d dtype sweep.
+COMBINE = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum, "product": torch.mul,
+           "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
+
+
+def reduce_ops(dtype):
+    """The ops the kernel takes for `dtype` (the core's check_reducible)."""
+    ops = ["sum", "max", "min", "product"]
+    return ops + (["avg"] if dtype.is_floating_point else ["band", "bor", "bxor"])
+
+
+def reduce_reference(xs, op):
+    """What every rank must compute: sources combined in list order, 16-bit floats in float32, rounded once;
+    bools as 0/1 with sum and max meaning OR, product and min AND."""
+    if xs[0].dtype == torch.bool:
+        acc = xs[0].clone()
+        for x in xs[1:]:
+            acc = acc | x if op in ("sum", "max") else acc & x if op in ("product", "min") else COMBINE[op](acc, x)
+        return acc
+    acc_dtype = torch.float32 if xs[0].dtype in (torch.float16, torch.bfloat16) else xs[0].dtype
+    acc = xs[0].to(acc_dtype)
+    for x in xs[1:]:
+        acc = COMBINE[op](acc, x.to(acc_dtype))
+    out = acc.to(xs[0].dtype)
+    if op == "avg":
+        out = (out.to(acc_dtype) / len(xs)).to(xs[0].dtype)
+    return out

@@ -12,6 +12,8 @@ import torch
 import pycomm
 from pycomm import compression as C
 
+from collective_cases import reduce_ops, reduce_reference
+
 torch.set_num_threads(1)
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
@@ -348,34 +350,6 @@ def test_ops_are_registered_torch_operators():
 
 REDUCE_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8,
                  torch.int8, torch.bool]
-COMBINE = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum, "product": torch.mul,
-           "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
-
-
-def reduce_ops(dtype):
-    """The ops the kernel takes for `dtype` (the core's check_reducible)."""
-    ops = ["sum", "max", "min", "product"]
-    return ops + (["avg"] if dtype.is_floating_point else ["band", "bor", "bxor"])
-
-
-def reduce_reference(xs, op):
-    """What every rank must compute: sources combined in list order, 16-bit floats in float32, rounded once;
-    bools as 0/1 with sum and max meaning OR, product and min AND."""
-    if xs[0].dtype == torch.bool:
-        acc = xs[0].clone()
-        for x in xs[1:]:
-            acc = acc | x if op in ("sum", "max") else acc & x if op in ("product", "min") else COMBINE[op](acc, x)
-        return acc
-    acc_dtype = torch.float32 if xs[0].dtype in (torch.float16, torch.bfloat16) else xs[0].dtype
-    acc = xs[0].to(acc_dtype)
-    for x in xs[1:]:
-        acc = COMBINE[op](acc, x.to(acc_dtype))
-    out = acc.to(xs[0].dtype)
-    if op == "avg":
-        out = (out.to(acc_dtype) / len(xs)).to(xs[0].dtype)
-    return out
-
-
 def reduce_inputs(dtype, nsrc, n, seed):
     g = gen(seed)
     if dtype.is_floating_point:
@@ -414,7 +388,8 @@ def test_reduce_op_bad_input():
         (([x, torch.randn(9)],), "dtype and shape"),
         (([x, x.double()],), "dtype and shape"),
         (([torch.ones(8, dtype=torch.int32)] * 2, "avg"), "floating-point"),
-        (([torch.ones(8, dtype=torch.complex64)] * 2,), "reductions take floating, int8, uint8, int32, int64 and bool"),
+        (([torch.ones(8, dtype=torch.complex64)] * 2,),
+         "reductions take float32, float64, float16, bfloat16, int32, int64, uint8, int8 and bool tensors, got complex64"),
         (([torch.randn(8, 2).t()] * 2,), "contiguous"),
     ):
         with pytest.raises(RuntimeError, match=msg):

@@ -3,9 +3,7 @@ Gloo passes on pycomm (apart from the monitored_barrier tests torch itself
 reserves for Gloo). Gloo runs the whole CPU suite first; pycomm then runs
 the tests Gloo passed. The full run over worlds 2, 3, 4 and 8 is
 benchmarks/torch_suite.py."""
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -17,14 +15,8 @@ import torch_suite  # noqa: E402
 pytest.importorskip("expecttest")  # torch's test base needs it
 
 
-def _run(backend, extra, tmp_path, timeout=600):
-    env = dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR", OMP_NUM_THREADS="1",
-               TORCH_SUITE_LOG=str(tmp_path / f"{backend}.log"))
-    p = subprocess.run([sys.executable, os.path.join(HERE, "torch_suite.py"), "--backend", backend,
-                        "--world-size", "2", "--timeout", "60", *extra],
-                       env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return {r["test"]: r for r in map(json.loads, p.stdout.splitlines())}
+def _run(backend, extra, tmp_path):
+    return torch_suite.launch(backend, 2, extra, test_timeout=60, log=str(tmp_path / f"{backend}.log"), timeout=600)
 
 
 def test_every_test_gloo_passes_passes_on_pycomm(tmp_path):

@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 import traceback
@@ -168,6 +169,21 @@ def run(backend: str, world_size: int, patterns: List[str], test_timeout: int = 
         records.append(rec)
         out.write(json.dumps(rec) + "\n")
     return records
+
+
+def launch(backend: str, world_size: int, args: List[str], test_timeout: int = 120,
+           log: str = os.devnull, timeout: Optional[float] = None) -> Dict[str, Dict[str, object]]:
+    """Runs this script in a fresh process (its ranks fork from that one, not
+    from the caller) with `args`; returns its records by test name. Raises
+    RuntimeError, with the process's stderr, if it fails."""
+    env = dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR", OMP_NUM_THREADS="1", TORCH_SUITE_LOG=log)
+    cmd = [sys.executable, os.path.abspath(__file__), "--backend", backend, "--world-size", str(world_size),
+           "--timeout", str(test_timeout), *args]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                       cwd=os.path.dirname(log) if log != os.devnull else None)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
+    return {r["test"]: r for r in map(json.loads, p.stdout.splitlines())}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

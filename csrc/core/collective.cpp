@@ -26,12 +26,30 @@ const char* redop_name(RedOp op) {
   return "?";
 }
 
+namespace {
+
+// "float32, float64, ... and bool": the dtypes reductions take, from the table.
+std::string reducible_names() {
+  std::string names;
+  int last = -1;
+  for (int i = 0; i <= kLastDType; ++i)
+    if (kDTypes[i].kind != DTypeKind::kCopyOnly) last = i;
+  for (int i = 0; i <= kLastDType; ++i) {
+    if (kDTypes[i].kind == DTypeKind::kCopyOnly) continue;
+    if (!names.empty()) names += i == last ? " and " : ", ";
+    names += kDTypes[i].name;
+  }
+  return names;
+}
+
+}  // namespace
+
 std::string check_reducible(DType t, RedOp op) {
   const std::string head = std::string("op=") + redop_name(op) + " ";
   switch (dtype_kind(t)) {
     case DTypeKind::kCopyOnly:
-      return std::string("reductions take floating, int8, uint8, int32, int64 and bool tensors, got ") +
-             dtype_name(t) + " (copies such as broadcast and all_gather take every dtype)";
+      return "reductions take " + reducible_names() + " tensors, got " + dtype_name(t) +
+             " (copies such as broadcast and all_gather take every dtype)";
     case DTypeKind::kFloating:
       if (op == RedOp::kBand || op == RedOp::kBor || op == RedOp::kBxor)
         return head + "needs an integral or bool tensor, got " + dtype_name(t);
