@@ -7,8 +7,9 @@ from torch import nn
 
 import pipeline_cases
 from harness import RankPool
-from pycomm.pipeline import (Action, bubble_theory, gpipe, one_f_one_b, partition, simulate, stage_layers,
-                             validate)
+from pycomm.pipeline import (Action, bubble_theory, get_schedule, gpipe, interleaved_1f1b, one_f_one_b, partition,
+                             plans, simulate, split_weights, stage_layers, stages_of, validate, zb_h1, zbv,
+                             zero_bubble_theory)
 
 # ------------------------------------------------ schedules (no processes)
 
@@ -43,10 +44,16 @@ def test_schedule_shapes():
 def test_bad_schedules_are_caught():
     with pytest.raises(ValueError, match="before its forward"):
         validate([Action("B", 0), Action("F", 0)], 1, 0)
-    with pytest.raises(ValueError, match="expected 4"):
+    with pytest.raises(ValueError, match="runs 1 F actions, expected 2"):
         validate([Action("F", 0), Action("B", 0)], 2, 0)
-    with pytest.raises(ValueError, match="out of micro-batch order"):
-        validate([Action("F", 1), Action("F", 0), Action("B", 0), Action("B", 1)], 2, 0)
+    with pytest.raises(ValueError, match="before its backward"):
+        validate([Action("F", 0), Action("W", 0), Action("B", 0)], 1, 0)
+    with pytest.raises(ValueError, match="appears twice"):
+        validate([Action("F", 0), Action("B", 0), Action("W", 0), Action("W", 0)], 1, 0)
+    with pytest.raises(ValueError, match="ranks 0 and 1"):
+        simulate(lambda p, m, r: [Action("F", 0, 0), Action("B", 0, 0)], 2, 1)
+    with pytest.raises(ValueError, match="stages must be 0..S-1"):
+        simulate(lambda p, m, r: [Action("F", 0, 2 * r), Action("B", 0, 2 * r)], 2, 1)
 
     def backwards_first_on_last_stage(p, m, s):
         # The last stage waits for a forward the first stage runs only after its backwards.
@@ -56,6 +63,74 @@ def test_bad_schedules_are_caught():
         simulate(backwards_first_on_last_stage, 2, 2)
     with pytest.raises(ValueError, match="num_microbatches"):
         gpipe(2, 0, 0)
+
+
+V_SCHEDULES = [("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("interleaved-zb", 2), ("zbv", 2)]
+
+
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)] + V_SCHEDULES)
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16])
+def test_every_schedule_is_valid_and_never_deadlocks(name, v, p, m):
+    fn = get_schedule(name, None if v == 1 else v)
+    all_plans = plans(fn, p, m)
+    for r, plan in enumerate(all_plans):
+        validate(plan, m, r)
+        assert sorted({a.stage for a in plan}) == stages_of(fn, p, r)
+        assert len({a.stage for a in plan}) == v
+    sim = simulate(fn, p, m)  # raises on a deadlock
+    assert sim.makespan >= 3 * m * v - 1e-9  # each rank computes v*m*(F+B)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("m_per_p", [1, 2, 4])
+@pytest.mark.parametrize("v", [2, 3, 4])
+def test_interleaved_1f1b_reaches_its_bubble(p, m_per_p, v):
+    m = p * m_per_p
+    # A chunk is 1/v of a stage: forward 1/v, backward 2/v.
+    sim = simulate(get_schedule("interleaved-1f1b", v), p, m, forward_time=1.0 / v, backward_time=2.0 / v)
+    assert sim.bubble == pytest.approx(bubble_theory(p, m, v))
+    one = simulate(one_f_one_b, p, m)
+    assert sim.idle == pytest.approx(one.idle / v)  # 1/v of 1F1B's idle time
+    # Megatron's memory: rank r holds at most 2(p-r-1) + (v-1)p + 1 chunks.
+    assert sim.peak_in_flight == [min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1) for r in range(p)]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("m_per_p", [1, 2, 4])
+def test_zero_bubble_schedules_reach_their_bubble_at_1f1b_memory(p, m_per_p):
+    m = p * m_per_p
+    one = simulate(one_f_one_b, p, m, forward_time=1.0, backward_time=2.0)
+    zb = simulate(zb_h1, p, m, forward_time=1.0, backward_time=2.0, weight_time=1.0)  # F = B = W
+    assert zb.bubble == pytest.approx(zero_bubble_theory(p, m))
+    assert zb.idle == pytest.approx(one.idle / 3)
+    # Rank r holds p - r micro-batches waiting for B and up to r waiting for W: 1F1B's peak, p.
+    assert max(zb.peak_in_flight) == max(one.peak_in_flight) == p
+    izb = simulate(get_schedule("interleaved-zb", 2), p, m, forward_time=0.5, backward_time=1.0)
+    assert izb.bubble == pytest.approx(zero_bubble_theory(p, m, 2))
+    # ZB-V: both chunks of a rank at most 2p half-stage activations, i.e. 1F1B's peak;
+    # never worse than ZB-H1.
+    v = simulate(zbv, p, m, forward_time=0.5, backward_time=1.0)
+    assert max(v.peak_in_flight) <= 2 * p
+    assert v.bubble <= zb.bubble + 1e-9
+
+
+def test_new_schedule_shapes():
+    A = Action
+    assert interleaved_1f1b(2, 2, 0) == [A("F", 0, 0), A("F", 1, 0), A("F", 0, 2), A("F", 1, 2), A("B", 0, 2),
+                                         A("B", 1, 2), A("B", 0, 0), A("B", 1, 0)]
+    assert zb_h1(2, 2, 0) == [A("F", 0), A("F", 1), A("B", 0), A("W", 0), A("B", 1), A("W", 1)]
+    assert split_weights([A("F", 0), A("B", 0), A("F", 1), A("B", 1)], 1) == [A("F", 0), A("B", 0), A("F", 1),
+                                                                              A("B", 1), A("W", 0), A("W", 1)]
+    assert stages_of(get_schedule("zbv"), 4, 0) == [0, 7] and stages_of(get_schedule("zbv"), 4, 3) == [3, 4]
+    assert stages_of(get_schedule("interleaved-1f1b", 3), 4, 1) == [1, 5, 9]
+    assert zbv(1, 1, 0) == [A("F", 0, 0), A("F", 0, 1), A("B", 0, 1), A("B", 0, 0), A("W", 0, 1), A("W", 0, 0)]
+    with pytest.raises(ValueError, match="runs 1 stage"):
+        get_schedule("1f1b", 2)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        get_schedule("dualpipe")
+    with pytest.raises(ValueError, match="virtual_stages must be"):
+        get_schedule("interleaved-1f1b", 0)
 
 
 def test_partition_and_stage_layers():
@@ -118,18 +193,23 @@ def test_p2p_errors_reach_both_ranks(pool):
 
 @pytest.mark.parametrize("num_stages", [1, 2, 4])
 def test_pipeline_matches_single_process(pool, num_stages):
+    """Every schedule, with one and two stages per rank, against one process (float64)."""
     res = pool.run(pipeline_cases.pipeline_matches, num_stages, pool.new_name("pipem"))
-    cases = 0
+    cases, params = 0, 0
     for rank in range(num_stages):
         for case in res[rank]:
             assert case["has_grads"], (rank, case)
             assert case["grad_rel_err"] < 1e-10, (rank, case)
-            if rank == num_stages - 1:
+            if case["last"]:
                 assert case["loss_err"] < 1e-12, case
             else:
                 assert case["loss_err"] is None
             cases += 1
-    assert cases == num_stages * 16
+            params += case["compared"]
+    per_rank = len(pipeline_cases.SCHEDULES) * 5 * 2
+    assert cases == num_stages * per_rank
+    # Every parameter of the model was compared, once per case.
+    assert params == per_rank * 14
 
 
 def test_pp_dp_2x2_matches_single_process_training(pool):

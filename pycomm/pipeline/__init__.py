@@ -1,4 +1,5 @@
-"""A small pipeline-parallel runner over pycomm: GPipe and 1F1B.
+"""A small pipeline-parallel runner over pycomm: GPipe, 1F1B, interleaved
+1F1B and zero-bubble schedules (ZB-H1, interleaved, ZB-V).
 
 Example::
 
@@ -8,10 +9,13 @@ Example::
     loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
 """
 from .gpipe import gpipe
+from .interleaved import interleaved_1f1b
 from .one_f_one_b import one_f_one_b
-from .runner import SCHEDULES, Pipeline, grid
-from .schedule import Action, Simulation, bubble_theory, simulate, validate
+from .runner import SCHEDULES, Pipeline, get_schedule, grid, stages_of
+from .schedule import (Action, Simulation, bubble_theory, list_schedule, placement, plans, simulate, validate,
+                       zero_bubble_theory)
 from .stage import StageModule, partition, stage_layers
+from .zero_bubble import interleaved_zero_bubble, split_weights, zb_h1, zbv
 
 __all__ = [
     "Action",
@@ -20,11 +24,22 @@ __all__ = [
     "Simulation",
     "StageModule",
     "bubble_theory",
+    "get_schedule",
     "gpipe",
     "grid",
+    "interleaved_1f1b",
+    "interleaved_zero_bubble",
+    "list_schedule",
     "one_f_one_b",
     "partition",
+    "placement",
+    "plans",
     "simulate",
+    "split_weights",
     "stage_layers",
+    "stages_of",
     "validate",
+    "zb_h1",
+    "zbv",
+    "zero_bubble_theory",
 ]

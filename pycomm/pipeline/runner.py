@@ -10,6 +10,7 @@ while the last one travels.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -22,13 +23,61 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 from .._loader import CommError
 from ..communicator import Communicator
 from .gpipe import gpipe
+from .interleaved import interleaved_1f1b
 from .one_f_one_b import one_f_one_b
-from .schedule import Schedule, validate
+from .schedule import Schedule, placement, plans, split_backward, validate
 from .stage import Layer, stage_layers
+from .zero_bubble import interleaved_zero_bubble, zb_h1, zbv
 
 logger = logging.getLogger("pycomm.pipeline")
 
-SCHEDULES: Dict[str, Schedule] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+# name -> (schedule, chunks per rank it takes: None for any v >= 1, else the only value)
+SCHEDULES: Dict[str, Tuple[Callable[..., List[Any]], Optional[int]]] = {
+    "gpipe": (gpipe, 1),
+    "1f1b": (one_f_one_b, 1),
+    "interleaved-1f1b": (interleaved_1f1b, None),
+    "zb-h1": (zb_h1, 1),
+    "interleaved-zb": (interleaved_zero_bubble, None),
+    "zbv": (zbv, 2),
+}
+
+
+def get_schedule(schedule: Union[str, Schedule], virtual_stages: Optional[int] = None) -> Schedule:
+    """The schedule function for a name of :data:`SCHEDULES` (with
+    ``virtual_stages`` chunks per rank where the schedule takes it), or
+    ``schedule`` itself when it is already a function.
+
+    Example::
+
+        get_schedule("interleaved-1f1b", virtual_stages=2)(4, 8, 0)   # rank 0's actions
+    """
+    if not isinstance(schedule, str):
+        if virtual_stages not in (None, 1):
+            raise ValueError("virtual_stages goes with a schedule name; a schedule function places its own stages")
+        return schedule
+    name = schedule.lower()
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)} or a function")
+    fn, only = SCHEDULES[name]
+    if only is not None:
+        if virtual_stages not in (None, only):
+            raise ValueError(f"schedule {name!r} runs {only} stage(s) per rank, not virtual_stages={virtual_stages}")
+        return fn
+    v = 2 if virtual_stages is None else virtual_stages
+    if type(v) is not int or v < 1:
+        raise ValueError(f"virtual_stages must be an int >= 1, got {virtual_stages!r}")
+    return functools.partial(fn, virtual_stages=v)
+
+
+def stages_of(schedule: Schedule, num_ranks: int, rank: int) -> List[int]:
+    """The global stages ``rank`` holds under ``schedule`` (ascending).
+
+    Example::
+
+        stages_of(get_schedule("zbv"), 4, 0)   # [0, 7]: the V's two ends
+    """
+    owner = placement(plans(schedule, num_ranks, 1))
+    return [s for s, r in enumerate(owner) if r == rank]
 
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -56,9 +105,9 @@ class _MemoryTracker:
         self.param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
         self.live = 0
         self.peak = 0
-        self.per_mb: Dict[int, int] = {}
+        self.per_mb: Dict[Any, int] = {}
 
-    def hooks(self, mb: int):
+    def hooks(self, mb: Any):
         seen = set()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -76,27 +125,78 @@ class _MemoryTracker:
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
-    def release(self, mb: int) -> None:
+    def release(self, mb: Any) -> None:
         self.live -= self.per_mb.pop(mb, 0)
 
 
-class Pipeline:
-    """Runs this rank's stage of a pipeline.
+class _Segment:
+    """One layer of a stage whose backward is split: its inputs that need a
+    gradient, its outputs, and its trainable parameters."""
 
-    Rank ``i`` of ``comm`` runs stage ``i``. Every rank calls :meth:`step`
-    once per batch: the first stage with the inputs, the last with the
-    targets (a one-stage pipeline with both), the others with nothing. The
-    last stage returns the batch's loss; gradients accumulate into the stage's
-    parameters exactly as ``loss_fn(model(inputs), targets).backward()`` on
-    one process would put them (micro-batch losses are weighted by their share
-    of the batch); call your optimizer after it, as usual.
+    __slots__ = ("ins", "outs", "leaves", "params")
+
+    def __init__(self, ins: List[torch.Tensor], outs: List[torch.Tensor], params: List[torch.Tensor]) -> None:
+        self.ins, self.outs, self.params = ins, outs, params
+        # The new leaves the next layer took in place of ``outs`` (None where no gradient flows).
+        self.leaves: List[Optional[torch.Tensor]] = [o.detach().requires_grad_() if o.requires_grad else None
+                                                     for o in outs]
+
+
+def _cut_forward(module: nn.Module, xs: Sequence[torch.Tensor]) -> Tuple[Any, List[_Segment]]:
+    """Runs ``module`` layer by layer, cutting autograd's graph between
+    layers (each layer's floating outputs become new leaves), so that a
+    backward can be split per layer: B walks the layers from the last,
+    computing only input gradients; W then computes each layer's weight
+    gradients from the output gradient B left at it (for a Linear, B is
+    g @ W and W is g^T @ x: nothing is computed twice)."""
+    layers = list(module) if isinstance(module, nn.Sequential) else [module]
+    args: Tuple[Any, ...] = tuple(xs)
+    segments: List[_Segment] = []
+    out: Any = None
+    for layer in layers:
+        ins = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        out = layer(*args)
+        outs = _as_list(out)
+        params = [p for p in layer.parameters() if p.requires_grad]
+        seg = _Segment(ins, outs, params)
+        segments.append(seg)
+        args = tuple(o if leaf is None else leaf for o, leaf in zip(outs, seg.leaves))
+        out = args if isinstance(out, tuple) else args[0]
+    return out, segments
+
+
+class _Split:
+    """The state a split backward keeps from F through B to W."""
+
+    __slots__ = ("xs", "rng", "segments", "stash")
+
+    def __init__(self, xs: List[torch.Tensor], rng: Optional[torch.Tensor]) -> None:
+        self.xs, self.rng = xs, rng
+        self.segments: List[_Segment] = []
+        self.stash: List[Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]] = []
+
+
+class Pipeline:
+    """Runs this rank's stages of a pipeline.
+
+    The model is cut into stages: one per rank (GPipe, 1F1B, ZB-H1), or v
+    per rank (``virtual_stages``: interleaved schedules, looped so that rank
+    r holds stages r, r + p, ...; ZB-V, where rank r holds stages r and
+    2p - 1 - r). Every rank calls :meth:`step` once per batch: the rank
+    holding the first stage with the inputs, the rank holding the last with
+    the targets (both on one rank for a one-stage pipeline and for ZB-V's
+    rank 0), the others with nothing. The rank holding the last stage returns
+    the batch's loss; gradients accumulate into the stages' parameters
+    exactly as ``loss_fn(model(inputs), targets).backward()`` on one process
+    would put them (micro-batch losses are weighted by their share of the
+    batch); call your optimizer after it, as usual.
 
     Example::
 
-        comm = pycomm.Communicator()                       # 4 ranks: 4 stages
+        comm = pycomm.Communicator()                       # 4 ranks
         layers = [functools.partial(nn.Linear, 512, 512) for _ in range(16)]
-        pipe = Pipeline(stage_layers(layers, comm.rank, comm.world_size), comm,
-                        num_microbatches=8, schedule="1f1b", loss_fn=nn.functional.mse_loss)
+        pipe = Pipeline.from_layers(layers, comm, num_microbatches=8, schedule="interleaved-1f1b",
+                                    virtual_stages=2, loss_fn=nn.functional.mse_loss)
         opt = torch.optim.SGD(pipe.module.parameters(), lr=0.1)
         for x, y in data:
             opt.zero_grad()
@@ -104,25 +204,35 @@ class Pipeline:
             opt.step()
 
     Args:
-        module: this rank's stage: takes the previous stage's output (a
-            tensor or tuple of tensors), returns its own.
-        comm: the pipeline's communicator (ranks of one host).
+        module: this rank's stage (takes the previous stage's output, a
+            tensor or tuple of tensors, and returns its own), or a list of
+            its stages in ascending stage order when it holds several
+            (:func:`stages_of` says which).
+        comm: the pipeline's communicator; ranks on one host or on several
+            (then messages between hosts travel over its process group).
         num_microbatches: micro-batches per step; the batch is cut along
-            dimension 0 (``torch.tensor_split``), so it needs at least that
-            many rows.
-        schedule: ``"1f1b"`` (default), ``"gpipe"`` or a schedule function
-            (see :mod:`pycomm.pipeline.schedule`).
+            dimension 0 (``torch.tensor_split``: sizes may differ by one),
+            so it needs at least that many rows.
+        schedule: ``"1f1b"`` (default), ``"gpipe"``, ``"interleaved-1f1b"``,
+            ``"zb-h1"``, ``"interleaved-zb"``, ``"zbv"`` or a schedule
+            function (see :mod:`pycomm.pipeline.schedule`).
+        virtual_stages: stages per rank for the interleaved schedules
+            (default 2).
         loss_fn: ``loss_fn(output, target)`` on the last stage; without it
             the last stage's output must be a scalar loss per micro-batch.
         loss_reduction: ``"mean"`` (default: the loss averages over the
             batch, so micro-batch ``k`` weighs ``len_k / len(batch)``) or
             ``"sum"``.
-        checkpoint: recompute the stage's forward during backward instead of
-            keeping its activations (only the stage's inputs are kept).
+        checkpoint: recompute each stage's forward during backward instead
+            of keeping its activations (only the stage's inputs are kept).
         dp_comm: data parallelism: a communicator over the replicas of this
-            stage; each step ends with the stage's gradients averaged over it.
+            rank's stages; each step ends with their gradients averaged over it.
         track_memory: record the bytes of activations kept for backward
             (``stats()["peak_activation_bytes"]``).
+
+    Zero-bubble schedules split a stage's backward per layer (a layer of an
+    ``nn.Sequential`` stage; any other module is one layer): B computes the
+    gradient of each layer's inputs, W later the gradient of its weights.
 
     If any rank's step raises, the runner aborts its communicators with the
     reason, so every rank of the pipeline (and of its replicas) raises
@@ -132,11 +242,12 @@ class Pipeline:
 
     def __init__(
         self,
-        module: nn.Module,
+        module: Union[nn.Module, Sequence[nn.Module]],
         comm: Communicator,
         *,
         num_microbatches: int,
         schedule: Union[str, Schedule] = "1f1b",
+        virtual_stages: Optional[int] = None,
         loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
         loss_reduction: str = "mean",
         checkpoint: bool = False,
@@ -147,42 +258,78 @@ class Pipeline:
             raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        if isinstance(schedule, str):
-            if schedule.lower() not in SCHEDULES:
-                raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)} or a function")
-            schedule = SCHEDULES[schedule.lower()]
-        self.module = module
+        fn = get_schedule(schedule, virtual_stages)
+        p, m, rank = comm.world_size, num_microbatches, comm.rank
+        all_plans = plans(fn, p, m)
+        for r, plan in enumerate(all_plans):
+            validate(plan, m, r)
+        self._owner = placement(all_plans)
         self.comm = comm
         self.dp_comm = dp_comm
-        self.stage: int = comm.rank
-        self.num_stages: int = comm.world_size
+        self.rank: int = rank
+        self.stages: List[int] = [s for s, r in enumerate(self._owner) if r == rank]
+        modules = [module] if isinstance(module, nn.Module) else list(module)
+        if len(modules) != len(self.stages) or not all(isinstance(x, nn.Module) for x in modules):
+            raise ValueError(f"pycomm.pipeline: rank {rank} holds stages {self.stages} under this schedule, so it "
+                             f"needs {len(self.stages)} module(s) in that order, got {len(modules)}")
+        self._modules: Dict[int, nn.Module] = dict(zip(self.stages, modules))
+        self.module: nn.Module = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
+        # ``stage`` names this rank in messages (its first stage; with one stage per rank, its rank).
+        self.stage: int = self.stages[0]
+        self.num_stages: int = len(self._owner)
         self.num_microbatches = num_microbatches
         self.loss_fn = loss_fn
         self.loss_reduction = loss_reduction
         self.checkpoint = checkpoint
-        self.actions = schedule(self.num_stages, num_microbatches, self.stage)
-        validate(self.actions, num_microbatches, self.stage)
-        self._memory = _MemoryTracker(module) if track_memory else None
+        self.actions = all_plans[rank]
+        self._split = split_backward(self.actions)
+        # What this rank receives from each peer, in the order that peer sends it.
+        self._inbox: Dict[int, List[Tuple[int, int, int]]] = {}
+        for src, plan in enumerate(all_plans):
+            if src != rank:
+                self._inbox[src] = [msg[1] for a in plan for msg in [self._message(a)] if msg and msg[0] == rank]
+        self._memory = _MemoryTracker(self.module) if track_memory else None
         self._stats: Dict[str, float] = {"steps": 0}
+
+    def _message(self, a: Any) -> Optional[Tuple[int, Tuple[int, int, int]]]:
+        """Where action ``a``'s result goes, if to another rank: (rank, (kind, stage, micro-batch)),
+        kind 0 for activations into ``stage``, 1 for gradients of ``stage``'s outputs."""
+        if a.op == "F" and a.stage < self.num_stages - 1:
+            return self._owner[a.stage + 1], (0, a.stage + 1, a.microbatch)
+        if a.op == "B" and a.stage > 0:
+            return self._owner[a.stage - 1], (1, a.stage - 1, a.microbatch)
+        return None
+
+    def _tag(self, key: Tuple[int, int, int]) -> int:
+        kind, stage, k = key
+        return ((stage * 2 + kind) * self.num_microbatches + k) % (1 << 32)
 
     @classmethod
     def from_layers(cls, layers: Union[nn.Sequential, Sequence[Layer]], comm: Communicator, *,
-                    balance: Optional[Sequence[int]] = None, **kwargs: Any) -> "Pipeline":
-        """Builds this rank's stage from the whole model's layers (see :func:`stage_layers`).
+                    balance: Optional[Sequence[int]] = None, schedule: Union[str, Schedule] = "1f1b",
+                    virtual_stages: Optional[int] = None, **kwargs: Any) -> "Pipeline":
+        """Builds this rank's stages from the whole model's layers (see :func:`stage_layers`),
+        cut into as many stages as the schedule has (ranks x virtual stages).
 
         Example::
 
             pipe = Pipeline.from_layers(layers, comm, num_microbatches=8, loss_fn=F.cross_entropy)
         """
-        return cls(stage_layers(layers, comm.rank, comm.world_size, balance), comm, **kwargs)
+        fn = get_schedule(schedule, virtual_stages)
+        mine = stages_of(fn, comm.world_size, comm.rank)
+        total = len(placement(plans(fn, comm.world_size, 1)))
+        modules = [stage_layers(layers, s, total, balance) for s in mine]
+        return cls(modules if len(modules) > 1 else modules[0], comm, schedule=fn, **kwargs)
 
     @property
     def is_first(self) -> bool:
-        return self.stage == 0
+        """This rank holds the first stage (it takes the inputs)."""
+        return self._owner[0] == self.rank
 
     @property
     def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
+        """This rank holds the last stage (it takes the targets and returns the loss)."""
+        return self._owner[-1] == self.rank
 
     def stats(self) -> Dict[str, float]:
         """Of the last step: ``step_seconds``, ``compute_seconds`` (forwards and
@@ -196,7 +343,8 @@ class Pipeline:
     # ------------------------------------------------------------------ step
 
     def step(self, inputs: Optional[Tensors] = None, targets: Any = None) -> Optional[torch.Tensor]:
-        """Forward and backward of one batch; returns the loss on the last stage, else None."""
+        """Forward and backward of one batch; returns the loss on the last stage's rank, else None."""
+        self._current = self.stage
         try:
             return self._step(inputs, targets)
         except BaseException as e:
@@ -208,7 +356,7 @@ class Pipeline:
             why = str(error)  # a peer's failure (or ours, already published): pass it on as it is
         else:
             where = f" (rank {dist.get_rank()})" if dist.is_available() and dist.is_initialized() else ""
-            why = (f"pycomm.pipeline: stage {self.stage} of {self.num_stages}{where} raised "
+            why = (f"pycomm.pipeline: stage {self._current} of {self.num_stages}{where} raised "
                    f"{type(error).__name__}: {error}")
         logger.error("%s; aborting the pipeline", why)
         for comm in (self.comm, self.dp_comm):
@@ -220,7 +368,7 @@ class Pipeline:
                 except Exception:  # noqa: BLE001 - already failing; the first reason wins
                     pass
 
-    def _split(self, x: Tensors, what: str) -> List[List[torch.Tensor]]:
+    def _split_batch(self, x: Tensors, what: str) -> List[List[torch.Tensor]]:
         tensors = _as_list(x)
         m = self.num_microbatches
         for t in tensors:
@@ -232,81 +380,109 @@ class Pipeline:
 
     def _step(self, inputs: Optional[Tensors], targets: Any) -> Optional[torch.Tensor]:
         t_start = time.perf_counter()
-        m, comm = self.num_microbatches, self.comm
-        prev, nxt = self.stage - 1, self.stage + 1
+        m, comm, last = self.num_microbatches, self.comm, self.num_stages - 1
         # 1. Inputs and targets, cut into micro-batches.
         if self.is_first:
             if inputs is None:
                 raise ValueError("pycomm.pipeline: the first stage's step() needs the inputs")
-            in_chunks = self._split(inputs, "inputs")
+            in_chunks = self._split_batch(inputs, "inputs")
         elif inputs is not None:
-            raise ValueError(f"pycomm.pipeline: stage {self.stage} got inputs; only stage 0 takes them")
+            raise ValueError(f"pycomm.pipeline: rank {self.rank} got inputs; only the first stage's rank takes them")
         weights = [1.0] * m
         if self.is_last and self.loss_fn is not None:
             if targets is None:
                 raise ValueError("pycomm.pipeline: the last stage's step() needs the targets")
-            parts = self._split(targets, "targets")
+            parts = self._split_batch(targets, "targets")
             tgt_chunks = [c[0] for c in parts] if isinstance(targets, torch.Tensor) else parts
             if self.loss_reduction == "mean":
                 rows = [len(c[0]) for c in parts]
                 weights = [r / sum(rows) for r in rows]
         elif self.is_last and self.loss_reduction == "mean":
             weights = [1.0 / m] * m
-        # 2. Post every receive of the step: activations from the previous
-        #    stage, gradients from the next, each arriving in micro-batch
-        #    order on its own channel while this stage computes.
-        act_recv = [comm.recv(prev, tag=k, async_op=True) for k in range(m)] if not self.is_first else []
-        grad_recv = [comm.recv(nxt, tag=k, async_op=True) for k in range(m)] if not self.is_last else []
+        # 2. Post every receive of the step, per peer in the order that peer
+        #    sends: they complete in the background while this rank computes.
+        inbox: Dict[Tuple[int, int, int], Any] = {}
+        for src, keys in self._inbox.items():
+            for key in keys:
+                inbox[key] = comm.recv(src, tag=self._tag(key), async_op=True)
+        local: Dict[Tuple[int, int, int], List[torch.Tensor]] = {}  # hand-offs between this rank's stages
         sends = []
-        saved: Dict[int, Tuple[List[torch.Tensor], Any]] = {}
+
+        def deliver(key: Tuple[int, int, int], tensors: List[torch.Tensor]) -> None:
+            dst = self._owner[key[1]]
+            if dst == self.rank:
+                local[key] = tensors
+            else:
+                sends.append(comm.send(tensors, dst, tag=self._tag(key), async_op=True))
+
+        def take(key: Tuple[int, int, int]) -> List[torch.Tensor]:
+            if key in local:
+                return local.pop(key)
+            work = inbox.pop(key)
+            work.wait()
+            return work.result()
+
+        saved: Dict[Tuple[int, int], Any] = {}
         losses: List[torch.Tensor] = []
         compute = 0.0
         # 3. Run the schedule.
         for action in self.actions:
-            k = action.microbatch
+            s, k = action.stage, action.microbatch
+            self._current = s
+            split = (s, k) in self._split
             if action.op == "F":
-                if self.is_first:
+                if s == 0:
                     xs = in_chunks[k]
                 else:
-                    act_recv[k].wait()
-                    xs = [t.requires_grad_() if _needs_grad(t) else t for t in act_recv[k].result()]
+                    xs = [t.detach().requires_grad_() if _needs_grad(t) else t for t in take((0, s, k))]
                 t0 = time.perf_counter()
-                out = self._forward(xs, k)
-                if self.is_last:
+                out, state = self._forward(s, xs, k, split)
+                if s == last:
                     loss = out if self.loss_fn is None else self.loss_fn(out, tgt_chunks[k])
                     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                         raise ValueError("pycomm.pipeline: the loss of a micro-batch must be a scalar tensor")
                     loss = loss.reshape(()) * weights[k]
                     losses.append(loss.detach())
-                    saved[k] = (xs, loss)
+                    outs = [loss]
                 else:
                     outs = _as_list(out)
-                    sends.append(comm.send([o.detach() for o in outs], nxt, tag=k, async_op=True))
-                    saved[k] = (xs, outs)
+                    deliver((0, s + 1, k), [o.detach() for o in outs])
+                saved[(s, k)] = (xs, outs, state)
+                compute += time.perf_counter() - t0
+            elif action.op == "B":
+                xs, outs, state = saved[(s, k)] if split else saved.pop((s, k))
+                grads = None if s == last else take((1, s, k))
+                t0 = time.perf_counter()
+                if split:
+                    back = self._input_backward(s, k, outs, grads, state, tgt_chunks[k] if s == last and
+                                                self.loss_fn is not None else None, weights[k])
+                else:
+                    if s == last:
+                        outs[0].backward()
+                    else:
+                        pairs = [(o, g) for o, g in zip([o for o in outs if _needs_grad(o)], grads)
+                                 if o.requires_grad]
+                        if pairs:
+                            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                    back = [x.grad if x.grad is not None else torch.zeros_like(x) for x in xs if _needs_grad(x)]
+                    if self._memory is not None:
+                        self._memory.release((s, k))
+                if s > 0 and back:
+                    deliver((1, s - 1, k), back)
                 compute += time.perf_counter() - t0
             else:
-                xs, result = saved.pop(k)
-                if self.is_last:
-                    t0 = time.perf_counter()
-                    result.backward()
-                else:
-                    grad_recv[k].wait()
-                    grads = grad_recv[k].result()
-                    t0 = time.perf_counter()
-                    pairs = [(o, g) for o, g in zip([o for o in result if _needs_grad(o)], grads) if o.requires_grad]
-                    if pairs:
-                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                _, _, state = saved.pop((s, k))
+                t0 = time.perf_counter()
+                for outs_w, grads_w, params in state.stash:
+                    torch.autograd.backward(outs_w, grads_w, inputs=params)
+                state.stash = []
                 if self._memory is not None:
-                    self._memory.release(k)
-                if not self.is_first:
-                    back = [x.grad if x.grad is not None else torch.zeros_like(x) for x in xs if _needs_grad(x)]
-                    sends.append(comm.send(back, prev, tag=k, async_op=True) if back else None)
+                    self._memory.release((s, k))
                 compute += time.perf_counter() - t0
         # 4. Every send must have left before the buffers it reads go away.
         for work in sends:
-            if work is not None:
-                work.wait()
-        # 5. Data parallelism: average this stage's gradients over its replicas.
+            work.wait()
+        # 5. Data parallelism: average this rank's gradients over its replicas.
         if self.dp_comm is not None and self.dp_comm.world_size > 1:
             t0 = time.perf_counter()
             self._average_gradients()
@@ -316,16 +492,72 @@ class Pipeline:
                            bubble=max(0.0, 1.0 - compute / step) if step > 0 else 0.0)
         return torch.stack(losses).sum() if self.is_last else None
 
-    def _forward(self, xs: List[torch.Tensor], k: int) -> Any:
-        if self._memory is None:
-            return self._call(xs)
-        with self._memory.hooks(k):
-            return self._call(xs)
-
-    def _call(self, xs: List[torch.Tensor]) -> Any:
+    def _forward(self, s: int, xs: List[torch.Tensor], k: int, split: bool) -> Tuple[Any, Optional[_Split]]:
+        module = self._modules[s]
+        if not split:
+            if self._memory is None:
+                return self._call(module, xs), None
+            with self._memory.hooks((s, k)):
+                return self._call(module, xs), None
+        state = _Split(xs, torch.get_rng_state() if self.checkpoint else None)
         if self.checkpoint and torch.is_grad_enabled():
-            return _checkpoint(self.module, *xs, use_reentrant=False)
-        return self.module(*xs)
+            # Keep only the inputs (and the RNG state, for dropout); B recomputes.
+            with torch.no_grad():
+                return module(*xs), state
+        if self._memory is None:
+            out, state.segments = _cut_forward(module, xs)
+        else:
+            with self._memory.hooks((s, k)):
+                out, state.segments = _cut_forward(module, xs)
+        return out, state
+
+    def _input_backward(self, s: int, k: int, outs: List[torch.Tensor], grads: Optional[List[torch.Tensor]],
+                        state: _Split, target: Any, weight: float) -> List[torch.Tensor]:
+        """B of a split backward: input gradients, layer by layer from the last,
+        leaving each layer's (outputs, output gradients, parameters) for W."""
+        last = s == self.num_stages - 1
+        if state.rng is not None:  # checkpointed: recompute the forward, autograd on
+            with torch.random.fork_rng(devices=[]), torch.enable_grad():
+                torch.set_rng_state(state.rng)
+                out, state.segments = _cut_forward(self._modules[s], state.xs)
+                if last:
+                    loss = out if self.loss_fn is None else self.loss_fn(out, target)
+                    outs = [loss.reshape(()) * weight]
+                else:
+                    outs = _as_list(out)
+        segments = state.segments
+        final = [t for t in segments[-1].leaves if t is not None] if segments else []
+        if last:
+            # The loss is a parameter-free layer after the stage's last one.
+            got = torch.autograd.grad(outs, final, allow_unused=True) if final else []
+            current = {id(t): g for t, g in zip(final, got)}
+        else:
+            needs = [o for o in outs if _needs_grad(o)]
+            current = {id(o): g for o, g in zip(needs, grads) if o.requires_grad}
+        for seg in reversed(segments):
+            pairs = [(o, current.get(id(leaf))) for o, leaf in zip(seg.outs, seg.leaves) if leaf is not None]
+            pairs = [(o, g) for o, g in pairs if g is not None]
+            current = {}
+            if not pairs:
+                continue
+            o_list, g_list = [o for o, _ in pairs], [g for _, g in pairs]
+            if seg.ins:
+                got = torch.autograd.grad(o_list, seg.ins, g_list, retain_graph=bool(seg.params), allow_unused=True)
+                current = {id(x): g for x, g in zip(seg.ins, got)}
+            if seg.params:
+                state.stash.append((o_list, g_list, seg.params))
+        state.segments = []
+        back = []
+        for x in state.xs:
+            if _needs_grad(x):
+                g = current.get(id(x))
+                back.append(g if g is not None else torch.zeros_like(x))
+        return back
+
+    def _call(self, module: nn.Module, xs: List[torch.Tensor]) -> Any:
+        if self.checkpoint and torch.is_grad_enabled():
+            return _checkpoint(module, *xs, use_reentrant=False)
+        return module(*xs)
 
     def _average_gradients(self) -> None:
         params = [p for p in self.module.parameters() if p.requires_grad]
