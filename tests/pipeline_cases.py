@@ -34,11 +34,12 @@ def _random(dtype: torch.dtype, shape, gen: torch.Generator) -> torch.Tensor:
 # ------------------------------------------------------- point-to-point
 
 
-def p2p_matrix(rank: int, world: int, name: str, seed: int) -> Dict[str, int]:
+def p2p_matrix(rank: int, world: int, name: str, seed: int, **comm_kwargs) -> Dict[str, int]:
     """Every rank sends every other rank messages of every dtype and shape
     (empty, 0-d, non-contiguous, lists, larger than the ring) and checks what
-    it receives against the sender's generator."""
-    comm = make_comm(rank, world, name, timeout=60)
+    it receives against the sender's generator. ``comm_kwargs`` may put
+    ranks on different (simulated) hosts or force the process group."""
+    comm = make_comm(rank, world, name, timeout=60, **comm_kwargs)
     shapes = [(0,), (), (7,), (3, 5), (2, 3, 4, 5)]
 
     def message(src: int, dst: int) -> List[List[torch.Tensor]]:
@@ -96,10 +97,10 @@ def p2p_crossing_large(rank: int, name: str) -> bool:
     return bool(torch.all(got == float(peer + 1)))
 
 
-def p2p_errors(rank: int, name: str) -> Dict[str, str]:
+def p2p_errors(rank: int, name: str, **comm_kwargs) -> Dict[str, str]:
     """Bad calls raise on the caller with a clear message, and a failed send
     or a tag mismatch reaches the receiver instead of leaving it waiting."""
-    comm = make_comm(rank, 2, name, timeout=30)
+    comm = make_comm(rank, 2, name, timeout=30, **comm_kwargs)
     out: Dict[str, str] = {}
 
     def catch(key, fn):
@@ -196,14 +197,14 @@ def _stage_params(layers, stage, num_stages, balance):
     return list(nn.Sequential(*layers[start:start + balance[stage]]).parameters())
 
 
-def pipeline_matches(rank: int, num_stages: int, name: str, schedules=None) -> List[dict]:
+def pipeline_matches(rank: int, num_stages: int, name: str, schedules=None, **comm_kwargs) -> List[dict]:
     """Loss and every gradient equal the single-process run, for every
     schedule (one and two stages per rank), 1/2/3/4/8 micro-batches (fewer
     than the ranks too), with and without checkpointing, and batches that do
     not divide evenly."""
     if rank >= num_stages:
         return []
-    comm = make_comm(rank, num_stages, name, timeout=60)
+    comm = make_comm(rank, num_stages, name, timeout=60, **comm_kwargs)
     torch.set_default_dtype(torch.float64)
     try:
         results = []
@@ -245,7 +246,7 @@ def pipeline_matches(rank: int, num_stages: int, name: str, schedules=None) -> L
 _GRID: Dict[str, tuple] = {}
 
 
-def pp_dp_matches(rank: int, steps: int) -> dict:
+def pp_dp_matches(rank: int, steps: int, schedule: str = "1f1b", v: int = 1) -> dict:
     """2 stages x 2 replicas on 4 ranks trains like one process on the
     whole batch: the parameters agree after several optimizer steps."""
     pipe_comm, dp_comm = grid(2, timeout=60)
@@ -255,9 +256,10 @@ def pp_dp_matches(rank: int, steps: int) -> dict:
         ref_layers = make_layers(seed=3)
         ref = StageModule(*ref_layers)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-        mine = stage_layers(layers, pipe_comm.rank, 2, BALANCE[2])
-        pipe = Pipeline(mine, pipe_comm, num_microbatches=4, schedule="1f1b", loss_fn=nn.functional.mse_loss,
-                        dp_comm=dp_comm)
+        balance = BALANCE[2] if v == 1 else BALANCE_V2[2]
+        pipe = Pipeline.from_layers(layers, pipe_comm, balance=balance, num_microbatches=4, schedule=schedule,
+                                    loss_fn=nn.functional.mse_loss, dp_comm=dp_comm)
+        mine = pipe.module
         opt = torch.optim.SGD(mine.parameters(), lr=0.1, momentum=0.9)
         gen = torch.Generator().manual_seed(11)
         replica = dist.get_rank() // 2
@@ -274,34 +276,39 @@ def pp_dp_matches(rank: int, steps: int) -> dict:
             loss = pipe.step(xs if pipe.is_first else None, ys if pipe.is_last else None)
             opt.step()
             losses.append((None if loss is None else loss.item(), ref_loss.item()))
-        ref_params = _stage_params(ref_layers, pipe_comm.rank, 2, BALANCE[2])
+        ref_params = [p for st in pipe.stages for p in _stage_params(ref_layers, st, pipe.num_stages, balance)]
+        init = [p for st in pipe.stages for p in _stage_params(make_layers(seed=3), st, pipe.num_stages, balance)]
         err = max((a - b).abs().max().item() for a, b in zip(mine.parameters(), ref_params))
-        moved = max((a - b).abs().max().item()
-                    for a, b in zip(mine.parameters(), _stage_params(make_layers(seed=3), pipe_comm.rank, 2,
-                                                                     BALANCE[2])))
-        return {"param_err": err, "moved": moved, "losses": losses, "stage": pipe_comm.rank}
+        moved = max((a - b).abs().max().item() for a, b in zip(mine.parameters(), init))
+        assert len(ref_params) == len(list(mine.parameters()))
+        return {"param_err": err, "moved": moved, "losses": losses, "stage": pipe_comm.rank, "last": pipe.is_last}
     finally:
         torch.set_default_dtype(torch.float32)
         pipe_comm.close()
         dp_comm.close()
 
 
-def stage_raises(rank: int, bad_rank: int) -> dict:
+def stage_raises(rank: int, bad_rank: int, schedule: str = "1f1b") -> dict:
     """One stage of a 2 x 2 layout raises in its forward: every rank raises
-    within seconds (its own error, or CommError naming that stage)."""
+    within seconds (its own error, or CommError naming that stage). With two
+    stages per rank, the first stage of the bad rank raises."""
     pipe_comm, dp_comm = grid(2, timeout=60)
-    layers = [nn.Linear(WIDTH, WIDTH), Boom(), nn.Linear(WIDTH, WIDTH), Boom(), nn.Linear(WIDTH, 4)]
-    mine = stage_layers(layers, pipe_comm.rank, 2, [2, 3])
+    layers = [nn.Linear(WIDTH, WIDTH), Boom(), nn.Linear(WIDTH, WIDTH), Boom(), nn.Linear(WIDTH, WIDTH), Boom(),
+              nn.Linear(WIDTH, WIDTH), Boom(), nn.Linear(WIDTH, 4)]
+    pipe = Pipeline.from_layers(layers, pipe_comm, schedule=schedule, num_microbatches=4,
+                                loss_fn=nn.functional.mse_loss, dp_comm=dp_comm,
+                                balance=[4, 5] if schedule in ("gpipe", "1f1b", "zb-h1") else [2, 2, 2, 3])
     if rank == bad_rank:
-        next(m for m in mine if isinstance(m, Boom)).armed = 2  # the second micro-batch
-    pipe = Pipeline(mine, pipe_comm, num_microbatches=4, loss_fn=nn.functional.mse_loss, dp_comm=dp_comm)
+        first = pipe.module if isinstance(pipe.module, StageModule) else pipe.module[0]
+        next(m for m in first if isinstance(m, Boom)).armed = 2  # the second micro-batch
     x, y = torch.randn(16, WIDTH), torch.randn(16, 4)
     t0 = time.perf_counter()
     try:
         pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
-        return {"error": None, "seconds": time.perf_counter() - t0}
+        return {"error": None, "seconds": time.perf_counter() - t0, "num_stages": pipe.num_stages}
     except BaseException as e:  # noqa: BLE001
-        return {"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - t0}
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - t0,
+                "num_stages": pipe.num_stages}
     finally:
         pipe_comm.close()
         dp_comm.close()

@@ -173,6 +173,36 @@ def test_p2p_every_dtype_shape_and_pair(pool, world):
     assert [r["checked"] for r in res] == [per_peer * (world - 1)] * world
 
 
+@pytest.mark.parametrize("world,kwargs", [(2, {"local_size": 1}), (4, {"local_size": 2}), (3, {"transport": "pg"})])
+def test_p2p_between_hosts(pool, world, kwargs):
+    """The same matrix where peers are on other (simulated) hosts: messages
+    travel over the process group with the same protocol."""
+    res = pool.run(pipeline_cases.p2p_matrix, world, pool.new_name("p2ph"), world, world=world, **kwargs)
+    per_peer = len(pipeline_cases.DTYPES) * 5 + 3
+    assert [r["checked"] for r in res] == [per_peer * (world - 1)] * world
+
+
+def test_p2p_errors_between_hosts(pool):
+    r0, r1 = pool.run(pipeline_cases.p2p_errors, pool.new_name("p2peh"), world=2, local_size=1)
+    assert "must be a dense tensor" in r0["bad_send"]
+    assert "the sender failed" in r1["bad_send"] and "dense" in r1["bad_send"], r1
+    assert "sent tensor 0 as float32[2, 3] but out tensor 0 is float32[3, 2]" in r1["mismatch"], r1
+
+
+def test_pipeline_on_two_hosts_matches_single_process(pool):
+    """2 hosts x 2 ranks (simulated): every schedule; the stages of one host
+    talk over shared memory, the hop between hosts over the process group."""
+    res = pool.run(pipeline_cases.pipeline_matches, 4, pool.new_name("pipeh"), local_size=2)
+    cases = 0
+    for rank in range(4):
+        for case in res[rank]:
+            assert case["has_grads"] and case["grad_rel_err"] < 1e-10, (rank, case)
+            if case["last"]:
+                assert case["loss_err"] < 1e-12, case
+            cases += 1
+    assert cases == 4 * len(pipeline_cases.SCHEDULES) * 5 * 2
+
+
 def test_p2p_both_directions_at_once_larger_than_the_ring(pool):
     assert pool.run(pipeline_cases.p2p_crossing_large, pool.new_name("p2px"), world=2) == [True, True]
 
@@ -212,24 +242,27 @@ def test_pipeline_matches_single_process(pool, num_stages):
     assert params == per_rank * 14
 
 
-def test_pp_dp_2x2_matches_single_process_training(pool):
-    res = pool.run(pipeline_cases.pp_dp_matches, 3)
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2), ("zbv", 2)])
+def test_pp_dp_2x2_matches_single_process_training(pool, schedule, v):
+    res = pool.run(pipeline_cases.pp_dp_matches, 3, schedule, v)
     for r in res:
         assert r["moved"] > 1e-3, r  # training changed the parameters...
         assert r["param_err"] < 1e-10, r  # ...exactly as on one process
     for r in res:
-        if r["stage"] == 1:
+        if r["last"]:
             for got, ref in r["losses"]:
                 assert got is not None
     # Replicas see different halves; their losses average to the full batch's.
-    last = [r["losses"] for r in res if r["stage"] == 1]
+    last = [r["losses"] for r in res if r["last"]]
+    assert len(last) == 2
     for (a, ref), (b, _) in zip(*last):
         assert (a + b) / 2 == pytest.approx(ref, rel=1e-9)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "interleaved-zb", "zbv"])
 @pytest.mark.parametrize("bad_rank", [1, 2])
-def test_a_stage_that_raises_fails_every_rank(pool, bad_rank):
-    res = pool.run(pipeline_cases.stage_raises, bad_rank, timeout=60)
+def test_a_stage_that_raises_fails_every_rank(pool, bad_rank, schedule):
+    res = pool.run(pipeline_cases.stage_raises, bad_rank, schedule, timeout=60)
     for rank, r in enumerate(res):
         assert r["error"] is not None, (rank, r)
         assert r["seconds"] < 20, (rank, r)  # far below the 60 s timeout
@@ -237,4 +270,5 @@ def test_a_stage_that_raises_fails_every_rank(pool, bad_rank):
             assert r["error"].startswith("ValueError: boom"), r
         else:
             assert "CommError" in r["error"], r
-            assert f"stage {bad_rank % 2} of 2 (rank {bad_rank}) raised ValueError: boom" in r["error"], r
+            stages = r["num_stages"]
+            assert f"stage {bad_rank % 2} of {stages} (rank {bad_rank}) raised ValueError: boom" in r["error"], r

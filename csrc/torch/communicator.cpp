@@ -409,19 +409,19 @@ struct Communicator::Lane {
   std::thread thread;
 };
 
-int Communicator::p2p_peer(int peer, Collective coll) const {
+std::pair<MessageChannels*, int> Communicator::p2p_peer(int peer, Collective coll) const {
   const char* dir = coll == Collective::kSend ? "dst" : "src";
   if (peer < 0 || peer >= world_)
     throw CommError(p2p_prefix(coll) + dir + "=" + std::to_string(peer) + " is not a rank of this communicator (0.." +
                     std::to_string(world_ - 1) + ")");
   if (peer == rank_) throw CommError(p2p_prefix(coll) + dir + " is this rank itself (" + std::to_string(rank_) + ")");
-  const bool shm = transports_.p2p() != nullptr;
-  if (!shm || transports_.local_rank_of(peer) < 0)
-    throw CommError(p2p_prefix(coll) + "rank " + std::to_string(peer) +
-                    (shm ? " is on another host" : " is reachable through the process group only (transport='pg')") +
-                    "; pycomm's point-to-point runs over shared memory between ranks of one host "
-                    "(use torch.distributed.send/recv across hosts)");
-  return transports_.local_rank_of(peer);
+  // Shared memory within the host; the process group to other hosts (the
+  // same protocol, so order, checks and errors are the same).
+  if (transports_.p2p() && transports_.local_rank_of(peer) >= 0)
+    return {transports_.p2p(), transports_.local_rank_of(peer)};
+  if (transports_.remote_p2p()) return {transports_.remote_p2p(), peer};
+  throw CommError(p2p_prefix(coll) + "rank " + std::to_string(peer) + " is on another host and this communicator "
+                  "has no process group to reach it");
 }
 
 void Communicator::submit_p2p(int peer, bool incoming, std::shared_ptr<Work> work, bool async_op) {
@@ -448,11 +448,12 @@ void Communicator::submit_p2p(int peer, bool incoming, std::shared_ptr<Work> wor
 
 std::shared_ptr<Work> Communicator::send(const std::vector<at::Tensor>& tensors, int dst, uint32_t tag,
                                          bool async_op) {
-  const int peer = p2p_peer(dst, Collective::kSend);
+  const auto target = p2p_peer(dst, Collective::kSend);
+  MessageChannels& channels = *target.first;
+  const int peer = target.second;
   auto work = std::make_shared<Work>();
   work->desc_.coll = Collective::kSend;
   work->desc_.root = dst;
-  ShmChannels& channels = *transports_.p2p();
   const std::string why = check_send(tensors, kP2PMaxDims);
   if (!why.empty()) {
     // A send this rank cannot make still goes out, as an error message, so
@@ -491,7 +492,9 @@ std::shared_ptr<Work> Communicator::send(const std::vector<at::Tensor>& tensors,
 }
 
 std::shared_ptr<Work> Communicator::recv(const std::vector<at::Tensor>& out, int src, uint32_t tag, bool async_op) {
-  const int peer = p2p_peer(src, Collective::kRecv);
+  const auto target = p2p_peer(src, Collective::kRecv);
+  MessageChannels* channels = target.first;
+  const int peer = target.second;
   const std::string why = check_recv(out);
   if (!why.empty()) throw CommError(p2p_prefix(Collective::kRecv) + why);
   auto work = std::make_shared<Work>();
@@ -499,7 +502,9 @@ std::shared_ptr<Work> Communicator::recv(const std::vector<at::Tensor>& out, int
   work->desc_.root = src;
   work->outputs_ = out;
   const bool allocate = out.empty();
-  work->body_ = [this, w = work.get(), peer, tag, allocate](uint64_t) { recv_body(*w, peer, tag, allocate); };
+  work->body_ = [this, w = work.get(), channels, peer, tag, allocate](uint64_t) {
+    recv_body(*w, *channels, peer, tag, allocate);
+  };
   submit_p2p(src, true, work, async_op);
   return work;
 }
@@ -549,9 +554,9 @@ class TensorSink : public MessageSink {
 
 }  // namespace
 
-void Communicator::recv_body(Work& work, int peer, uint32_t tag, bool allocate) {
+void Communicator::recv_body(Work& work, MessageChannels& channels, int peer, uint32_t tag, bool allocate) {
   TensorSink sink(work.outputs_, allocate, work.desc_.root);
-  transports_.p2p()->recv_message(peer, tag, sink,
+  channels.recv_message(peer, tag, sink,
                                   p2p_context(Collective::kRecv, work.seq_, timeout()));
 }
 

@@ -128,9 +128,10 @@ class Communicator {
   Resolved choose(Collective coll, Algorithm algo, bool strict, size_t bytes) const;
   // Point-to-point: the local rank of `peer` (checked), and the lane that
   // runs the messages of one direction with one peer, in order.
-  int p2p_peer(int peer, Collective coll) const;
+  // The channels that reach communicator rank `peer`, and its index there.
+  std::pair<MessageChannels*, int> p2p_peer(int peer, Collective coll) const;
   void submit_p2p(int peer, bool incoming, std::shared_ptr<Work> work, bool async_op);
-  void recv_body(Work& work, int peer, uint32_t tag, bool allocate);
+  void recv_body(Work& work, MessageChannels& channels, int peer, uint32_t tag, bool allocate);
 
   int rank_ = 0;
   int world_ = 1;

@@ -33,6 +33,7 @@ class C10dLink : public PeerLink {
    public:
     explicit C10dTransfer(c10::intrusive_ptr<c10d::Work> work) : work_(std::move(work)) {}
     bool wait(std::chrono::milliseconds timeout) override { return work_->wait(timeout); }
+    bool done() override { return work_->isCompleted() && work_->isSuccess(); }
 
    private:
     c10::intrusive_ptr<c10d::Work> work_;

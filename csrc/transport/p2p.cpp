@@ -210,7 +210,11 @@ void ShmChannels::read(int peer, void* data, size_t n, const OpContext& ctx) {
   }
 }
 
-void ShmChannels::send_message(int peer, uint32_t tag, const TensorMeta* metas, const void* const* data,
+void ShmChannels::out_of_step(const std::string& why) { shm_.fail(why); }
+int ShmChannels::name(int peer) const { return shm_.name(peer); }
+int ShmChannels::self_name() const { return shm_.name(shm_.rank_); }
+
+void MessageChannels::send_message(int peer, uint32_t tag, const TensorMeta* metas, const void* const* data,
                                uint32_t count, const OpContext& ctx) {
   for (uint32_t i = 0; i < count; ++i) {
     const TensorMeta& m = metas[i];
@@ -228,7 +232,7 @@ void ShmChannels::send_message(int peer, uint32_t tag, const TensorMeta* metas, 
   }
 }
 
-void ShmChannels::send_failure(int peer, const std::string& why, const OpContext& ctx) {
+void MessageChannels::send_failure(int peer, const std::string& why, const OpContext& ctx) {
   MessageHeader h{};
   h.magic = kFailureMagic;
   h.nbytes = why.size();
@@ -236,11 +240,11 @@ void ShmChannels::send_failure(int peer, const std::string& why, const OpContext
   write(peer, why.data(), why.size(), ctx);
 }
 
-void ShmChannels::recv_message(int peer, uint32_t tag, MessageSink& sink, const OpContext& ctx) {
-  const int src = shm_.name(peer);
+void MessageChannels::recv_message(int peer, uint32_t tag, MessageSink& sink, const OpContext& ctx) {
+  const int src = name(peer);
   auto where = [&] {
     std::ostringstream os;
-    os << "pycomm.recv #" << ctx.seq << " on rank " << shm_.name(shm_.rank_) << " from rank " << src << ": ";
+    os << "pycomm.recv #" << ctx.seq << " on rank " << self_name() << " from rank " << src << ": ";
     return os.str();
   };
   uint32_t total = 1;
@@ -256,9 +260,9 @@ void ShmChannels::recv_message(int peer, uint32_t tag, MessageSink& sink, const 
     // sender: it fails the communicator on every local rank (as collectives
     // whose headers disagree do) rather than deliver the wrong bytes later.
     if (h.magic != kMessageMagic || h.index != i || h.total == 0 || h.ndim > kP2PMaxDims)
-      shm_.fail(where() + "the channel is out of step (corrupt message header)");
+      out_of_step(where() + "the channel is out of step (corrupt message header)");
     if (h.tag != tag)
-      shm_.fail(where() + "expected tag " + std::to_string(tag) + " but the next message from rank " +
+      out_of_step(where() + "expected tag " + std::to_string(tag) + " but the next message from rank " +
                 std::to_string(src) + " has tag " + std::to_string(h.tag) +
                 " (messages between two ranks arrive in the order they were sent)");
     total = h.total;
@@ -269,7 +273,7 @@ void ShmChannels::recv_message(int peer, uint32_t tag, MessageSink& sink, const 
     meta.nbytes = h.nbytes;
     std::string why;
     void* dst = sink.place(i, total, meta, &why);
-    if (!why.empty()) shm_.fail(where() + why);
+    if (!why.empty()) out_of_step(where() + why);
     if (h.nbytes) read(peer, dst, h.nbytes, ctx);
   }
 }

@@ -1,4 +1,7 @@
-// Point-to-point messages between the ranks of one host, over shared memory.
+// Point-to-point messages: the message protocol (MessageChannels, over any
+// ordered byte stream per peer), and its shared-memory streams between the
+// ranks of one host (ShmChannels). Between hosts the same protocol runs over
+// the process group (pg_channels.h).
 //
 // Every ordered pair (src -> dst) that talks gets its own channel: a small
 // segment holding one single-producer single-consumer byte ring. Messages on
@@ -49,9 +52,39 @@ class MessageSink {
   virtual void* place(uint32_t index, uint32_t total, const TensorMeta& meta, std::string* why) = 0;
 };
 
+// The message protocol. Each tensor travels as a fixed-size header (magic,
+// tag, index in the message, dtype, shape) followed by its bytes, so a
+// receiver needs no declared shapes. `tag` is checked, not matched: messages
+// between two ranks arrive in the order they were sent. All three throw
+// CommError.
+class MessageChannels {
+ public:
+  virtual ~MessageChannels() = default;
+  void send_message(int peer, uint32_t tag, const TensorMeta* metas, const void* const* data, uint32_t count,
+                    const OpContext& ctx);
+  // A send this rank cannot make still reaches the receiver, as an error
+  // message: its recv raises at once instead of waiting for the timeout.
+  void send_failure(int peer, const std::string& why, const OpContext& ctx);
+  // Receives the next message from `peer` into what `sink` places.
+  void recv_message(int peer, uint32_t tag, MessageSink& sink, const OpContext& ctx);
+
+  // The byte streams: `write` returns once the receiver's side holds (or
+  // has taken) the bytes; `read` returns the next `n` bytes `peer` wrote.
+  virtual void write(int peer, const void* data, size_t n, const OpContext& ctx) = 0;
+  virtual void read(int peer, void* data, size_t n, const OpContext& ctx) = 0;
+
+ protected:
+  // The stream from `peer` is out of step with its sender (a mismatch was
+  // found after the header was consumed): never deliver later bytes.
+  [[noreturn]] virtual void out_of_step(const std::string& why) = 0;
+  // The communicator's rank of stream peer `peer`, and of this rank.
+  virtual int name(int peer) const = 0;
+  virtual int self_name() const = 0;
+};
+
 struct ChannelSegment;
 
-class ShmChannels {
+class ShmChannels : public MessageChannels {
  public:
   // `prefix` names the segments ("<prefix>.<src>.<dst>", local ranks);
   // `capacity` is each ring's size in bytes (a power of two).
@@ -62,25 +95,18 @@ class ShmChannels {
 
   // Streams `n` bytes to local rank `peer`; returns once they are all in the
   // ring (the receiver may not have read them yet). Throws CommError.
-  void write(int peer, const void* data, size_t n, const OpContext& ctx);
+  void write(int peer, const void* data, size_t n, const OpContext& ctx) override;
   // Reads the next `n` bytes sent by local rank `peer`. Throws CommError.
-  void read(int peer, void* data, size_t n, const OpContext& ctx);
-
-  // The message protocol on top of the byte streams. Each tensor travels
-  // as a fixed-size header (magic, tag, index in the message, dtype, shape)
-  // followed by its bytes, so a receiver needs no declared shapes. `tag` is
-  // checked, not matched: messages between two ranks arrive in the order
-  // they were sent. All three throw CommError.
-  void send_message(int peer, uint32_t tag, const TensorMeta* metas, const void* const* data, uint32_t count,
-                    const OpContext& ctx);
-  // A send this rank cannot make still reaches the receiver, as an error
-  // message: its recv raises at once instead of waiting for the timeout.
-  void send_failure(int peer, const std::string& why, const OpContext& ctx);
-  // Receives the next message from `peer` into what `sink` places.
-  void recv_message(int peer, uint32_t tag, MessageSink& sink, const OpContext& ctx);
+  void read(int peer, void* data, size_t n, const OpContext& ctx) override;
 
   // Unlinks channel names a peer never mapped (it never talked to us).
   void close();
+
+ protected:
+  // Fails the communicator on every local rank, as collectives whose headers disagree do.
+  [[noreturn]] void out_of_step(const std::string& why) override;
+  int name(int peer) const override;
+  int self_name() const override;
 
  private:
   struct Channel {

@@ -35,6 +35,10 @@ std::string first_line(const char* what) {
 
 }  // namespace
 
+// Collectives use phase 0 at step kMaxSteps (the header exchange): phase 1
+// there is free.
+uint32_t pg_p2p_tag() { return make_tag(0, 0, 0, kMaxSteps, 1, 0); }
+
 // One round in flight: where its chunks are, its staging memory, and its
 // outstanding transfers.
 struct PgRound {

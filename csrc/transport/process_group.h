@@ -46,6 +46,8 @@ class PeerLink {
     // True once complete; false if `timeout` passed first. Throws
     // std::exception when the transfer failed (a peer closed the connection).
     virtual bool wait(std::chrono::milliseconds timeout) = 0;
+    // True once complete, without waiting (false also while it may fail).
+    virtual bool done() = 0;
   };
   virtual ~PeerLink() = default;
   virtual int rank() const = 0;
@@ -72,6 +74,10 @@ struct PgConfig {
 
 struct PgRound;
 struct RoundLayout;
+
+// The tag of point-to-point messages over a link (pg_channels.h): one that no
+// collective's transfer uses, in either tag space.
+uint32_t pg_p2p_tag();
 
 class PgTransport : public Transport {
  public:

@@ -71,6 +71,9 @@ Transports::Transports(const TopologyConfig& o) : world_(o.world) {
     }
     p2p_ = std::make_unique<ShmChannels>(*local_, o.shm_name + ".p2p", o.token, o.p2p_bytes);
   }
+  // 5. Point-to-point over the process group, to the ranks of other hosts
+  //    (every rank with transport='pg').
+  if (o.link) remote_p2p_ = std::make_unique<PgChannels>(o.link, o.rank);
 }
 
 Resolved Transports::choose(Algorithm algo, Collective coll, size_t bytes) const {
@@ -97,6 +100,9 @@ void Transports::wait_ready() {
 }
 
 void Transports::shutdown() {
+  // Sends to other hosts may still wait for their receivers (see
+  // pg_channels.h); leaving now would close the connections under them.
+  if (remote_p2p_) remote_p2p_->flush(timeout());
   if (p2p_) p2p_->close();
   if (local_) local_->shutdown();
 }

@@ -14,6 +14,7 @@
 #include "../algorithms/tuner.h"
 #include "multihost.h"
 #include "p2p.h"
+#include "pg_channels.h"
 #include "process_group.h"
 #include "shm.h"
 
@@ -56,6 +57,9 @@ class Transports {
   ShmTransport* local() const { return local_.get(); }
   // Point-to-point channels to this host's ranks (null without shared memory).
   ShmChannels* p2p() const { return p2p_.get(); }
+  // Point-to-point channels over the process group, to any rank (null
+  // without one: a single host with shared memory).
+  PgChannels* remote_p2p() const { return remote_p2p_.get(); }
   // The local rank of communicator rank `rank`; -1 on another host.
   int local_rank_of(int rank) const { return local_of_.at(rank); }
 
@@ -84,6 +88,7 @@ class Transports {
   std::unique_ptr<MultiHostTransport> multi_;
   Transport* top_ = nullptr;
   std::unique_ptr<ShmChannels> p2p_;
+  std::unique_ptr<PgChannels> remote_p2p_;
   std::vector<int> local_of_;
 };
 

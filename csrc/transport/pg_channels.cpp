@@ -1,0 +1,156 @@
+#include "pg_channels.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <sstream>
+
+namespace pycomm {
+
+namespace {
+
+// Reads this small go through a heap buffer the object keeps after a
+// timeout: a header read into the caller's stack must never be written late.
+constexpr size_t kStagedRead = 256;
+// Bytes per peer that may wait for their receiver: what a shared-memory ring
+// holds (4 MiB) is too little for a pipeline's step of activations, whose
+// receives are all posted at the start of the step anyway.
+constexpr size_t kMaxPendingBytes = size_t(256) << 20;
+
+}  // namespace
+
+PgChannels::PgChannels(std::shared_ptr<PeerLink> link, int rank)
+    : link_(std::move(link)), rank_(rank), tag_(pg_p2p_tag()) {}
+
+PgChannels::~PgChannels() {
+  // Sends no receiver took: the backend may still read their buffers, so
+  // they are left allocated rather than freed under it.
+  for (auto& [peer, queue] : pending_)
+    for (auto& p : queue)
+      if (p.work && !p.work->done()) p.bytes.release();
+}
+
+void PgChannels::flush(double timeout_s) {
+  std::lock_guard<std::mutex> lk(send_mu_);
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(timeout_s));
+  for (auto& [peer, queue] : pending_) {
+    for (auto& p : queue) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      try {
+        if (left.count() <= 0 || !p.work->wait(std::chrono::milliseconds(std::max<int64_t>(1, left.count()))))
+          return;  // the destructor keeps what is still pending
+      } catch (const std::exception&) {
+        return;
+      }
+      p.work.reset();
+    }
+    queue.clear();
+    pending_bytes_[peer] = 0;
+  }
+}
+
+void PgChannels::check_broken() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (broken_) throw *broken_;
+}
+
+void PgChannels::out_of_step(const std::string& why) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!broken_) broken_.emplace(why);
+  throw CommError(why);
+}
+
+void PgChannels::wait(TransferPtr work, int peer, const char* what, const OpContext& ctx) {
+  // Backends take whole milliseconds; never pass 0, which some read as "no timeout".
+  const auto left =
+      std::chrono::duration_cast<std::chrono::milliseconds>(ctx.deadline - std::chrono::steady_clock::now());
+  std::string error;
+  try {
+    if (work->wait(std::chrono::milliseconds(std::max<int64_t>(1, left.count() + 1)))) return;
+    error = "the wait returned without completing";
+  } catch (const std::exception& e) {
+    error = e.what();
+    error = error.substr(0, error.find('\n'));
+  }
+  std::ostringstream os;
+  os << "pycomm." << (ctx.coll == Collective::kSend ? "send" : "recv") << " #" << ctx.seq << " on rank " << rank_;
+  if (std::chrono::steady_clock::now() >= ctx.deadline)
+    os << ": " << timed_out_waiting(ctx.timeout_s) << " for rank " << peer << " (" << what << " between hosts)";
+  else
+    os << " failed while waiting for rank " << peer << " (" << what << " between hosts): " << error << "; rank "
+       << peer << " may have died or left";
+  CommError err(os.str(), Blame{FailureKind::kWaiting, peer});
+  std::lock_guard<std::mutex> lk(mu_);
+  abandoned_.push_back(std::move(work));
+  if (!broken_) broken_.emplace(err);
+  throw err;
+}
+
+void PgChannels::reap(int peer, size_t keep, const OpContext& ctx) {
+  auto& queue = pending_[peer];
+  size_t& bytes = pending_bytes_[peer];
+  while (!queue.empty() && (queue.front().work->done() || bytes > keep)) {
+    Pending& p = queue.front();
+    if (!p.work->done()) {
+      try {
+        wait(p.work, peer, "sending", ctx);
+      } catch (const CommError&) {
+        p.bytes.release();  // the backend may still read it
+        queue.pop_front();
+        throw;
+      }
+    }
+    bytes -= p.n;
+    queue.pop_front();
+  }
+}
+
+void PgChannels::write(int peer, const void* data, size_t n, const OpContext& ctx) {
+  check_broken();
+  std::lock_guard<std::mutex> lk(send_mu_);
+  reap(peer, kMaxPendingBytes > n ? kMaxPendingBytes - n : 0, ctx);
+  Pending p;
+  p.bytes.reset(new char[n ? n : 1]);
+  if (n) std::memcpy(p.bytes.get(), data, n);
+  p.n = n;
+  try {
+    p.work = link_->send(p.bytes.get(), n, peer, tag_);
+  } catch (const std::exception& e) {
+    throw CommError("pycomm.send #" + std::to_string(ctx.seq) + " on rank " + std::to_string(rank_) +
+                        ": cannot reach rank " + std::to_string(peer) + " between hosts: " + e.what(),
+                    Blame{FailureKind::kWaiting, peer});
+  }
+  pending_bytes_[peer] += n;
+  pending_[peer].push_back(std::move(p));
+}
+
+void PgChannels::read(int peer, void* data, size_t n, const OpContext& ctx) {
+  check_broken();
+  std::unique_ptr<char[]> staged;
+  void* into = data;
+  if (n <= kStagedRead) {
+    staged.reset(new char[n ? n : 1]);
+    into = staged.get();
+  }
+  TransferPtr work;
+  try {
+    work = link_->recv(into, n, peer, tag_);
+  } catch (const std::exception& e) {
+    throw CommError("pycomm.recv #" + std::to_string(ctx.seq) + " on rank " + std::to_string(rank_) +
+                        ": cannot reach rank " + std::to_string(peer) + " between hosts: " + e.what(),
+                    Blame{FailureKind::kWaiting, peer});
+  }
+  try {
+    wait(work, peer, "receiving", ctx);
+  } catch (const CommError&) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (staged) abandoned_buffers_.push_back(std::move(staged));
+    throw;
+  }
+  if (staged) std::memcpy(data, staged.get(), n);
+}
+
+}  // namespace pycomm
