@@ -8,6 +8,37 @@ import torch
 import torch.distributed as dist
 
 import pycomm
+from pycomm.pipeline import Pipeline, StageModule
+
+
+def pipeline_check(comm: "pycomm.Communicator") -> list:
+    """A pipeline whose stages span the hosts (one stage per rank, or two for
+    the interleaved and V schedules): loss and gradients equal one process's."""
+    bad = []
+    torch.set_default_dtype(torch.float64)
+    try:
+        for schedule in ("1f1b", "zb-h1", "interleaved-1f1b", "zbv"):
+            torch.manual_seed(5)
+            layers = [torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(8)]
+            x, y = torch.randn(37, 16), torch.randn(37, 16)  # 37 rows into 8 uneven micro-batches
+            ref = StageModule(*layers)
+            loss_ref = torch.nn.functional.mse_loss(ref(x), y)
+            loss_ref.backward()
+            want = {id(p): p.grad.clone() for p in ref.parameters()}
+            ref.zero_grad()
+            pipe = Pipeline.from_layers(layers, comm, balance=[1] * 8 if schedule in ("interleaved-1f1b", "zbv")
+                                        else [2] * 4, num_microbatches=8, schedule=schedule,
+                                        loss_fn=torch.nn.functional.mse_loss)
+            loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+            for p in pipe.module.parameters():
+                if p.grad is None or (p.grad - want[id(p)]).abs().max() > 1e-10:
+                    bad.append(f"pipeline {schedule}: gradient")
+                    break
+            if loss is not None and abs(loss.item() - loss_ref.item()) > 1e-12:
+                bad.append(f"pipeline {schedule}: loss")
+    finally:
+        torch.set_default_dtype(torch.float32)
+    return bad
 
 
 def main() -> None:
@@ -37,6 +68,7 @@ def main() -> None:
             comm.broadcast(b, src=world - 1, algorithm=algo)
             if not torch.equal(b, torch.full((n,), float(world - 1))):
                 bad.append(f"broadcast n={n} {algo}")
+    bad += pipeline_check(comm)
     flag = torch.tensor([len(bad)])
     dist.all_reduce(flag)
     if rank == 0:
