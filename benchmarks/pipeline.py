@@ -3,21 +3,26 @@
     torchrun --standalone --nproc-per-node 2 benchmarks/pipeline.py
     torchrun --standalone --nproc-per-node 4 benchmarks/pipeline.py
 
-bubble: measured idle fraction of each schedule against (p-1)/(m+p-1), for
-  m = 4, 8, 16. A stage's idle fraction is 1 - (time in its forwards and
-  backwards) / (step time), averaged over stages (pycomm's Pipeline.stats()).
-  The layers sleep (forward t, backward 2t) instead of computing, so that p
-  stages measure the schedule and its communication even where p exceeds the
-  cores; activations are real tensors that travel between stages.
-memory: peak bytes of activations kept for backward on each stage
-  (autograd's saved tensors, parameters excluded), 1F1B against GPipe, for a
-  real MLP; theory says stage s holds min(p - s, m) micro-batches under 1F1B
-  and m under GPipe, so the largest ratio is p/m (stage 0).
-throughput: batches per second of a real MLP with pycomm's runner and with
-  torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B on gloo): same
+Schedules: gpipe, 1f1b, zb-h1 (one stage per rank), interleaved-1f1b,
+interleaved-zb, zbv (two per rank).
+
+bubble: measured idle fraction of each schedule against its ideal (the
+  simulation of equal stages with free transfers: (p-1)/(m+p-1) for GPipe
+  and 1F1B, (p-1)/(vm+p-1) interleaved, (p-1)/(3vm+p-1) zero bubble), for
+  m = 4, 8, 16. A rank's idle fraction is 1 - (time in its F, B and W) /
+  (step time), averaged over ranks (Pipeline.stats()). The layers sleep
+  (forward t, input gradient t, weight gradient t per rank; a chunk of an
+  interleaved schedule t/v) instead of computing, so that p stages measure
+  the schedule and its communication even where p exceeds the cores;
+  activations are real tensors that travel between stages.
+memory: peak bytes of activations kept for backward per rank (autograd's
+  saved tensors, parameters excluded; zero bubble: plus the output gradients
+  kept for W), every schedule against 1F1B, for a real MLP.
+throughput: ms per step of a real MLP with pycomm's runner and with
+  torch.distributed.pipelining (on gloo) for every schedule both have: same
   model, ranks, micro-batches and data, interleaved rounds, median step
-  times. The first step's loss of both runners must agree (#wrong counts
-  disagreements).
+  times. The first step's loss and every gradient of both runners must agree
+  (#wrong counts disagreements).
 p2p (on request): one-way time of a ping-pong between ranks 0 and 1 through
   pycomm's channel and through gloo's send/recv, with the echo checked:
   --p2p-mode barrier (a barrier before each round trip), back-to-back, or
@@ -32,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pycomm
-from pycomm.pipeline import Pipeline, bubble_theory, stage_layers
+from pycomm.pipeline import Pipeline, get_schedule, simulate, stage_layers, stages_of
 
 
 def log(*a):
@@ -40,31 +45,38 @@ def log(*a):
         print(*a, flush=True)
 
 
-class _Sleep(torch.autograd.Function):
-    # The scale parameter is an input, so backward runs (and sleeps) on the
-    # first stage too, whose input needs no gradient.
+class _SleepBackward(torch.autograd.Function):
+    """Identity that sleeps in its backward (and, with ``forward_seconds``, in its forward)."""
+
     @staticmethod
-    def forward(ctx, x, scale, seconds):
+    def forward(ctx, x, seconds, forward_seconds):
         ctx.seconds = seconds
-        ctx.save_for_backward(x, scale)
-        time.sleep(seconds)
-        return x * scale
+        time.sleep(forward_seconds)
+        return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        x, scale = ctx.saved_tensors
-        time.sleep(2 * ctx.seconds)
-        return g * scale, (g * x).sum(), None
+        time.sleep(ctx.seconds)
+        return g, None, None
 
 
 class SleepLayer(nn.Module):
+    """out = x * scale, costing t in the forward, t for the gradient of x
+    and t for the gradient of scale: a full backward sleeps 2t, and a
+    zero-bubble schedule's B and W t each (each gradient has its own
+    branch, and autograd runs only the branches a call asks for). The
+    first stage's input must require a gradient for its B to cost t too."""
+
     def __init__(self, seconds: float) -> None:
         super().__init__()
         self.seconds = seconds
         self.scale = nn.Parameter(torch.ones(()))
 
     def forward(self, x):
-        return _Sleep.apply(x, self.scale, self.seconds)
+        s = self.scale
+        through_x = _SleepBackward.apply(x, self.seconds, self.seconds) * s.detach()
+        through_scale = x.detach() * _SleepBackward.apply(s - s.detach(), self.seconds, 0.0)
+        return through_x + through_scale
 
 
 def mlp_layers(width: int, depth: int, seed: int = 0):
@@ -81,28 +93,48 @@ def gather(value):
     return out
 
 
+# (name in pycomm, stages per rank, torch.distributed.pipelining class or None)
+SCHEDULE_TABLE = [("gpipe", 1, "ScheduleGPipe"), ("1f1b", 1, "Schedule1F1B"), ("zb-h1", 1, None),
+                  ("interleaved-1f1b", 2, "ScheduleInterleaved1F1B"),
+                  ("interleaved-zb", 2, "ScheduleInterleavedZeroBubble"), ("zbv", 2, "ScheduleZBVZeroBubble")]
+
+
+def ideal_bubble(name, v, p, m):
+    """The schedule's bubble on an ideal pipeline with equal stages and free
+    transfers, F = t, B + W = 2t per stage (a chunk: 1/v of that). Equals
+    (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(vm+p-1) interleaved, and with
+    B = W: (p-1)/(3vm+p-1) for ZB-H1 and interleaved zero bubble (tested in
+    tests/test_pipeline.py); for ZB-V it is what the simulation gives."""
+    return simulate(get_schedule(name, None if v == 1 else v), p, m, forward_time=1.0 / v,
+                    backward_time=2.0 / v).bubble
+
+
 def bench_bubble(comm, p, args, sleep_ms):
-    log(f"\n## bubble: {p} stages, sleeping layers ({sleep_ms:g} ms forward, {2 * sleep_ms:g} ms backward "
-        f"per micro-batch), activations {args.batch}x{args.width} float32")
-    log("| schedule | m | theory | measured | measured - theory | measured / theory |")
-    log("| --- | ---: | ---: | ---: | ---: | ---: |")
+    log(f"\n## bubble: {p} stages, sleeping layers ({sleep_ms:g} ms forward, {sleep_ms:g} + {sleep_ms:g} ms "
+        f"backward (input + weight) per micro-batch and rank), activations {args.batch}x{args.width} float32")
+    log("| schedule | v | m | theory | measured | measured - theory | measured / theory |")
+    log("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     rows = []
-    for schedule in ("gpipe", "1f1b"):
+    for schedule, v, _ in SCHEDULE_TABLE:
+        if args.schedules and schedule not in args.schedules:
+            continue
         for m in (4, 8, 16):
-            per_mb = sleep_ms / 1000.0
-            module = stage_layers([SleepLayer(per_mb)], 0, 1)
-            pipe = Pipeline(module, comm, num_microbatches=m, schedule=schedule, loss_fn=lambda o, t: o.mean())
-            x = torch.randn(args.batch * m, args.width)
+            per_chunk = sleep_ms / 1000.0 / v
+            fn = get_schedule(schedule, None if v == 1 else v)
+            modules = [stage_layers([SleepLayer(per_chunk)], 0, 1) for _ in stages_of(fn, p, comm.rank)]
+            pipe = Pipeline(modules if v > 1 else modules[0], comm, num_microbatches=m, schedule=fn,
+                            loss_fn=lambda o, t: o.mean())
+            x = torch.randn(args.batch * m, args.width).requires_grad_()
             bubbles = []
             for i in range(args.steps + 1):
-                pipe.step(x if pipe.is_first else None, x if pipe.is_last else None)
+                pipe.step(x if pipe.is_first else None, x.detach() if pipe.is_last else None)
                 if i:  # the first step includes the channels' set-up
                     bubbles.append(pipe.stats()["bubble"])
             mine = statistics.median(bubbles)
             measured = statistics.mean(gather(mine))
-            theory = bubble_theory(p, m)
-            rows.append((schedule, m, theory, measured))
-            log(f"| {schedule} | {m} | {theory:.3f} | {measured:.3f} | {measured - theory:+.3f} | "
+            theory = ideal_bubble(schedule, v, p, m)
+            rows.append((schedule, v, m, theory, measured))
+            log(f"| {schedule} | {v} | {m} | {theory:.3f} | {measured:.3f} | {measured - theory:+.3f} | "
                 f"{measured / theory:.2f} |")
     return rows
 
@@ -110,55 +142,74 @@ def bench_bubble(comm, p, args, sleep_ms):
 def bench_memory(comm, p, args):
     log(f"\n## activation memory: {p} stages, MLP width {args.width}, {args.depth} layers, "
         f"micro-batch {args.batch} rows")
-    log("| m | stage | GPipe peak (MiB) | 1F1B peak (MiB) | 1F1B / GPipe | p/m |")
-    log("| ---: | ---: | ---: | ---: | ---: | ---: |")
-    layers = mlp_layers(args.width, args.depth)
+    names = [n for n, _, _ in SCHEDULE_TABLE if not args.schedules or n in args.schedules or n == "1f1b"]
+    log("| m | rank | " + " | ".join(f"{n} (MiB)" for n in names) + " | " +
+        " | ".join(f"{n} / 1f1b" for n in names if n != "1f1b") + " |")
+    log("| ---: | ---: | " + " | ".join("---:" for _ in names) + " | " +
+        " | ".join("---:" for n in names if n != "1f1b") + " |")
     for m in (8, 16):
         peaks = {}
-        for schedule in ("gpipe", "1f1b"):
-            module = stage_layers(layers, comm.rank, p)
-            pipe = Pipeline(module, comm, num_microbatches=m, schedule=schedule, loss_fn=nn.functional.mse_loss,
-                            track_memory=True)
+        for name in names:
+            v = dict((n, vv) for n, vv, _ in SCHEDULE_TABLE)[name]
+            pipe = Pipeline.from_layers(mlp_layers(args.width, args.depth), comm, num_microbatches=m, schedule=name,
+                                        virtual_stages=None if v == 1 else v, loss_fn=nn.functional.mse_loss,
+                                        track_memory=True)
             x = torch.randn(args.batch * m, args.width)
             pipe.step(x if pipe.is_first else None, x if pipe.is_last else None)
-            peaks[schedule] = pipe.stats()["peak_activation_bytes"]
-        for s, (g, o) in enumerate(gather((peaks["gpipe"], peaks["1f1b"]))):
-            log(f"| {m} | {s} | {g / 2**20:.1f} | {o / 2**20:.1f} | {o / g:.3f} | {p / m:.3f} |")
+            peaks[name] = pipe.stats()["peak_activation_bytes"]
+        per_rank = gather([peaks[n] for n in names])
+        for r, row in enumerate(per_rank):
+            base = row[names.index("1f1b")]
+            log(f"| {m} | {r} | " + " | ".join(f"{b / 2**20:.1f}" for b in row) + " | " +
+                " | ".join(f"{b / base:.2f}" for n, b in zip(names, row) if n != "1f1b") + " |")
+        worst = [max(row[i] for row in per_rank) for i in range(len(names))]
+        base = worst[names.index("1f1b")]
+        log(f"| {m} | max | " + " | ".join(f"{b / 2**20:.1f}" for b in worst) + " | " +
+            " | ".join(f"{b / base:.2f}" for n, b in zip(names, worst) if n != "1f1b") + " |")
 
 
 def bench_throughput(comm, p, args):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    import torch.distributed.pipelining as tpp
 
     m = args.microbatches
     log(f"\n## throughput: {p} stages, MLP width {args.width}, {args.depth} layers, batch {args.batch * m} "
         f"in {m} micro-batches, {args.steps} steps x {args.rounds} rounds")
-    log("| schedule | torch.distributed.pipelining (ms/step) | pycomm (ms/step) | speed-up | #wrong |")
-    log("| --- | ---: | ---: | ---: | ---: |")
+    log("| schedule | torch.distributed.pipelining (ms/step) | pycomm (ms/step) | speed-up | pycomm bubble | #wrong |")
+    log("| --- | ---: | ---: | ---: | ---: | ---: |")
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(args.batch * m, args.width, generator=gen)
     y = torch.randn(args.batch * m, args.width, generator=gen)
     results = []
-    for name, torch_cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
-        ours = stage_layers(mlp_layers(args.width, args.depth), comm.rank, p)
-        theirs = stage_layers(mlp_layers(args.width, args.depth), comm.rank, p)
-        pipe = Pipeline(ours, comm, num_microbatches=m, schedule=name, loss_fn=nn.functional.mse_loss)
-        stage = PipelineStage(theirs, comm.rank, p, torch.device("cpu"))
-        sched = torch_cls(stage, m, loss_fn=nn.functional.mse_loss)
-        first, last = comm.rank == 0, comm.rank == p - 1
+    for name, v, torch_name in SCHEDULE_TABLE:
+        if torch_name is None or (args.schedules and name not in args.schedules):
+            continue
+        fn = get_schedule(name, None if v == 1 else v)
+        mine = stages_of(fn, p, comm.rank)
+        total = p * v
+        pipe = Pipeline.from_layers(mlp_layers(args.width, args.depth), comm, num_microbatches=m, schedule=fn,
+                                    loss_fn=nn.functional.mse_loss)
+        ours = pipe.module
+        theirs_mods = [stage_layers(mlp_layers(args.width, args.depth), s, total) for s in mine]
+        stages = [tpp.PipelineStage(mod, s, total, torch.device("cpu")) for s, mod in zip(mine, theirs_mods)]
+        cls = getattr(tpp, torch_name)
+        sched = cls(stages[0] if v == 1 else stages, m, loss_fn=nn.functional.mse_loss)
+        first, last = pipe.is_first, pipe.is_last
 
         def run_ours():
             ours.zero_grad()
             return pipe.step(x if first else None, y if last else None)
 
         def run_theirs():
-            theirs.zero_grad()
+            for mod in theirs_mods:
+                mod.zero_grad()
             losses = []
+            kwargs = {}
+            if last:
+                kwargs = {"target": y, "losses": losses}
             if first:
-                sched.step(x)
-            elif last:
-                sched.step(target=y, losses=losses)
+                sched.step(x, **kwargs)
             else:
-                sched.step()
+                sched.step(**kwargs)
             return torch.stack(losses).mean() if last else None
 
         # Correctness: both runners give the same first loss and gradients.
@@ -166,22 +217,25 @@ def bench_throughput(comm, p, args):
         wrong = 0
         if last and abs(a.item() - b.item()) > 1e-5 * max(1.0, abs(b.item())):
             wrong += 1
-        for pa, pb in zip(ours.parameters(), theirs.parameters()):
+        theirs_params = [q for mod in theirs_mods for q in mod.parameters()]
+        for pa, pb in zip(ours.parameters(), theirs_params):
             if not torch.allclose(pa.grad, pb.grad, rtol=1e-4, atol=1e-6):
                 wrong += 1
         t_ours, t_theirs = [], []
         for _ in range(args.rounds):
-            for fn, acc in ((run_theirs, t_theirs), (run_ours, t_ours)):
+            for fn_run, acc in ((run_theirs, t_theirs), (run_ours, t_ours)):
                 dist.barrier()
                 t0 = time.perf_counter()
                 for _ in range(args.steps):
-                    fn()
+                    fn_run()
                 dist.barrier()
                 acc.append((time.perf_counter() - t0) / args.steps)
         ours_ms, theirs_ms = statistics.median(t_ours) * 1e3, statistics.median(t_theirs) * 1e3
         wrong = sum(gather(wrong))
+        bubble = statistics.mean(gather(pipe.stats()["bubble"]))
         results.append((name, theirs_ms, ours_ms, wrong))
-        log(f"| {name} | {theirs_ms:.1f} | {ours_ms:.1f} | {theirs_ms / ours_ms:.2f}x | {wrong} |")
+        log(f"| {name} ({torch_name}) | {theirs_ms:.1f} | {ours_ms:.1f} | {theirs_ms / ours_ms:.2f}x | {bubble:.3f} | "
+            f"{wrong} |")
     return results
 
 
@@ -258,6 +312,7 @@ def main():
     ap.add_argument("--batch", type=int, default=32, help="rows per micro-batch")
     ap.add_argument("--microbatches", type=int, default=8, help="throughput")
     ap.add_argument("--sleep-ms", default="10,40", help="bubble: forward times per micro-batch (ms, comma-separated)")
+    ap.add_argument("--schedules", nargs="*", default=[], help="bubble, memory, throughput: only these schedules")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--p2p-mode", default="barrier", choices=["barrier", "back-to-back", "idle"],
