@@ -97,36 +97,56 @@ def _needs_grad(t: torch.Tensor) -> bool:
 
 
 class _MemoryTracker:
-    """Bytes autograd saves for backward per micro-batch (parameters
-    excluded, a tensor saved twice counted once): the activation memory a
-    schedule keeps alive."""
+    """Bytes autograd saves for backward (parameters excluded), plus what a
+    split backward keeps for W: the activation memory a schedule keeps
+    alive. Accounts per key (a micro-batch of a stage, or one layer of it);
+    a tensor held under several keys counts once, until the last lets go."""
 
     def __init__(self, module: nn.Module) -> None:
         self.param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
         self.live = 0
         self.peak = 0
-        self.per_mb: Dict[Any, int] = {}
+        self.per_mb: Dict[Any, List[Any]] = {}
+        self._refs: Dict[Any, int] = {}
+        self._sizes: Dict[Any, int] = {}
+
+    def _hold(self, key: Any, what: Any, nbytes: int) -> None:
+        held = self.per_mb.setdefault(key, [])
+        if what in held:
+            return
+        held.append(what)
+        self._refs[what] = self._refs.get(what, 0) + 1
+        if self._refs[what] == 1:
+            self._sizes[what] = nbytes
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
 
     def hooks(self, mb: Any):
-        seen = set()
-
         def pack(t: torch.Tensor) -> torch.Tensor:
             ptr = t.untyped_storage().data_ptr()
             # A view counts its own bytes (a micro-batch of the inputs is a
-            # view of the whole batch); one tensor saved twice counts once.
-            key = (ptr, t.storage_offset(), tuple(t.shape))
-            if ptr not in self.param_storages and key not in seen:
-                seen.add(key)
-                n = t.numel() * t.element_size()
-                self.per_mb[mb] = self.per_mb.get(mb, 0) + n
-                self.live += n
-                self.peak = max(self.peak, self.live)
+            # view of the whole batch).
+            if ptr not in self.param_storages:
+                self._hold(mb, (ptr, t.storage_offset(), tuple(t.shape)), t.numel() * t.element_size())
             return t
 
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
+    def add(self, mb: Any, nbytes: int) -> None:
+        """Counts bytes kept for ``mb`` besides saved tensors."""
+        self._hold(mb, object(), nbytes)
+
     def release(self, mb: Any) -> None:
-        self.live -= self.per_mb.pop(mb, 0)
+        for what in self.per_mb.pop(mb, []):
+            self._refs[what] -= 1
+            if self._refs[what] == 0:
+                del self._refs[what]
+                self.live -= self._sizes.pop(what)
+
+    def release_all(self, stage: int, mb: int) -> None:
+        """Releases ``(stage, mb)`` and every per-layer key ``(stage, mb, layer)``."""
+        for key in [key for key in self.per_mb if key[:2] == (stage, mb)]:
+            self.release(key)
 
 
 class _Segment:
@@ -142,7 +162,8 @@ class _Segment:
                                                      for o in outs]
 
 
-def _cut_forward(module: nn.Module, xs: Sequence[torch.Tensor]) -> Tuple[Any, List[_Segment]]:
+def _cut_forward(module: nn.Module, xs: Sequence[torch.Tensor],
+                 hooks: Optional[Callable[[int], Any]] = None) -> Tuple[Any, List[_Segment]]:
     """Runs ``module`` layer by layer, cutting autograd's graph between
     layers (each layer's floating outputs become new leaves), so that a
     backward can be split per layer: B walks the layers from the last,
@@ -153,9 +174,13 @@ def _cut_forward(module: nn.Module, xs: Sequence[torch.Tensor]) -> Tuple[Any, Li
     args: Tuple[Any, ...] = tuple(xs)
     segments: List[_Segment] = []
     out: Any = None
-    for layer in layers:
+    for i, layer in enumerate(layers):
         ins = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-        out = layer(*args)
+        if hooks is None:
+            out = layer(*args)
+        else:  # memory accounting per layer: B frees what parameter-free layers saved
+            with hooks(i):
+                out = layer(*args)
         outs = _as_list(out)
         params = [p for p in layer.parameters() if p.requires_grad]
         seg = _Segment(ins, outs, params)
@@ -464,7 +489,10 @@ class Pipeline:
                                  if o.requires_grad]
                         if pairs:
                             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                    back = [x.grad if x.grad is not None else torch.zeros_like(x) for x in xs if _needs_grad(x)]
+                    # The first stage sends nothing back (its inputs may be the
+                    # caller's views, whose .grad autograd leaves unset).
+                    back = [x.grad if x.grad is not None else torch.zeros_like(x) for x in xs
+                            if _needs_grad(x)] if s > 0 else []
                     if self._memory is not None:
                         self._memory.release((s, k))
                 if s > 0 and back:
@@ -477,7 +505,7 @@ class Pipeline:
                     torch.autograd.backward(outs_w, grads_w, inputs=params)
                 state.stash = []
                 if self._memory is not None:
-                    self._memory.release((s, k))
+                    self._memory.release_all(s, k)
                 compute += time.perf_counter() - t0
         # 4. Every send must have left before the buffers it reads go away.
         for work in sends:
@@ -504,11 +532,8 @@ class Pipeline:
             # Keep only the inputs (and the RNG state, for dropout); B recomputes.
             with torch.no_grad():
                 return module(*xs), state
-        if self._memory is None:
-            out, state.segments = _cut_forward(module, xs)
-        else:
-            with self._memory.hooks((s, k)):
-                out, state.segments = _cut_forward(module, xs)
+        hooks = None if self._memory is None else (lambda i: self._memory.hooks((s, k, i)))
+        out, state.segments = _cut_forward(module, xs, hooks)
         return out, state
 
     def _input_backward(self, s: int, k: int, outs: List[torch.Tensor], grads: Optional[List[torch.Tensor]],
@@ -534,7 +559,8 @@ class Pipeline:
         else:
             needs = [o for o in outs if _needs_grad(o)]
             current = {id(o): g for o, g in zip(needs, grads) if o.requires_grad}
-        for seg in reversed(segments):
+        for index in range(len(segments) - 1, -1, -1):
+            seg = segments[index]
             pairs = [(o, current.get(id(leaf))) for o, leaf in zip(seg.outs, seg.leaves) if leaf is not None]
             pairs = [(o, g) for o, g in pairs if g is not None]
             current = {}
@@ -546,6 +572,10 @@ class Pipeline:
                 current = {id(x): g for x, g in zip(seg.ins, got)}
             if seg.params:
                 state.stash.append((o_list, g_list, seg.params))
+                if self._memory is not None:  # the output gradients W will need are held too
+                    self._memory.add((s, k), sum(g.numel() * g.element_size() for g in g_list))
+            elif self._memory is not None:  # its graph is freed: nothing of it waits for W
+                self._memory.release((s, k, index))
         state.segments = []
         back = []
         for x in state.xs:
