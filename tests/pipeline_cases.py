@@ -288,16 +288,22 @@ def pp_dp_matches(rank: int, steps: int, schedule: str = "1f1b", v: int = 1) -> 
         dp_comm.close()
 
 
-def stage_raises(rank: int, bad_rank: int, schedule: str = "1f1b") -> dict:
-    """One stage of a 2 x 2 layout raises in its forward: every rank raises
-    within seconds (its own error, or CommError naming that stage). With two
-    stages per rank, the first stage of the bad rank raises."""
-    pipe_comm, dp_comm = grid(2, timeout=60)
-    layers = [nn.Linear(WIDTH, WIDTH), Boom(), nn.Linear(WIDTH, WIDTH), Boom(), nn.Linear(WIDTH, WIDTH), Boom(),
-              nn.Linear(WIDTH, WIDTH), Boom(), nn.Linear(WIDTH, 4)]
+def stage_raises(rank: int, bad_rank: int, schedule: str = "1f1b", hosts: bool = False) -> dict:
+    """One stage raises in its forward: every rank raises within seconds (its
+    own error, or CommError naming that stage). With two stages per rank, the
+    first stage of the bad rank raises. On one host: a 2 x 2 layout (pipeline
+    x data parallel); with ``hosts``: one pipeline of 4 ranks, each on its
+    own (simulated) host, so the reason travels as each failing rank's last
+    message to its peers."""
+    if hosts:
+        pipe_comm, dp_comm = make_comm(rank, 4, f"raise{bad_rank}{schedule}", timeout=60, local_size=1), None
+    else:
+        pipe_comm, dp_comm = grid(2, timeout=60)
+    stages = pipe_comm.world_size * (1 if schedule in ("gpipe", "1f1b", "zb-h1") else 2)
+    # A Linear and a Boom per stage.
+    layers = [m for i in range(stages) for m in (nn.Linear(WIDTH, WIDTH if i < stages - 1 else 4), Boom())]
     pipe = Pipeline.from_layers(layers, pipe_comm, schedule=schedule, num_microbatches=4,
-                                loss_fn=nn.functional.mse_loss, dp_comm=dp_comm,
-                                balance=[4, 5] if schedule in ("gpipe", "1f1b", "zb-h1") else [2, 2, 2, 3])
+                                loss_fn=nn.functional.mse_loss, dp_comm=dp_comm, balance=[2] * stages)
     if rank == bad_rank:
         first = pipe.module if isinstance(pipe.module, StageModule) else pipe.module[0]
         next(m for m in first if isinstance(m, Boom)).armed = 2  # the second micro-batch
@@ -311,4 +317,5 @@ def stage_raises(rank: int, bad_rank: int, schedule: str = "1f1b") -> dict:
                 "num_stages": pipe.num_stages}
     finally:
         pipe_comm.close()
-        dp_comm.close()
+        if dp_comm is not None:
+            dp_comm.close()

@@ -259,10 +259,13 @@ def test_pp_dp_2x2_matches_single_process_training(pool, schedule, v):
         assert (a + b) / 2 == pytest.approx(ref, rel=1e-9)
 
 
+@pytest.mark.parametrize("hosts", [False, True])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "interleaved-zb", "zbv"])
 @pytest.mark.parametrize("bad_rank", [1, 2])
-def test_a_stage_that_raises_fails_every_rank(pool, bad_rank, schedule):
-    res = pool.run(pipeline_cases.stage_raises, bad_rank, schedule, timeout=60)
+def test_a_stage_that_raises_fails_every_rank(pool, bad_rank, schedule, hosts):
+    """On one host, and with every rank on its own (simulated) host, where the
+    reason travels as the raising rank's last message to each peer."""
+    res = pool.run(pipeline_cases.stage_raises, bad_rank, schedule, hosts, timeout=60)
     for rank, r in enumerate(res):
         assert r["error"] is not None, (rank, r)
         assert r["seconds"] < 20, (rank, r)  # far below the 60 s timeout
@@ -270,5 +273,5 @@ def test_a_stage_that_raises_fails_every_rank(pool, bad_rank, schedule):
             assert r["error"].startswith("ValueError: boom"), r
         else:
             assert "CommError" in r["error"], r
-            stages = r["num_stages"]
-            assert f"stage {bad_rank % 2} of {stages} (rank {bad_rank}) raised ValueError: boom" in r["error"], r
+            stages, first = r["num_stages"], bad_rank if hosts else bad_rank % 2
+            assert f"stage {first} of {stages} (rank {bad_rank}) raised ValueError: boom" in r["error"], r

@@ -90,7 +90,38 @@ void Communicator::shutdown() {
   transports_.shutdown();
 }
 
-void Communicator::abort(const std::string& why) { transports_.top().abort(why); }
+void Communicator::abort(const std::string& why) {
+  transports_.top().abort(why);
+  PgChannels* remote = transports_.remote_p2p();
+  if (!remote) return;
+  // Ranks of other hosts learn of an abort from shared memory no more: every
+  // remote rank this one exchanged messages with gets the reason as its next
+  // message (queued behind what was already sent, so the stream stays in
+  // step), and its receive raises at once instead of waiting for the timeout.
+  std::vector<int> peers;
+  {
+    std::lock_guard<std::mutex> lk(lanes_mu_);
+    for (const auto& [key, lane] : lanes_)
+      if (transports_.local_rank_of(key.first) < 0 || !transports_.p2p()) peers.push_back(key.first);
+  }
+  std::sort(peers.begin(), peers.end());
+  peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
+  for (int peer : peers) {
+    auto work = std::make_shared<Work>();
+    work->desc_.coll = Collective::kSend;
+    work->desc_.root = peer;
+    work->body_ = [this, remote, peer, why](uint64_t seq) {
+      remote->send_failure(peer, why, p2p_context(Collective::kSend, seq, timeout()));
+    };
+    try {
+      submit_p2p(peer, false, work, /*async_op=*/true);
+    } catch (const std::exception&) {
+      // Shut down already, or the peer is gone: nothing to tell.
+    }
+  }
+  // Receives from other hosts stop waiting (this rank's own lanes).
+  remote->abort(why);
+}
 
 // ------------------------------------------------------ progress engine
 

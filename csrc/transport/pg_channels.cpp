@@ -52,6 +52,11 @@ void PgChannels::flush(double timeout_s) {
   }
 }
 
+void PgChannels::abort(const std::string& why) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!aborted_) aborted_ = why;
+}
+
 void PgChannels::check_broken() {
   std::lock_guard<std::mutex> lk(mu_);
   if (broken_) throw *broken_;
@@ -129,6 +134,10 @@ void PgChannels::write(int peer, const void* data, size_t n, const OpContext& ct
 
 void PgChannels::read(int peer, void* data, size_t n, const OpContext& ctx) {
   check_broken();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (aborted_) throw CommError(*aborted_);
+  }
   std::unique_ptr<char[]> staged;
   void* into = data;
   if (n <= kStagedRead) {

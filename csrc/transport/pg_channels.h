@@ -39,6 +39,13 @@ class PgChannels : public MessageChannels {
   PgChannels(const PgChannels&) = delete;
   PgChannels& operator=(const PgChannels&) = delete;
 
+  // Later receives raise `why`; sends still go out, so that the reason
+  // itself can reach the peers. A receive already waiting keeps waiting
+  // until its data, the peer's own failure message, or its deadline:
+  // cancelling a Gloo receive (Work::abort) closes the connection under
+  // the failure messages still in flight.
+  void abort(const std::string& why);
+
   // Waits (at most `timeout_s` in all) until every posted send was taken by
   // its receiver; gives up silently after that (the receiver then fails).
   void flush(double timeout_s);
@@ -72,6 +79,7 @@ class PgChannels : public MessageChannels {
   std::map<int, size_t> pending_bytes_;
   std::mutex mu_;
   std::optional<CommError> broken_;
+  std::optional<std::string> aborted_;  // guarded by mu_
   // Transfers abandoned by a failed wait stay referenced (the backend may
   // still touch them), with the staging buffers of small reads.
   std::vector<TransferPtr> abandoned_;
