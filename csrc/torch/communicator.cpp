@@ -81,7 +81,7 @@ void Communicator::shutdown() {
   cv_.notify_all();
   if (progress_.joinable()) progress_.join();
   // Point-to-point lanes finish what was queued, like the progress thread.
-  std::map<std::pair<int, bool>, std::unique_ptr<Lane>> lanes;
+  std::map<std::pair<int, bool>, std::shared_ptr<Lane>> lanes;
   {
     std::lock_guard<std::mutex> lk(lanes_mu_);
     lanes.swap(lanes_);
@@ -379,7 +379,11 @@ std::shared_ptr<Work> Communicator::all_reduce_compressed(const at::Tensor& inpu
 // traffic with other peers, and a send blocked on a full ring never holds
 // up receives (so two ranks can send each other large messages at once).
 struct Communicator::Lane {
-  explicit Lane(Communicator* comm) : thread([this, comm] { loop(comm); }) {}
+  // `await_data` (incoming lanes over shared memory): waits up to a bound
+  // for the next message's bytes; true once they are there.
+  using AwaitData = std::function<bool(std::chrono::microseconds)>;
+  Lane(Communicator* comm, AwaitData await) : comm_(comm), await_data(std::move(await)),
+                                               thread([this, comm] { loop(comm); }) {}
   // Finishes what was queued, then joins.
   ~Lane() {
     {
@@ -416,11 +420,53 @@ struct Communicator::Lane {
     cv.notify_one();
   }
 
+  // The caller waits on `work`, a receive nobody has started: it runs here,
+  // on the caller's thread, so that the sender's wake-up reaches the thread
+  // that needs the data (one hand-off instead of two). Only the lane's next
+  // message, so the order holds.
+  bool run_inline(Work* work) {
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      if (busy || queue.empty() || queue.front().get() != work) return false;
+      queue.pop_front();
+      busy = true;
+    }
+    comm_->execute(*work);
+    release();
+    return true;
+  }
+
   void loop(Communicator* comm) {
     std::unique_lock<std::mutex> lk(mu);
+    Work* deferred = nullptr;
+    auto deferred_since = std::chrono::steady_clock::now();
     while (true) {
       cv.wait(lk, [&] { return (!queue.empty() && !busy) || (stopping && queue.empty() && !busy); });
       if (queue.empty()) return;
+      // An incoming message is left to a caller that will wait for it until
+      // its bytes arrive: then this thread takes it unless a caller already
+      // did (background progress, so a sender is never stuck on a full
+      // ring). After kDeferMax this thread takes it anyway, so that the
+      // receive's own waits (peer liveness, abort, its deadline) apply.
+      if (await_data && !stopping) {
+        Work* head = queue.front().get();
+        const auto now = std::chrono::steady_clock::now();
+        if (head != deferred) {
+          deferred = head;
+          deferred_since = now;
+        }
+        if (now - deferred_since < kDeferMax) {
+          lk.unlock();
+          bool ready = true;
+          try {
+            ready = await_data(kDeferSlice);
+          } catch (const std::exception&) {
+            // The receive itself reports it.
+          }
+          lk.lock();
+          if (!ready || busy || queue.empty() || queue.front().get() != head) continue;
+        }
+      }
       auto work = std::move(queue.front());
       queue.pop_front();
       busy = true;
@@ -431,12 +477,19 @@ struct Communicator::Lane {
     }
   }
 
+  // How long this thread leaves a message to a caller at most, and how long
+  // one wait for its bytes lasts before the thread looks at its queue again.
+  static constexpr auto kDeferMax = std::chrono::milliseconds(500);
+  static constexpr auto kDeferSlice = std::chrono::microseconds(5000);
+
+  Communicator* comm_;
   std::mutex mu;
   std::condition_variable cv;
   std::deque<std::shared_ptr<Work>> queue;
   bool busy = false;  // a message of this lane runs (on its thread or a caller's)
   bool stopping = false;
   uint64_t messages = 0;  // numbers this direction's messages, for errors
+  AwaitData await_data;
   std::thread thread;
 };
 
@@ -461,8 +514,26 @@ void Communicator::submit_p2p(int peer, bool incoming, std::shared_ptr<Work> wor
     std::lock_guard<std::mutex> lk(lanes_mu_);
     if (stop_) throw CommError("pycomm: the communicator has been shut down");
     auto& slot = lanes_[{peer, incoming}];
-    if (!slot) slot = std::make_unique<Lane>(this);
+    if (!slot) {
+      Lane::AwaitData await;
+      ShmChannels* shm = transports_.p2p();
+      if (incoming && shm && transports_.local_rank_of(peer) >= 0) {
+        const int local = transports_.local_rank_of(peer);
+        await = [this, shm, local](std::chrono::microseconds max_wait) {
+          return shm->await_readable(local, max_wait, p2p_context(Collective::kRecv, 0, timeout()));
+        };
+      }
+      slot = std::make_shared<Lane>(this, std::move(await));
+    }
     lane = slot.get();
+    if (incoming && async_op && slot->await_data) {
+      std::weak_ptr<Lane> weak = slot;
+      Work* raw = work.get();
+      work->help_ = [weak, raw] {
+        auto l = weak.lock();
+        return l && l->run_inline(raw);
+      };
+    }
     // Numbered at submission, in the order the caller issued them.
     work->seq_ = ++lane->messages;
   }

@@ -148,7 +148,7 @@ class Communicator {
   std::thread progress_;
 
   std::mutex lanes_mu_;
-  std::map<std::pair<int, bool>, std::unique_ptr<Lane>> lanes_;  // (peer, incoming)
+  std::map<std::pair<int, bool>, std::shared_ptr<Lane>> lanes_;  // (peer, incoming)
 };
 
 }  // namespace pycomm

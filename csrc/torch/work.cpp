@@ -36,6 +36,7 @@ double Work::run_seconds() {
 }
 
 bool Work::wait(double timeout_s) {
+  if (help_ && timeout_s < 0 && !is_completed()) help_();
   std::unique_lock<std::mutex> lk(mu_);
   if (timeout_s < 0) {
     cv_.wait(lk, [&] { return done_; });

@@ -79,6 +79,9 @@ class Work {
   std::vector<at::Tensor> inputs_;  // kept alive until the op completes
   std::vector<at::Tensor> outputs_;
   std::function<void()> before_, after_;
+  // Runs the op on the waiting thread if nobody started it yet (a receive
+  // queued on its lane); true if it ran. Set before the op is published.
+  std::function<bool()> help_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;

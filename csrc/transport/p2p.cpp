@@ -210,6 +210,25 @@ void ShmChannels::read(int peer, void* data, size_t n, const OpContext& ctx) {
   }
 }
 
+bool ShmChannels::await_readable(int peer, std::chrono::microseconds max_wait, const OpContext& ctx) {
+  ChannelSegment& s = *channel(peer, shm_.rank_, ctx).seg;
+  auto readable = [&] {
+    return s.written.load(std::memory_order_acquire) != s.consumed.load(std::memory_order_acquire);
+  };
+  if (readable()) return true;
+  // Dekker pair with the writer, as in wait(): it sees our count and wakes
+  // us, or we see its bytes before sleeping.
+  s.reader_waiting.fetch_add(1, std::memory_order_seq_cst);
+  const uint32_t v = s.written.load(std::memory_order_seq_cst);
+  if (v == s.consumed.load(std::memory_order_acquire)) {
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(max_wait).count();
+    timespec ts{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+    futex_op(&s.written, FUTEX_WAIT, v, &ts);
+  }
+  s.reader_waiting.fetch_sub(1, std::memory_order_seq_cst);
+  return readable();
+}
+
 void ShmChannels::out_of_step(const std::string& why) { shm_.fail(why); }
 int ShmChannels::name(int peer) const { return shm_.name(peer); }
 int ShmChannels::self_name() const { return shm_.name(shm_.rank_); }

@@ -98,6 +98,10 @@ class ShmChannels : public MessageChannels {
   void write(int peer, const void* data, size_t n, const OpContext& ctx) override;
   // Reads the next `n` bytes sent by local rank `peer`. Throws CommError.
   void read(int peer, void* data, size_t n, const OpContext& ctx) override;
+  // True once `peer` has written bytes this rank has not read yet; waits up
+  // to `max_wait` for them, asleep (it only watches: whoever reads next may
+  // be another thread).
+  bool await_readable(int peer, std::chrono::microseconds max_wait, const OpContext& ctx);
 
   // Unlinks channel names a peer never mapped (it never talked to us).
   void close();
