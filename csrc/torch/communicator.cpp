@@ -92,6 +92,15 @@ void Communicator::shutdown() {
 
 void Communicator::abort(const std::string& why) {
   transports_.top().abort(why);
+  // Ranks of other hosts that lose their connection to this one read why on
+  // the failure board (blame.h), even if the messages below never reach them.
+  if (board_) {
+    try {
+      board_->publish(rank_, encode_failure(CommError(why)));
+    } catch (const std::exception&) {
+      // The store is gone: the messages below are all that is left.
+    }
+  }
   PgChannels* remote = transports_.remote_p2p();
   if (!remote) return;
   // Ranks of other hosts learn of an abort from shared memory no more: every

@@ -84,6 +84,9 @@ std::exception_ptr explain_failure(std::shared_ptr<FailureBoard> board, int rank
           } catch (...) {
             return std::nullopt;
           }
+          // A rank that blames nobody (its own bad input, a stage that raised
+          // and aborted) is where the cascade started: its words explain it.
+          if (at.blame().kind == FailureKind::kNone) return at;
           seen.push_back(p);
         }
       });
