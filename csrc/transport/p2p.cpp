@@ -210,6 +210,21 @@ void ShmChannels::read(int peer, void* data, size_t n, const OpContext& ctx) {
   }
 }
 
+void ShmChannels::write_tensor(int peer, const void* header, size_t header_bytes, const void* data, size_t n,
+                               const OpContext& ctx) {
+  // Up to 4 KiB of payload: one copy into a stack buffer costs less than a
+  // second publication (a store the reader must see, and its wake-up check).
+  constexpr size_t kSmall = 4096;
+  if (n > kSmall || header_bytes > 256) {
+    MessageChannels::write_tensor(peer, header, header_bytes, data, n, ctx);
+    return;
+  }
+  alignas(64) char buf[256 + kSmall];
+  std::memcpy(buf, header, header_bytes);
+  if (n) std::memcpy(buf + header_bytes, data, n);
+  write(peer, buf, header_bytes + n, ctx);
+}
+
 bool ShmChannels::await_readable(int peer, std::chrono::microseconds max_wait, const OpContext& ctx) {
   ChannelSegment& s = *channel(peer, shm_.rank_, ctx).seg;
   auto readable = [&] {
@@ -246,8 +261,7 @@ void MessageChannels::send_message(int peer, uint32_t tag, const TensorMeta* met
     h.dtype = m.dtype;
     h.ndim = static_cast<uint8_t>(m.ndim);
     for (int d = 0; d < m.ndim; ++d) h.shape[d] = m.shape[d];
-    write(peer, &h, sizeof h, ctx);
-    if (h.nbytes) write(peer, data[i], h.nbytes, ctx);
+    write_tensor(peer, &h, sizeof h, data[i], h.nbytes, ctx);
   }
 }
 

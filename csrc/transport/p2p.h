@@ -72,6 +72,13 @@ class MessageChannels {
   // has taken) the bytes; `read` returns the next `n` bytes `peer` wrote.
   virtual void write(int peer, const void* data, size_t n, const OpContext& ctx) = 0;
   virtual void read(int peer, void* data, size_t n, const OpContext& ctx) = 0;
+  // A tensor's header and bytes, in that order on the stream (a stream may
+  // publish them at once; the reader still reads them as two).
+  virtual void write_tensor(int peer, const void* header, size_t header_bytes, const void* data, size_t n,
+                            const OpContext& ctx) {
+    write(peer, header, header_bytes, ctx);
+    if (n) write(peer, data, n, ctx);
+  }
 
  protected:
   // The stream from `peer` is out of step with its sender (a mismatch was
@@ -98,6 +105,10 @@ class ShmChannels : public MessageChannels {
   void write(int peer, const void* data, size_t n, const OpContext& ctx) override;
   // Reads the next `n` bytes sent by local rank `peer`. Throws CommError.
   void read(int peer, void* data, size_t n, const OpContext& ctx) override;
+  // Small tensors go out with their header in one publication: the reader
+  // wakes once and finds the whole tensor.
+  void write_tensor(int peer, const void* header, size_t header_bytes, const void* data, size_t n,
+                    const OpContext& ctx) override;
   // True once `peer` has written bytes this rank has not read yet; waits up
   // to `max_wait` for them, asleep (it only watches: whoever reads next may
   // be another thread).
