@@ -76,8 +76,12 @@ def stages_of(schedule: Schedule, num_ranks: int, rank: int) -> List[int]:
 
         stages_of(get_schedule("zbv"), 4, 0)   # [0, 7]: the V's two ends
     """
-    owner = placement(plans(schedule, num_ranks, 1))
-    return [s for s, r in enumerate(owner) if r == rank]
+    return [s for s, r in enumerate(_placement(schedule, num_ranks)) if r == rank]
+
+
+def _placement(schedule: Schedule, num_ranks: int) -> List[int]:
+    # Where the stages are does not depend on the number of micro-batches.
+    return placement(plans(schedule, num_ranks, 1))
 
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -341,9 +345,8 @@ class Pipeline:
             pipe = Pipeline.from_layers(layers, comm, num_microbatches=8, loss_fn=F.cross_entropy)
         """
         fn = get_schedule(schedule, virtual_stages)
-        mine = stages_of(fn, comm.world_size, comm.rank)
-        total = len(placement(plans(fn, comm.world_size, 1)))
-        modules = [stage_layers(layers, s, total, balance) for s in mine]
+        owner = _placement(fn, comm.world_size)
+        modules = [stage_layers(layers, s, len(owner), balance) for s, r in enumerate(owner) if r == comm.rank]
         return cls(modules if len(modules) > 1 else modules[0], comm, schedule=fn, **kwargs)
 
     @property

@@ -248,6 +248,13 @@ def list_schedule(num_ranks: int, num_microbatches: int, owner: Sequence[int], *
     out: List[List[Action]] = [[] for _ in range(p)]
     left = sum(len(s) for s in mine) * m * (3 if split else 2)
     order = {"B": 0, "F": 1, "W": 2}
+
+    def ready(cands: list, r: int, a: Action) -> None:
+        # A candidate once its dependencies ran: (earliest start, op, stage, micro-batch).
+        deps = _deps(a, num - 1)
+        if all(d in end for d in deps):
+            cands.append((max([free[r]] + [end[d] for d in deps]), a.op, a.stage, a.microbatch))
+
     while left:
         best = None
         for r in range(p):
@@ -256,14 +263,9 @@ def list_schedule(num_ranks: int, num_microbatches: int, owner: Sequence[int], *
                 k = nf[s]
                 ahead = window is not None and next_own[s] is not None and k >= nf[next_own[s]] + window
                 if k < m and held[r] < limit[r] and not ahead:
-                    dep = end.get(("F", s - 1, k)) if s > 0 else 0.0
-                    if dep is not None:
-                        cands.append((max(free[r], dep), "F", s, k))
-                k = nb[s]
-                if k < nf[s]:
-                    dep = end.get(("B", s + 1, k)) if s < num - 1 else 0.0
-                    if dep is not None and ("F", s, k) in end:
-                        cands.append((max(free[r], dep, end[("F", s, k)]), "B", s, k))
+                    ready(cands, r, Action("F", k, s))
+                if nb[s] < nf[s]:
+                    ready(cands, r, Action("B", nb[s], s))
             if pending_w[r]:
                 s, k = pending_w[r][0]
                 cands.append((max(free[r], end[("B", s, k)]), "W", s, k))
