@@ -111,19 +111,13 @@ void Communicator::abort(const std::string& why) {
   {
     std::lock_guard<std::mutex> lk(lanes_mu_);
     for (const auto& [key, lane] : lanes_)
-      if (transports_.local_rank_of(key.first) < 0 || !transports_.p2p()) peers.push_back(key.first);
+      if (p2p_peer(key.first, Collective::kSend).first == remote) peers.push_back(key.first);
   }
   std::sort(peers.begin(), peers.end());
   peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
   for (int peer : peers) {
-    auto work = std::make_shared<Work>();
-    work->desc_.coll = Collective::kSend;
-    work->desc_.root = peer;
-    work->body_ = [this, remote, peer, why](uint64_t seq) {
-      remote->send_failure(peer, why, p2p_context(Collective::kSend, seq, timeout()));
-    };
     try {
-      submit_p2p(peer, false, work, /*async_op=*/true);
+      send_failure(peer, why, /*async_op=*/true);
     } catch (const std::exception&) {
       // Shut down already, or the peer is gone: nothing to tell.
     }
@@ -391,8 +385,7 @@ struct Communicator::Lane {
   // `await_data` (incoming lanes over shared memory): waits up to a bound
   // for the next message's bytes; true once they are there.
   using AwaitData = std::function<bool(std::chrono::microseconds)>;
-  Lane(Communicator* comm, AwaitData await) : comm_(comm), await_data(std::move(await)),
-                                               thread([this, comm] { loop(comm); }) {}
+  Lane(Communicator* comm, AwaitData await) : comm_(comm), await_data(std::move(await)), thread([this] { loop(); }) {}
   // Finishes what was queued, then joins.
   ~Lane() {
     {
@@ -445,7 +438,7 @@ struct Communicator::Lane {
     return true;
   }
 
-  void loop(Communicator* comm) {
+  void loop() {
     std::unique_lock<std::mutex> lk(mu);
     Work* deferred = nullptr;
     auto deferred_since = std::chrono::steady_clock::now();
@@ -480,7 +473,7 @@ struct Communicator::Lane {
       queue.pop_front();
       busy = true;
       lk.unlock();
-      comm->execute(*work);
+      comm_->execute(*work);
       lk.lock();
       busy = false;
     }
@@ -562,24 +555,21 @@ std::shared_ptr<Work> Communicator::send(const std::vector<at::Tensor>& tensors,
   const auto target = p2p_peer(dst, Collective::kSend);
   MessageChannels& channels = *target.first;
   const int peer = target.second;
-  auto work = std::make_shared<Work>();
-  work->desc_.coll = Collective::kSend;
-  work->desc_.root = dst;
   const std::string why = check_send(tensors, kP2PMaxDims);
   if (!why.empty()) {
     // A send this rank cannot make still goes out, as an error message, so
     // that the receiver raises now instead of waiting for the timeout.
     const std::string msg = p2p_prefix(Collective::kSend) + why;
-    work->body_ = [this, &channels, peer, msg](uint64_t seq) {
-      channels.send_failure(peer, msg, p2p_context(Collective::kSend, seq, timeout()));
-    };
     try {
-      submit_p2p(dst, false, work, /*async_op=*/false);
+      send_failure(dst, msg, /*async_op=*/false);
     } catch (const CommError&) {
       // The peer is gone too; our own reason is the useful one.
     }
     throw CommError(msg);
   }
+  auto work = std::make_shared<Work>();
+  work->desc_.coll = Collective::kSend;
+  work->desc_.root = dst;
   // Non-contiguous tensors travel as contiguous copies, made now: the data
   // sent is the data at the time of the call, as for collectives.
   for (const auto& t : tensors) work->inputs_.push_back(t.contiguous());
@@ -600,6 +590,17 @@ std::shared_ptr<Work> Communicator::send(const std::vector<at::Tensor>& tensors,
   };
   submit_p2p(dst, false, work, async_op);
   return work;
+}
+
+void Communicator::send_failure(int dst, const std::string& why, bool async_op) {
+  const auto target = p2p_peer(dst, Collective::kSend);
+  auto work = std::make_shared<Work>();
+  work->desc_.coll = Collective::kSend;
+  work->desc_.root = dst;
+  work->body_ = [this, channels = target.first, peer = target.second, why](uint64_t seq) {
+    channels->send_failure(peer, why, p2p_context(Collective::kSend, seq, timeout()));
+  };
+  submit_p2p(dst, false, std::move(work), async_op);
 }
 
 std::shared_ptr<Work> Communicator::recv(const std::vector<at::Tensor>& out, int src, uint32_t tag, bool async_op) {

@@ -132,6 +132,8 @@ class Communicator {
   std::pair<MessageChannels*, int> p2p_peer(int peer, Collective coll) const;
   void submit_p2p(int peer, bool incoming, std::shared_ptr<Work> work, bool async_op);
   void recv_body(Work& work, MessageChannels& channels, int peer, uint32_t tag, bool allocate);
+  // Sends `why` to `dst` as a failure message: its receive raises it.
+  void send_failure(int dst, const std::string& why, bool async_op);
 
   int rank_ = 0;
   int world_ = 1;

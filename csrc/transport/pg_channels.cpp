@@ -1,6 +1,5 @@
 #include "pg_channels.h"
 
-#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <sstream>
@@ -37,14 +36,8 @@ void PgChannels::flush(double timeout_s) {
                             std::chrono::duration<double>(timeout_s));
   for (auto& [peer, queue] : pending_) {
     for (auto& p : queue) {
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-      try {
-        if (left.count() <= 0 || !p.work->wait(std::chrono::milliseconds(std::max<int64_t>(1, left.count()))))
-          return;  // the destructor keeps what is still pending
-      } catch (const std::exception&) {
-        return;
-      }
+      if (std::chrono::steady_clock::now() >= deadline || !wait_transfer(*p.work, deadline).empty())
+        return;  // the destructor keeps what is still pending
       p.work.reset();
     }
     queue.clear();
@@ -68,20 +61,18 @@ void PgChannels::out_of_step(const std::string& why) {
   throw CommError(why);
 }
 
+CommError PgChannels::unreachable(const OpContext& ctx, int peer, const char* error) const {
+  return CommError("pycomm." + std::string(collective_name(ctx.coll)) + " #" + std::to_string(ctx.seq) +
+                       " on rank " + std::to_string(rank_) + ": cannot reach rank " + std::to_string(peer) +
+                       " between hosts: " + error,
+                   Blame{FailureKind::kWaiting, peer});
+}
+
 void PgChannels::wait(TransferPtr work, int peer, const char* what, const OpContext& ctx) {
-  // Backends take whole milliseconds; never pass 0, which some read as "no timeout".
-  const auto left =
-      std::chrono::duration_cast<std::chrono::milliseconds>(ctx.deadline - std::chrono::steady_clock::now());
-  std::string error;
-  try {
-    if (work->wait(std::chrono::milliseconds(std::max<int64_t>(1, left.count() + 1)))) return;
-    error = "the wait returned without completing";
-  } catch (const std::exception& e) {
-    error = e.what();
-    error = error.substr(0, error.find('\n'));
-  }
+  const std::string error = wait_transfer(*work, ctx.deadline);
+  if (error.empty()) return;
   std::ostringstream os;
-  os << "pycomm." << (ctx.coll == Collective::kSend ? "send" : "recv") << " #" << ctx.seq << " on rank " << rank_;
+  os << "pycomm." << collective_name(ctx.coll) << " #" << ctx.seq << " on rank " << rank_;
   if (std::chrono::steady_clock::now() >= ctx.deadline)
     os << ": " << timed_out_waiting(ctx.timeout_s) << " for rank " << peer << " (" << what << " between hosts)";
   else
@@ -124,9 +115,7 @@ void PgChannels::write(int peer, const void* data, size_t n, const OpContext& ct
   try {
     p.work = link_->send(p.bytes.get(), n, peer, tag_);
   } catch (const std::exception& e) {
-    throw CommError("pycomm.send #" + std::to_string(ctx.seq) + " on rank " + std::to_string(rank_) +
-                        ": cannot reach rank " + std::to_string(peer) + " between hosts: " + e.what(),
-                    Blame{FailureKind::kWaiting, peer});
+    throw unreachable(ctx, peer, e.what());
   }
   pending_bytes_[peer] += n;
   pending_[peer].push_back(std::move(p));
@@ -148,9 +137,7 @@ void PgChannels::read(int peer, void* data, size_t n, const OpContext& ctx) {
   try {
     work = link_->recv(into, n, peer, tag_);
   } catch (const std::exception& e) {
-    throw CommError("pycomm.recv #" + std::to_string(ctx.seq) + " on rank " + std::to_string(rank_) +
-                        ": cannot reach rank " + std::to_string(peer) + " between hosts: " + e.what(),
-                    Blame{FailureKind::kWaiting, peer});
+    throw unreachable(ctx, peer, e.what());
   }
   try {
     wait(work, peer, "receiving", ctx);

@@ -66,6 +66,8 @@ class PgChannels : public MessageChannels {
     size_t n = 0;
   };
   void check_broken();
+  // A transfer the backend refused to post: the connection to `peer` is gone.
+  CommError unreachable(const OpContext& ctx, int peer, const char* error) const;
   // Drops completed sends to `peer`; waits for the oldest while more than
   // `keep` bytes are pending. Called under send_mu_.
   void reap(int peer, size_t keep, const OpContext& ctx);

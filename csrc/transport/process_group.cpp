@@ -39,6 +39,18 @@ std::string first_line(const char* what) {
 // there is free.
 uint32_t pg_p2p_tag() { return make_tag(0, 0, 0, kMaxSteps, 1, 0); }
 
+std::string wait_transfer(PeerLink::Transfer& transfer, std::chrono::steady_clock::time_point deadline) {
+  // Backends take whole milliseconds; never pass 0, which some read as "no
+  // timeout".
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+  try {
+    if (transfer.wait(std::chrono::milliseconds(std::max<int64_t>(1, left.count() + 1)))) return "";
+    return "the wait returned without completing";
+  } catch (const std::exception& e) {
+    return first_line(e.what());
+  }
+}
+
 // One round in flight: where its chunks are, its staging memory, and its
 // outstanding transfers.
 struct PgRound {
@@ -130,20 +142,10 @@ CommError PgTransport::unreachable(int peer, const std::string& error) const {
 
 void PgTransport::wait(TransferPtr& work, int peer, const char* what, const Ctx& ctx) {
   if (!work) return;
-  // Backends take whole milliseconds; never pass 0, which some read as "no
-  // timeout".
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(ctx.deadline -
-                                                                          std::chrono::steady_clock::now());
-  const auto ms = std::max<int64_t>(1, left.count() + 1);
-  std::string error;
-  try {
-    if (work->wait(std::chrono::milliseconds(ms))) {
-      work.reset();
-      return;
-    }
-    error = "the wait returned without completing";
-  } catch (const std::exception& e) {
-    error = first_line(e.what());
+  const std::string error = wait_transfer(*work, ctx.deadline);
+  if (error.empty()) {
+    work.reset();
+    return;
   }
   std::ostringstream os;
   os << "pycomm: " << collective_name(ctx.desc->coll) << " #" << ctx.seq;

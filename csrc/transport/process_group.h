@@ -79,6 +79,11 @@ struct RoundLayout;
 // collective's transfer uses, in either tag space.
 uint32_t pg_p2p_tag();
 
+// Waits for `transfer` until `deadline`: "" once it completed, else why not
+// (the backend's error, first line, or that the wait returned without
+// completing). Shared by the collectives' and the messages' waits.
+std::string wait_transfer(PeerLink::Transfer& transfer, std::chrono::steady_clock::time_point deadline);
+
 class PgTransport : public Transport {
  public:
   explicit PgTransport(const PgConfig& config);
