@@ -23,6 +23,7 @@ from ._tables import ALGORITHMS
 from .compression import ErrorFeedback, Int4, Int8, TopK
 from .communicator import Communicator
 from .group import GroupCommunicator
+from .straggler import DeadlineAverager, Straggler
 from .default import (
     all_gather,
     all_reduce,
@@ -45,10 +46,12 @@ __all__ = [
     "ALGORITHMS",
     "CommError",
     "Communicator",
+    "DeadlineAverager",
     "ErrorFeedback",
     "GroupCommunicator",
     "Int4",
     "Int8",
+    "Straggler",
     "TopK",
     "Work",
     "all_gather",

@@ -287,7 +287,7 @@ def _digits():
 
 def digits_accuracy(rank: int, world: int, hook: Optional[str], steps: int, start_iter: int = 0,
                     ratio: float = 0.01, seed: int = 0, exact: bool = True, path: str = "auto",
-                    device: str = "cpu") -> float:
+                    device: str = "cpu", lr: float = 0.1) -> float:
     """An MLP on scikit-learn's digits: each rank trains on its quarter of a
     global batch of 64 for ``steps`` steps (SGD with momentum, cosine decay to
     zero, so every run ends converged); accuracy on a held-out split."""
@@ -309,7 +309,11 @@ def digits_accuracy(rank: int, world: int, hook: Optional[str], steps: int, star
     elif hook == "topk":
         m.register_comm_hook(hooks.CompressionState(codec=pycomm.TopK(ratio, exact=exact), start_iter=start_iter,
                                                     **where), hooks.topk_hook)
-    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    elif hook is not None and hook.startswith("stale"):  # e.g. "stale1", "stale1-int8"
+        s, _, wire = hook[len("stale"):].partition("-")
+        stale = hooks.StaleState(staleness=int(s), wire=pycomm.Int8() if wire == "int8" else None, **where)
+        m.register_comm_hook(stale, hooks.stale_hook)
+    opt = torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
     gen = torch.Generator().manual_seed(7 + seed)  # the same global batches on every rank
     per_rank = 64 // world
@@ -319,6 +323,9 @@ def digits_accuracy(rank: int, world: int, hook: Optional[str], steps: int, star
         torch.nn.functional.cross_entropy(m(xtr[idx]), ytr[idx]).backward()
         opt.step()
         sched.step()
+    if hook is not None and hook.startswith("stale"):
+        for _ in stale.flush():  # the averages still in flight (the schedule has reached lr 0)
+            opt.step()
     with torch.no_grad():
         return (model(xte).argmax(1) == yte).float().mean().item() * 100
 
