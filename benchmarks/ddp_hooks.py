@@ -8,17 +8,30 @@ multi-host testbed (one torchrun node per host)::
         benchmarks/ddp_hooks.py e2e
 
 overlap: an MLP whose backward and communication take comparable time.
-For DDP on gloo (no hook) and for pycomm's allreduce_hook it reports
+For DDP on gloo (no hook), pycomm's allreduce_hook and pycomm's stale_hook
+(staleness 1: a step's buckets travel behind the next step) it reports
   compute  forward + backward with a hook that returns at once (no traffic),
   comm     the same buckets all-reduced back to back with no compute,
   step     forward + backward with the real communication,
   overlap efficiency = (compute + comm - step) / min(compute, comm)
-(1: communication entirely hidden; 0: none of it).
+(1: communication entirely hidden; 0: none of it). Each is timed in blocks
+of --block consecutive steps (the blocks in rotation); a stale block's first
+step (nothing in flight yet) is not counted, and its last averages are
+drained between blocks.
+
+straggler: 4 ranks train digits for --steps global steps, each step a real
+forward + backward plus a simulated compute of --compute-ms (a sleep, so the
+ranks do not fight for this machine's cores), and rank 3 is 50 % slower per
+step (pycomm.Straggler). Synchronous DDP (gloo), synchronous pycomm
+(allreduce_hook) and pycomm.DeadlineAverager (a deadline, and backup
+workers) side by side: time per global step and held-out accuracy.
 
 e2e: a ~25M-parameter MLP trained for a fixed number of steps with DDP's
-default (gloo), PyTorch's bf16_compress_hook, and pycomm's allreduce_hook, int8_hook and
+default (gloo), PyTorch's bf16_compress_hook (and powerSGD_hook, rank 4:
+``torch-powersgd``), and pycomm's allreduce_hook, int8_hook and
 topk_hook (1 %), each compressed hook also through the device-generic group
-path (``int8-group``, ``topk-group``): median step time (forward, backward,
+path (``int8-group``, ``topk-group``), and staleness 1 with int8 on the
+wire (``stale1-int8``): median step time (forward, backward,
 optimizer) and the final loss, every config on the same data. "none" (a hook
 that sends nothing; each rank trains alone) gives the compute floor.
 Medians over the measured steps; ratios are side by side in one run.
@@ -87,17 +100,23 @@ def bucket_sizes(model, kw, x):
     return sizes
 
 
-def timed_together(fns, steps, warmup):
+def timed_together(fns, steps, warmup, block=1, skip=None, settle=None):
     """Medians of each of ``fns`` (seconds), run in rotation so that load
-    changes on a shared machine hit them alike; the slowest rank's figure."""
+    changes on a shared machine hit them alike; the slowest rank's figure.
+    Each turn runs a function ``block`` times in a row (each timed); the
+    first ``skip[j]`` of a block are not counted, and ``settle[j]`` (untimed)
+    runs after the block."""
     out = [[] for _ in fns]
     for i in range(warmup + steps):
         for j, fn in enumerate(fns):
-            dist.barrier()
-            t = time.perf_counter()
-            fn()
-            if i >= warmup:
-                out[j].append(time.perf_counter() - t)
+            for b in range(block):
+                dist.barrier()
+                t = time.perf_counter()
+                fn()
+                if i >= warmup and b >= (skip[j] if skip else 0):
+                    out[j].append(time.perf_counter() - t)
+            if settle and settle[j]:
+                settle[j]()
     t = torch.tensor([statistics.median(o) for o in out], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
@@ -120,12 +139,18 @@ def overlap(args):
         model = DDP(mlp(sizes), **kw)
         compute_model = DDP(mlp(sizes), **kw)
         compute_model.register_comm_hook(None, noop_hook)
+        stale = None
         if name == "pycomm":
             model.register_comm_hook(hooks.AllReduceState(), hooks.allreduce_hook)
+        elif name == "stale1":
+            stale = hooks.StaleState(staleness=1)
+            model.register_comm_hook(stale, hooks.stale_hook)
+        elif name != "gloo":
+            raise SystemExit(f"unknown overlap config {name}")
         bufs = [torch.randn(n) for n in buckets]
 
         def comm_only():
-            if name == "pycomm":
+            if name in ("pycomm", "stale1"):
                 works = [comm.all_reduce(b, op="avg", async_op=True) for b in bufs]
             else:
                 works = [dist.all_reduce(b, async_op=True) for b in bufs]
@@ -138,8 +163,13 @@ def overlap(args):
                 m(x).square().mean().backward()
             return run
 
-        t_compute, t_comm, t_step = timed_together([step(compute_model), comm_only, step(model)], args.steps,
-                                                   args.warmup)
+        def drain():  # the averages still in flight (not applied: no optimizer here)
+            for _ in stale.flush():
+                pass
+
+        t_compute, t_comm, t_step = timed_together(
+            [step(compute_model), comm_only, step(model)], args.steps, args.warmup, block=args.block,
+            skip=[0, 0, 1 if stale else 0], settle=[None, None, drain if stale else None])
         eff = (t_compute + t_comm - t_step) / min(t_compute, t_comm)
         rows.append(dict(config=name, compute_ms=t_compute * 1e3, comm_ms=t_comm * 1e3, step_ms=t_step * 1e3,
                          efficiency=eff))
@@ -160,12 +190,25 @@ def e2e(args):
     for name in args.configs.split(","):
         # gradient_as_bucket_view: no copy between gradients and buckets, as
         # performance-minded users run DDP (the same for every config).
-        model = DDP(mlp(sizes, seed=1), gradient_as_bucket_view=True)
+        # PowerSGD issues a bucket's second all-reduce from the first one's
+        # callback thread; over Gloo that races with the next bucket's first
+        # all-reduce (ranks issue them in different orders: a size mismatch),
+        # so it gets one bucket.
+        one_bucket = dict(bucket_cap_mb=1 << 16) if name == "torch-powersgd" else {}
+        model = DDP(mlp(sizes, seed=1), gradient_as_bucket_view=True, **one_bucket)
         state = None
         if name == "none":  # no communication at all: the compute floor
             model.register_comm_hook(None, noop_hook)
         elif name == "torch-bf16":
             model.register_comm_hook(None, torch_bf16_hook)
+        elif name == "torch-powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+            model.register_comm_hook(psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                                        start_powerSGD_iter=args.start_iter), psgd.powerSGD_hook)
+        elif name == "stale1-int8":
+            state = hooks.StaleState(staleness=1, wire=pycomm.Int8(), communicator=comm)
+            model.register_comm_hook(state, hooks.stale_hook)
         elif name == "allreduce":
             state = hooks.AllReduceState(communicator=comm)
             model.register_comm_hook(state, hooks.allreduce_hook)
@@ -196,6 +239,9 @@ def e2e(args):
             if i >= args.warmup:
                 times.append(dt)
             losses.append(loss.item())
+        if isinstance(state, hooks.StaleState):
+            for _ in state.flush():  # the last average, so every config applies every step's gradients
+                opt.step()
         t = torch.tensor([statistics.median(times), sum(losses[-5:]) / 5], dtype=torch.float64)
         dist.all_reduce(t)
         step_s, loss = t[0].item() / world, t[1].item() / world
@@ -213,12 +259,84 @@ def e2e(args):
     return rows
 
 
+def straggler(args):
+    """Synchronous averaging against the deadline average with one slow rank."""
+    from sklearn.datasets import load_digits
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(d.target)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    x, y = x[perm], y[perm]
+    xte, yte, xtr, ytr = x[:450], y[:450], x[450:], y[450:]
+    slow = pycomm.Straggler(world - 1, slowdown=args.slowdown)
+    log(f"# straggler: digits MLP, {world} ranks, {args.steps} global steps of a {64 // world}-sample batch per "
+        f"rank + {args.compute_ms} ms simulated compute; rank {world - 1} {args.slowdown:.0%} slower per step; "
+        f"deadline {args.deadline_ms} ms")
+    rows = []
+    for name in args.configs.split(","):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
+                                    torch.nn.ReLU(), torch.nn.Linear(128, 10))
+        net = model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps)
+        if name in ("gloo", "pycomm"):
+            net = DDP(model)
+            if name == "pycomm":
+                net.register_comm_hook(hooks.AllReduceState(), hooks.allreduce_hook)
+            stepper = opt
+        elif name in ("deadline", "backup"):
+            stepper = pycomm.DeadlineAverager(
+                opt, deadline=args.deadline_ms / 1e3 if name == "deadline" else None,
+                backups=1 if name == "backup" else None, total_steps=args.steps, lr_scheduler=sched)
+        else:
+            raise SystemExit(f"unknown straggler config {name}")
+        gen = torch.Generator().manual_seed(7 + rank)
+        per_rank = 64 // world
+        dist.barrier()
+        t0 = time.perf_counter()
+        call = 0
+        while (stepper.step_count if stepper is not opt else call) < args.steps:
+            with slow.step(call, rank, world):
+                time.sleep(args.compute_ms / 1e3)
+                idx = torch.randint(0, len(xtr), (per_rank,), generator=gen)
+                stepper.zero_grad()
+                torch.nn.functional.cross_entropy(net(xtr[idx]), ytr[idx]).backward()
+            stepper.step()
+            if stepper is opt:
+                sched.step()
+            call += 1
+        elapsed = time.perf_counter() - t0
+        with torch.no_grad():
+            acc = (model(xte).argmax(1) == yte).float().mean().item() * 100
+        t = torch.tensor([elapsed, call], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        row = dict(config=name, step_ms=t[0].item() / args.steps * 1e3, accuracy=acc, calls_max=int(t[1].item()))
+        if stepper is not opt:
+            contributors = stepper.stats()["contributors"]
+            row["mean_contributors"] = sum(map(len, contributors)) / len(contributors)
+            row["slow_rank_calls"] = call if rank == world - 1 else None
+            stepper.close()
+        rows.append(row)
+        log(f"{name:>9} | {row['step_ms']:7.1f} ms per global step | accuracy {acc:5.2f} %"
+            + (f" | {row['mean_contributors']:.2f} contributors per step" if "mean_contributors" in row else ""))
+        dist.barrier()
+    sync = min((r["step_ms"] for r in rows if r["config"] in ("gloo", "pycomm")), default=None)
+    if sync:
+        log("speed-up over the faster synchronous config: " + ", ".join(
+            f"{r['config']} {sync / r['step_ms']:.2f}x" for r in rows))
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["overlap", "e2e"])
-    p.add_argument("--configs", default=None, help="comma-separated (overlap: gloo,pycomm; "
+    p.add_argument("mode", choices=["overlap", "e2e", "straggler"])
+    p.add_argument("--configs", default=None, help="comma-separated (overlap: gloo,pycomm,stale1; "
                    "e2e: none,gloo,torch-bf16,allreduce,int8,topk; also int8-group, topk-group (the "
-                   "device-generic path forced); none: no communication)")
+                   "device-generic path forced), torch-powersgd, stale1-int8; none: no communication; "
+                   "straggler: gloo,pycomm,deadline,backup)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch", type=int, default=None)
@@ -228,15 +346,23 @@ def main(argv=None):
     p.add_argument("--hidden", type=int, default=4096, help="e2e: hidden width (4096: 25.2M parameters)")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--start-iter", type=int, default=2, help="e2e: uncompressed iterations of int8/topk")
+    p.add_argument("--block", type=int, default=4, help="overlap: consecutive steps per turn")
+    p.add_argument("--compute-ms", type=float, default=100.0, help="straggler: simulated compute per step")
+    p.add_argument("--slowdown", type=float, default=0.5, help="straggler: how much slower the last rank is")
+    p.add_argument("--deadline-ms", type=float, default=2.0, help="straggler: the deadline config's deadline")
     p.add_argument("--json", default=None, help="write the rows here (rank 0)")
     args = p.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
     if args.mode == "overlap":
-        args.configs = args.configs or "gloo,pycomm"
+        args.configs = args.configs or "gloo,pycomm,stale1"
         args.steps = args.steps or 10
         args.batch = args.batch or 64
         rows = overlap(args)
+    elif args.mode == "straggler":
+        args.configs = args.configs or "gloo,pycomm,deadline,backup"
+        args.steps = args.steps or 100
+        rows = straggler(args)
     else:
         args.configs = args.configs or "none,gloo,torch-bf16,allreduce,int8,topk"
         args.steps = args.steps or 25
