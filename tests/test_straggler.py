@@ -93,7 +93,7 @@ def _check_deadline(res, world, steps):
     assert torch.allclose(total, sent, rtol=0, atol=1e-9), (total - sent).abs().max()
 
 
-@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("world", range(2, 9))
 def test_deadline_never_waits_for_a_late_rank(pool, world):
     steps, late_s, deadline = 8, 0.4, 0.05
     res = pool.run(straggler_cases.deadline_case, world, steps, world - 1, late_s, deadline,
