@@ -845,8 +845,11 @@ class StaleState(HookState):
         where = {pid: (e, off) for e in old for pid, off in zip(e.ids, e.offsets)}
         off = 0
         for p in bucket.parameters():
-            e, src = where[id(p)]
-            buf[off:off + p.numel()].copy_(self._value(e)[src:src + p.numel()])
+            hit = where.get(id(p))
+            if hit is None:  # not in that step's buckets (the model changed): nothing to apply
+                buf[off:off + p.numel()].zero_()
+            else:
+                buf[off:off + p.numel()].copy_(self._value(hit[0])[hit[1]:hit[1] + p.numel()])
             off += p.numel()
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(buf)
