@@ -27,7 +27,7 @@ def _gather(t: torch.Tensor, group) -> List[torch.Tensor]:
 
 
 def stale_closed_form(rank: int, world: int, staleness: int, wire: str, steps: int = 6,
-                      bucket_view: bool = False) -> Dict[str, object]:
+                      bucket_view: bool = False, device: str = "cpu") -> Dict[str, object]:
     """Trains hooks_cases' MLP with StaleState (SGD, lr 0.1, buckets small
     enough to be several, rebuilt after the first step) and, beside it, each
     rank's own gradient at the same parameters (a copy without DDP),
@@ -37,38 +37,40 @@ def stale_closed_form(rank: int, world: int, staleness: int, wire: str, steps: i
     g, comm = hooks_cases._group(world)
     if rank >= world:
         return {}
-    model = hooks_cases.make_model("mlp")
-    twin = hooks_cases.make_model("mlp")
+    model = hooks_cases.make_model("mlp").to(device)
+    twin = hooks_cases.make_model("mlp").to(device)
     ddp = DDP(model, process_group=g, bucket_cap_mb=0.02, gradient_as_bucket_view=bucket_view)
-    state = hooks.StaleState(staleness=staleness, wire=WIRES[wire], communicator=comm)
+    where = dict(communicator=comm) if device == "cpu" else dict(process_group=g)
+    state = hooks.StaleState(staleness=staleness, wire=WIRES[wire], **where)
     ddp.register_comm_hook(state, hooks.stale_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(300 + rank)
     refs, applied, has_update = [], [], []
     same_params = same_applied = True
     for _ in range(steps):
-        x, y = hooks_cases.make_batch("mlp", gen)
+        x, y = (t.to(device) for t in hooks_cases.make_batch("mlp", gen))
         twin.load_state_dict(model.state_dict())
         twin.zero_grad()
         torch.nn.functional.mse_loss(twin(x), y).backward()
-        mine = hooks_cases._grads(twin).double()
+        mine = hooks_cases._grads(twin).double().cpu()
         refs.append(torch.stack(_gather(mine, g)).mean(0))
         opt.zero_grad()
         torch.nn.functional.mse_loss(ddp(x), y).backward()
-        got = hooks_cases._grads(model).clone()
+        got = hooks_cases._grads(model).cpu()
         same_applied &= all(torch.equal(got, o) for o in _gather(got, g))
         applied.append(got.double())
         has_update.append(state.has_update)
         opt.step()
-        w = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        w = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
         same_params &= all(torch.equal(w, o) for o in _gather(w, g))
     for _ in state.flush():
-        got = hooks_cases._grads(model).clone()
+        got = hooks_cases._grads(model).cpu()
         same_applied &= all(torch.equal(got, o) for o in _gather(got, g))
         applied.append(got.double())
         opt.step()
     return {"refs": refs, "applied": applied, "has_update": has_update, "same_params": same_params,
-            "same_applied": same_applied, "in_flight": state.in_flight, "stats": state.stats()}
+            "same_applied": same_applied, "in_flight": state.in_flight, "stats": state.stats(),
+            "routes": state.routes()}
 
 
 def stale_state_dict(rank: int, world: int) -> Dict[str, object]:

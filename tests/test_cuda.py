@@ -237,3 +237,15 @@ def test_cuda_digits_convergence_with_int8_and_topk(ddp_pool):
     assert base[0] > 95, base
     assert abs(int8[0] - base[0]) <= 0.5, (base[0], int8[0])
     assert base[0] - topk[0] <= 2.0, (base[0], topk[0])
+
+
+@pytest.mark.parametrize("wire", ["plain", "bf16", "int8", "int4", "topk"])
+def test_stale_hook_on_cuda_buckets(ddp_pool, wire):
+    """Staleness 1 on CUDA models (2 ranks on GPU 0): the closed form, the
+    same bits on every rank, every wire format on the policy's path."""
+    import straggler_cases
+    from test_straggler import check_stale
+
+    res = ddp_pool.run(straggler_cases.stale_closed_form, 2, 1, wire, 5, True, device="cuda")[:2]
+    check_stale(res, 1, 5, wire)
+    assert set(res[0]["routes"].values()) == {"group"}, res[0]["routes"]
