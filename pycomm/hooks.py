@@ -721,7 +721,8 @@ class StaleState(HookState):
     learning rate or momentum. Measured on digits (4 ranks, 500 steps, SGD
     with momentum 0.9, cosine decay): at lr 0.05 staleness 1 matches
     synchronous averaging (97.3-97.8 % against 96.7-97.3 %); at lr 0.1 it
-    falls to 87-92 % against 98 %, and staleness 2 needs lr 0.025.
+    falls to 87-92 % against 98 %; staleness 2 diverges at lr 0.1 and
+    reaches 94-96 % at lr 0.025 (synchronous 96-97 %).
 
     Args:
         staleness: ``s >= 1``, steps between computing a gradient and applying
