@@ -61,3 +61,42 @@ def test_other_collectives_under_torchrun(collective, tmp_path):
 def test_bad_options(args, words):
     r = bench(*args)
     assert r.returncode != 0 and words in (r.stdout + r.stderr)
+
+
+BIND_SCRIPT = r"""
+import os, threading, time, json
+from pycomm import bootstrap
+ev = threading.Event()
+seen = {}
+def early():  # a thread that exists before the binding
+    ev.wait()
+    seen["early"] = sorted(os.sched_getaffinity(0))
+t = threading.Thread(target=early); t.start()
+allowed = sorted(os.sched_getaffinity(0))
+out = {"allowed": allowed, "too_many": bootstrap.bind_cores(0, len(allowed) + 1),
+       "after_refusal": sorted(os.sched_getaffinity(0))}
+out["bound"] = bootstrap.bind_cores(len(allowed) - 1, len(allowed))
+out["main"] = sorted(os.sched_getaffinity(0))
+ev.set(); t.join()
+out["early"] = seen["early"]
+print(json.dumps(out))
+"""
+
+
+def test_bind_cores_binds_every_thread_to_its_share():
+    """In a fresh process (binding would pin the test runner): the last local
+    rank of as many as there are CPUs gets the last CPU, in every thread,
+    including one started before; more ranks than CPUs leave it unbound."""
+    r = subprocess.run([sys.executable, "-c", BIND_SCRIPT], capture_output=True, text=True, env=ENV, timeout=120)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["too_many"] is None and out["after_refusal"] == out["allowed"]
+    assert out["bound"] == out["main"] == out["early"] == [out["allowed"][-1]], out
+
+
+def test_bench_binds_cores_when_asked():
+    r = bench("--nproc", "2", "-b", "4K", "-e", "4K", "--no-baseline", "-a", "ring", "--bind-cores")
+    assert r.returncode == 0, r.stderr
+    assert "cores bound: rank 0 on [" in r.stdout, r.stdout

@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot bandwidth and latency against size")
     p.add_argument("--timeout", type=float, default=120.0, help="pycomm collective timeout in seconds")
+    p.add_argument("--bind-cores", action="store_true",
+                   help="bind each rank to its share of the CPUs (pycomm.Communicator(bind_cores=True))")
     return p
 
 
@@ -104,13 +106,14 @@ def _rank_main(rank: int, world: int, port: Optional[int], args: argparse.Namesp
     else:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(60, args.timeout)))
     rank, world = dist.get_rank(), dist.get_world_size()
-    comm = pycomm.Communicator(timeout=args.timeout)
+    comm = pycomm.Communicator(timeout=args.timeout, bind_cores=args.bind_cores or None)
     if rank == 0:
         print(f"# pycomm-bench: {args.collective}, {world} ranks, dtype {args.dtype}, op {args.op}, "
               f"algorithms {','.join(algos)}, baseline {'none' if args.no_baseline else dist.get_backend()}")
         print(f"# host {socket.gethostname()} ({platform.machine()}, {os.cpu_count()} cpus), torch {torch.__version__}, "
               f"pycomm {pycomm.__version__}, shm round {format_size(comm.round_bytes)}B, "
-              f"hosts {comm.num_hosts} x local ranks {comm.local_size}, transport {comm.transport}")
+              f"hosts {comm.num_hosts} x local ranks {comm.local_size}, transport {comm.transport}, "
+              f"cores {'bound: rank 0 on ' + str(comm.cpus) if comm.cpus else 'not bound'}")
         print("# time: median per call of the slowest rank; busbw = algbw x nccl-tests factor; "
               "#wrong: elements off the closed-form result")
         print(HEADER, flush=True)

@@ -1,0 +1,55 @@
+"""One pycomm-bench sweep in K fresh launches: min / median / max per point.
+
+A figure can change from one fresh process to the next (cache and page
+placement, where the scheduler puts the ranks): this runs the same sweep K
+times, each a new `python -m pycomm.bench` process, and reports per size and
+algorithm the min / median / max of algbw over the launches, and each launch's
+figure, so that slow launches show. Every point's #wrong must be 0::
+
+    python benchmarks/launch_spread.py --launches 8 -- -b 1K -e 64M -f 4 --no-baseline
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from typing import Dict, List, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ab_launches import launch  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--launches", type=int, default=8)
+    ap.add_argument("--checkout", default=".", help="root of the checkout to run (its own build)")
+    ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then pycomm-bench options")
+    args = ap.parse_args()
+    bench_args = [a for a in args.bench_args if a != "--"]
+
+    bw: Dict[Tuple[int, str, str], List[float]] = {}
+    us: Dict[Tuple[int, str, str], List[float]] = {}
+    wrong = 0
+    for i in range(args.launches):
+        for row in launch(args.checkout, bench_args):
+            key = (row["size_bytes"], row["backend"], row["label"])
+            wrong += row["wrong"]
+            bw.setdefault(key, []).append(row["algbw_gbps"])
+            us.setdefault(key, []).append(row["time_us"])
+        print(f"# launch {i + 1}/{args.launches} done", file=sys.stderr, flush=True)
+
+    print("| size | backend | algorithm | time µs min / median / max | algbw GB/s min / median / max | algbw per launch |")
+    print("| ---: | --- | --- | ---: | ---: | --- |")
+    for key in sorted(bw):
+        size, backend, label = key
+        b, t = bw[key], us[key]
+        name = f"{size >> 20}M" if size >= 1 << 20 else f"{size >> 10}K" if size >= 1024 else str(size)
+        print(f"| {name} | {backend} | {label} | {min(t):.1f} / {statistics.median(t):.1f} / {max(t):.1f} | "
+              f"{min(b):.2f} / {statistics.median(b):.2f} / {max(b):.2f} | {' '.join(f'{x:.1f}' for x in b)} |")
+    print(f"#wrong over every launch: {wrong}")
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
