@@ -21,6 +21,8 @@ import sys
 import tempfile
 from typing import Dict, List, Tuple
 
+from pycomm.bench.report import format_size
+
 
 def launch(checkout: str, bench_args: List[str]) -> List[dict]:
     """One fresh pycomm-bench process from `checkout`; its rows."""
@@ -68,9 +70,7 @@ def main() -> int:
         b, a = times["before"][key], times["after"][key]
         r = statistics.median(a) / statistics.median(b)
         ratios.append(r)
-        size = key[0]
-        label = f"{size >> 20}M" if size >= 1 << 20 else f"{size >> 10}K" if size >= 1024 else str(size)
-        print(f"| {label} | {key[1]} | {cell(b)} | {cell(a)} | {r:.2f} |")
+        print(f"| {format_size(key[0])} | {key[1]} | {cell(b)} | {cell(a)} | {r:.2f} |")
     gm = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else float("nan")
     print(f"Geometric mean of the median ratios: {gm:.3f} (range {min(ratios):.2f}..{max(ratios):.2f}); "
           f"#wrong over every launch: {wrong}")

@@ -19,6 +19,8 @@ from typing import Dict, List, Tuple
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ab_launches import launch  # noqa: E402
 
+from pycomm.bench.report import format_size  # noqa: E402
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -44,8 +46,7 @@ def main() -> int:
     for key in sorted(bw):
         size, backend, label = key
         b, t = bw[key], us[key]
-        name = f"{size >> 20}M" if size >= 1 << 20 else f"{size >> 10}K" if size >= 1024 else str(size)
-        print(f"| {name} | {backend} | {label} | {min(t):.1f} / {statistics.median(t):.1f} / {max(t):.1f} | "
+        print(f"| {format_size(size)} | {backend} | {label} | {min(t):.1f} / {statistics.median(t):.1f} / {max(t):.1f} | "
               f"{min(b):.2f} / {statistics.median(b):.2f} / {max(b):.2f} | {' '.join(f'{x:.1f}' for x in b)} |")
     print(f"#wrong over every launch: {wrong}")
     return 1 if wrong else 0

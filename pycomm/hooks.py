@@ -749,9 +749,8 @@ class StaleState(HookState):
         if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 1:
             raise ValueError(f"pycomm.hooks.StaleState: staleness must be an int >= 1, got {staleness!r} (for "
                              "synchronous averaging use allreduce_hook or a compressed hook)")
-        super().__init__(process_group, communicator=communicator, path=path)
-        self.staleness = staleness
-        self.wire = wire
+        # The state that sends the buckets, built first: this state's
+        # statistics are its (HookState's constructor resets them).
         where: Dict[str, Any] = dict(communicator=communicator, path=path)
         if _compression.is_codec(wire):
             self.inner: HookState = CompressionState(process_group, wire, start_iter=0, **where)
@@ -762,6 +761,9 @@ class StaleState(HookState):
         else:
             raise ValueError(f"pycomm.hooks.StaleState: wire={wire!r}; use None, torch.bfloat16, torch.float16, "
                              "pycomm.Int8(), pycomm.Int4() or pycomm.TopK(ratio)")
+        super().__init__(process_group, communicator=communicator, path=path)
+        self.staleness = staleness
+        self.wire = wire
         # Steps started and not yet applied, oldest first: each a list of
         # the buckets' averages in flight.
         self._inflight: List[List[_InFlight]] = []
@@ -782,8 +784,7 @@ class StaleState(HookState):
         return out
 
     def reset_stats(self) -> None:
-        if hasattr(self, "inner"):
-            self.inner.reset_stats()
+        self.inner.reset_stats()
 
     def routes(self) -> Dict[str, str]:
         return self.inner.routes()

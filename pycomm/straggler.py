@@ -148,7 +148,13 @@ class DeadlineAverager:
         if bad:
             raise CommError(f"pycomm.DeadlineAverager: parameters must be on the CPU (found {bad[0]}); the "
                             "contributions meet in host shared memory")
-        self._numel = sum(p.numel() for p in self._params)
+        # Where each parameter sits in a flat slot, computed once.
+        self._spans: List[Tuple[torch.nn.Parameter, slice]] = []
+        off = 0
+        for p in self._params:
+            self._spans.append((p, slice(off, off + p.numel())))
+            off += p.numel()
+        self._numel = off
         if self._numel == 0:
             raise ValueError("pycomm.DeadlineAverager: the optimizer has no parameters")
         self._dtype = torch.float64 if any(p.dtype == torch.float64 for p in self._params) else torch.float32
@@ -165,7 +171,6 @@ class DeadlineAverager:
                             "and between hosts with a synchronous hook, or hide slow links with "
                             "pycomm.hooks.StaleState")
         self._buf = self._map_shared()
-        self._start_from_rank0()
         self.step_count = 0  # global steps applied
         self._stats = {"contributions": 0, "late": 0, "dropped": 0, "wait_seconds": 0.0}
         self._contributors: List[Tuple[int, ...]] = []
@@ -236,10 +241,14 @@ class DeadlineAverager:
 
     # -------------------------------------------------------------- shared memory
 
+    @torch.no_grad()
     def _map_shared(self) -> torch.Tensor:
         """One file of (world + ring) * numel elements: each rank's slot, then
-        the ring of results. Rank 0 creates it (O_EXCL, 0600) and unlinks it
-        once every rank has mapped it."""
+        the ring of results. Rank 0 creates it (O_EXCL, 0600) with its
+        parameters in its slot; every rank starts from them (as DDP's
+        constructor does) once it has mapped the file, and rank 0 unlinks it
+        once every rank has. Rank 0's slot then takes its first gradient, in
+        step(), after the constructor returned everywhere."""
         count = (self.world_size + self.ring) * self._numel
         nbytes = count * torch.empty(0, dtype=self._dtype).element_size()
         if self.rank == 0:
@@ -252,12 +261,19 @@ class DeadlineAverager:
                 os.unlink(path)
                 raise CommError(f"pycomm.DeadlineAverager: cannot size {nbytes} bytes of shared memory: {e}") from e
             os.close(fd)
-            self._store.set("file", path)
         else:
             bootstrap.wait_keys(self._store, ["file"], self.timeout, "rank 0 to create the shared file")
             path = self._store.get("file").decode()
         try:
             buf = torch.from_file(path, shared=True, size=count, dtype=self._dtype)
+            slot0 = buf[:self._numel]
+            if self.rank == 0:
+                for p, span in self._spans:
+                    slot0[span].copy_(p.reshape(-1))
+                self._store.set("file", path)
+            else:
+                for p, span in self._spans:
+                    p.copy_(slot0[span].view(p.shape))
             if self._store.add("mapped", 1) == self.world_size:
                 self._store.set("all_mapped", "1")
             if self.rank == 0:
@@ -271,28 +287,6 @@ class DeadlineAverager:
         bootstrap.wait_keys(self._store, ["unlinked"], self.timeout, "rank 0 to unlink the shared file")
         return buf
 
-    @torch.no_grad()
-    def _start_from_rank0(self) -> None:
-        """Every rank starts from rank 0's parameters (as DDP's constructor
-        does), passed through rank 0's slot."""
-        if self.rank == 0:
-            off, slot = 0, self._slot(0)
-            for p in self._params:
-                slot[off:off + p.numel()].copy_(p.reshape(-1))
-                off += p.numel()
-            self._store.set("params", "1")
-        else:
-            bootstrap.wait_keys(self._store, ["params"], self.timeout, "rank 0's parameters")
-            off, slot = 0, self._slot(0)
-            for p in self._params:
-                p.copy_(slot[off:off + p.numel()].view(p.shape))
-                off += p.numel()
-        # Rank 0 overwrites its slot with its first gradient: not before
-        # everyone has read it.
-        if self._store.add("copied", 1) == self.world_size:
-            self._store.set("all_copied", "1")
-        bootstrap.wait_keys(self._store, ["all_copied"], self.timeout, "every rank to copy rank 0's parameters")
-
     def _slot(self, rank: int) -> torch.Tensor:
         return self._buf[rank * self._numel:(rank + 1) * self._numel]
 
@@ -301,25 +295,19 @@ class DeadlineAverager:
         return self._buf[i * self._numel:(i + 1) * self._numel]
 
     def _flatten(self, out: torch.Tensor) -> None:
-        off = 0
-        for p in self._params:
-            n = p.numel()
+        for p, span in self._spans:
             if p.grad is None:
-                out[off:off + n].zero_()
+                out[span].zero_()
             else:
-                out[off:off + n].copy_(p.grad.reshape(-1))
-            off += n
+                out[span].copy_(p.grad.reshape(-1))
 
     def _unflatten(self, src: torch.Tensor) -> None:
-        off = 0
-        for p in self._params:
-            n = p.numel()
-            part = src[off:off + n].view(p.shape)
+        for p, span in self._spans:
+            part = src[span].view(p.shape)
             if p.grad is None:
                 p.grad = part.to(p.dtype, copy=True)
             else:
                 p.grad.copy_(part)
-            off += n
 
     # -------------------------------------------------------------- protocol
 

@@ -285,6 +285,12 @@ def _digits():
     return x[n_test:], y[n_test:], x[:n_test], y[:n_test]
 
 
+def digits_mlp() -> torch.nn.Module:
+    """The digits recipe's MLP (64 -> 128 -> 128 -> 10), from torch's current seed."""
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
+                               torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+
 def digits_accuracy(rank: int, world: int, hook: Optional[str], steps: int, start_iter: int = 0,
                     ratio: float = 0.01, seed: int = 0, exact: bool = True, path: str = "auto",
                     device: str = "cpu", lr: float = 0.1) -> float:
@@ -296,8 +302,7 @@ def digits_accuracy(rank: int, world: int, hook: Optional[str], steps: int, star
         return 0.0
     xtr, ytr, xte, yte = _digits()
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
-                                torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    model = digits_mlp()
     model = model.to(device)
     xtr, ytr, xte, yte = (t.to(device) for t in (xtr, ytr, xte, yte))
     m = DDP(model, process_group=g)

@@ -183,8 +183,7 @@ def digits_deadline(rank: int, world: int, steps: int, slow: int, late_s: float,
         return 0.0
     xtr, ytr, xte, yte = hooks_cases._digits()
     torch.manual_seed(rank)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128),
-                                torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    model = hooks_cases.digits_mlp()
     base = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(base, steps)
     opt = pycomm.DeadlineAverager(base, deadline=deadline, total_steps=steps, lr_scheduler=sched,
