@@ -7,6 +7,10 @@ algorithm the min / median / max of algbw over the launches, and each launch's
 figure, so that slow launches show. Every point's #wrong must be 0::
 
     python benchmarks/launch_spread.py --launches 8 -- -b 1K -e 64M -f 4 --no-baseline
+
+With ``--registered`` rows it also prints, per size and algorithm, the
+registered call's speed-up over the unregistered one measured in the same
+launch (min / median / max over launches: the worst launch included).
 """
 from __future__ import annotations
 
@@ -33,8 +37,14 @@ def main() -> int:
     bw: Dict[Tuple[int, str, str], List[float]] = {}
     us: Dict[Tuple[int, str, str], List[float]] = {}
     wrong = 0
+    ratios: Dict[Tuple[int, str], List[float]] = {}
     for i in range(args.launches):
-        for row in launch(args.checkout, bench_args):
+        rows = launch(args.checkout, bench_args)
+        times = {(r["size_bytes"], r["label"]): r["time_us"] for r in rows if r["backend"] == "pycomm"}
+        for (size, label), t in times.items():
+            if label.endswith("+reg") and (size, label[:-4]) in times:
+                ratios.setdefault((size, label[:-4]), []).append(times[(size, label[:-4])] / t)
+        for row in rows:
             key = (row["size_bytes"], row["backend"], row["label"])
             wrong += row["wrong"]
             bw.setdefault(key, []).append(row["algbw_gbps"])
@@ -48,6 +58,13 @@ def main() -> int:
         b, t = bw[key], us[key]
         print(f"| {format_size(size)} | {backend} | {label} | {min(t):.1f} / {statistics.median(t):.1f} / {max(t):.1f} | "
               f"{min(b):.2f} / {statistics.median(b):.2f} / {max(b):.2f} | {' '.join(f'{x:.1f}' for x in b)} |")
+    if ratios:
+        print()
+        print("| size | algorithm | registered speed-up, same launch: min / median / max | per launch |")
+        print("| ---: | --- | ---: | --- |")
+        for (size, label), r in sorted(ratios.items()):
+            print(f"| {format_size(size)} | {label} | {min(r):.2f} / {statistics.median(r):.2f} / {max(r):.2f} | "
+                  f"{' '.join(f'{x:.2f}' for x in r)} |")
     print(f"#wrong over every launch: {wrong}")
     return 1 if wrong else 0
 

@@ -112,7 +112,11 @@ std::string describe_call(const CollectiveDesc& d) {
   os << "(count=" << d.count << ", dtype=" << dtype_name(d.dtype);
   if (d.coll == Collective::kAllReduce || d.coll == Collective::kReduceScatter) os << ", op=" << redop_name(d.op);
   if (d.coll == Collective::kBroadcast) os << ", src=" << d.root;
-  if (d.tag) os << ", " << describe_tag(d.tag);
+  if (d.tag == kAllocateTag) {
+    os << ", step of a registered allocation (comm.empty)";
+  } else if (d.tag) {
+    os << ", " << describe_tag(d.tag);
+  }
   os << ", algorithm=" << algorithm_name(d.algo);
   if (d.algo == Algorithm::kHierShard || d.algo == Algorithm::kHierLeader)
     os << " between hosts " << algorithm_name(d.inter);

@@ -61,6 +61,10 @@ constexpr AlgorithmChoice kAlgorithmChoices[] = {
     {"direct", Algorithm::kDirect}, {"hierarchical", Algorithm::kHier}, {"hier", Algorithm::kHier},
 };
 
+// The tag of the agreement steps of a registered allocation (comm.empty);
+// bit 31 clear, so never a codec's tag (core/codec.h).
+constexpr uint32_t kAllocateTag = 1;
+
 struct CollectiveDesc {
   Collective coll = Collective::kBarrier;
   Algorithm algo = Algorithm::kOneShot;  // resolved, never kAuto/kDirect/kHier

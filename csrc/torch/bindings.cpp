@@ -283,6 +283,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("barrier", &Communicator::barrier, py::arg("async_op"), py::arg("timeout_s") = 0.0,
            py::call_guard<py::gil_scoped_release>())
+      .def(
+          "empty",
+          [](Communicator& c, const std::vector<int64_t>& sizes, const at::Tensor& like) {
+            return c.empty(sizes, like.scalar_type());
+          },
+          py::arg("sizes"), py::arg("like"), py::call_guard<py::gil_scoped_release>())
+      .def("registered_by", &Communicator::registered_by, py::arg("tensor"))
+      .def_property_readonly("in_place_calls", &Communicator::in_place_calls)
       .def("resolve",
            [](Communicator& c, int coll, int algo, size_t bytes) {
              return c.resolve(to_coll(coll), to_algo(algo), bytes);

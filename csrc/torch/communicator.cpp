@@ -33,6 +33,19 @@ OpContext p2p_context(Collective coll, uint64_t seq, double timeout_s) {
   return OpContext{coll, seq, 0, deadline_after(timeout_s), timeout_s};
 }
 
+// A registered tensor's storage context: it keeps the allocation mapped.
+struct RegisteredStorage {
+  std::shared_ptr<ShmAllocation> allocation;
+};
+void release_registered(void* ctx) { delete static_cast<RegisteredStorage*>(ctx); }
+
+const ShmAllocation* allocation_of(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage()) return nullptr;
+  const c10::DataPtr& p = t.storage().data_ptr();
+  if (p.get_deleter() != &release_registered) return nullptr;
+  return static_cast<const RegisteredStorage*>(p.get_context())->allocation.get();
+}
+
 TopologyConfig topology_of(const CommunicatorOptions& o) {
   TopologyConfig t = o.topology;
   if (o.backend) t.link = std::make_shared<C10dLink>(o.backend);
@@ -228,9 +241,47 @@ std::string Communicator::resolve(Collective coll, Algorithm algo, size_t bytes)
   return name;
 }
 
+at::Tensor Communicator::empty(at::IntArrayRef sizes, at::ScalarType dtype) {
+  const auto options = at::TensorOptions().dtype(dtype).device(at::kCPU);
+  ShmTransport* shm = transports_.local();
+  if (!shm || shm->world() == 1) return at::empty(sizes, options);
+  int64_t numel = 1;
+  for (int64_t s : sizes) {
+    if (s < 0) throw CommError("pycomm: comm.empty: negative size in " + c10::str(sizes));
+    numel *= s;
+  }
+  const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+  // In the communicator's sequence, like any collective: the local ranks
+  // agree on the segment in their n-th call.
+  std::shared_ptr<ShmAllocation> allocation;
+  auto work = std::make_shared<Work>();
+  work->desc_.coll = Collective::kBarrier;
+  work->body_ = [&](uint64_t seq) { allocation = shm->allocate(bytes, seq); };
+  submit(work, /*async_op=*/false);  // waits; rethrows a failure
+  c10::DataPtr data(allocation->region(allocation->rank()), new RegisteredStorage{allocation}, &release_registered,
+                    at::Device(at::kCPU));
+  // Not resizable: the memory peers read cannot move.
+  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, std::move(data), /*allocator=*/nullptr,
+                       /*resizable=*/false);
+  return at::empty({0}, options).set_(storage, 0, sizes);
+}
+
+int Communicator::registered_by(const at::Tensor& t) const {
+  const ShmAllocation* a = allocation_of(t);
+  if (!a) return 0;
+  const ShmTransport* shm = transports_.local();
+  return shm && a->owner() == shm->segment_name() ? 1 : 2;
+}
+
 std::shared_ptr<Work> Communicator::launch(Collective coll, RedOp op, int root, uint64_t count,
                                            const at::Tensor& input, const at::Tensor& output, Algorithm algo,
                                            bool strict, bool async_op, Staging staging) {
+  for (const at::Tensor* t : {&input, &output}) {
+    if (registered_by(*t) == 2)
+      return reject(std::string("pycomm.") + collective_name(coll) + ": the " + (t == &input ? "input" : "output") +
+                    " was allocated by another communicator's empty(); registered memory serves the "
+                    "communicator that made it (use this one's empty(), or clone() the tensor)");
+  }
   CollectiveDesc desc;
   desc.coll = coll;
   desc.op = op;

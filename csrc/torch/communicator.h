@@ -89,6 +89,21 @@ class Communicator {
   // Elements of this rank's reduced shard in a quantized all-reduce of n.
   size_t compressed_shard_elems(size_t n, int block) const;
 
+  // Registered memory (comm.empty): a contiguous CPU tensor whose storage
+  // lies in shared memory every local rank has mapped; collectives whose
+  // tensors all lie there read peers' data in place (transport/shm.h). A
+  // collective over the local ranks: each calls it with the same shape and
+  // dtype, in the same order as its other calls. Its storage cannot grow
+  // (resize_ beyond it raises) and stays mapped while any tensor uses it,
+  // even after the communicator is closed. Without shared memory (one rank
+  // per host, or use_shm false) it is an ordinary tensor.
+  at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype);
+  // `t`'s storage came from a communicator's empty(): 1 this one, 2 another
+  // one, 0 none.
+  int registered_by(const at::Tensor& t) const;
+  // Collectives that ran in place on registered memory so far.
+  uint64_t in_place_calls() const { return transports_.local() ? transports_.local()->in_place_calls() : 0; }
+
   // Rejects a call made with bad arguments: it still takes its turn in the
   // sequence (so every rank raises, none hangs), then throws CommError(why).
   [[noreturn]] std::shared_ptr<Work> reject(const std::string& why);

@@ -24,22 +24,11 @@
 #include "../kernels/kernels.h"
 #include "futex.h"
 #include "layout.h"
+#include "shm_segment.h"
 
 namespace pycomm {
 
 namespace {
-
-constexpr uint64_t kMagic = 0x314d4d4f43595075ull;  // "uPYCOMM1"
-// 3: the abort state carries the blamed rank and why (a structured Blame).
-constexpr uint32_t kLayoutVersion = 3;
-constexpr size_t kPage = 4096;
-// Header slots per rank, indexed by the transport's operation counter modulo
-// kHeaderSlots. A rank finishes operation s only after every peer has
-// published its header for s, so no two ranks are ever more than one
-// operation apart: two slots would do, four leave slack.
-constexpr int kHeaderSlots = 4;
-
-size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 // State and start time (clock ticks since boot) of a process from
 // /proc/<pid>/stat. The start time tells a recycled pid from the original.
@@ -84,45 +73,6 @@ int usable_cpus() {
 
 }  // namespace
 
-struct SegmentHeader {
-  uint64_t magic;
-  uint32_t version;
-  uint32_t world;
-  uint64_t round_bytes;
-  uint64_t total_size;
-  char token[64];
-  std::atomic<uint32_t> attached;
-  std::atomic<uint32_t> abort_state;  // 0: healthy, 1: message being written, 2: aborted
-  int32_t abort_rank;                 // the first abort's Blame, written before state 2
-  uint8_t abort_kind;
-  char abort_msg[2048];
-};
-
-// `call.op` counts this transport's operations (the same on every local
-// rank); `call.seq` is the communicator's number of the user call it
-// serves, which several operations may share (a hierarchical or compressed
-// collective).
-struct HeaderSlot {
-  std::atomic<uint32_t> op;  // futex word: low bits of call.op, stored last
-  uint32_t unused;
-  CallHeader call;
-  char pad[64 - 48];
-};
-static_assert(sizeof(HeaderSlot) == 64, "one header per cache line");
-
-// Each group of fields written by one party sits on its own cache line, so
-// a rank polling a peer's flag does not bounce the line its owner writes.
-struct RankControl {
-  alignas(64) std::atomic<uint32_t> step_flag;   // owner: sends done through step flag-1
-  alignas(64) std::atomic<uint32_t> round_done;  // owner: rounds completed
-  alignas(64) std::atomic<uint32_t> waiters;     // peers sleeping on this rank's words
-  alignas(64) std::atomic<int32_t> pid;
-  std::atomic<uint32_t> exited;
-  uint64_t starttime;
-  uint64_t pidns;
-  alignas(64) HeaderSlot headers[kHeaderSlots];
-};
-
 ShmTransport::ShmTransport(const ShmConfig& config)
     : name_(config.name),
       rank_(config.rank),
@@ -130,7 +80,8 @@ ShmTransport::ShmTransport(const ShmConfig& config)
       round_bytes_(config.round_bytes),
       timeout_s_(config.timeout_s),
       names_(config.global_ranks),
-      plans_(config.rank) {
+      plans_(config.rank),
+      token_(config.token) {
   if (world_ < 1 || rank_ < 0 || rank_ >= world_)
     throw CommError("pycomm: invalid shared-memory rank " + std::to_string(rank_) + " of " + std::to_string(world_));
   if (round_bytes_ < 64 * 1024 || round_bytes_ % kPage != 0)
@@ -377,9 +328,9 @@ void ShmTransport::post_round_done(uint64_t round) {
   if (me.waiters.load(std::memory_order_seq_cst) > 0) futex_wake_all(&me.round_done);
 }
 
-void ShmTransport::wait_step(int peer, uint64_t step, const OpContext& ctx) {
+void ShmTransport::wait_step(int peer, uint64_t step, const OpContext& ctx, const char* what) {
   const uint32_t target = static_cast<uint32_t>(step + 1);
-  wait_on(&controls_[peer].step_flag, peer, ctx, "its data", [target](uint32_t v) { return reached(v, target); });
+  wait_on(&controls_[peer].step_flag, peer, ctx, what, [target](uint32_t v) { return reached(v, target); });
 }
 
 void ShmTransport::wait_round_free(uint64_t round, const OpContext& ctx) {
@@ -394,10 +345,12 @@ void ShmTransport::wait_round_free(uint64_t round, const OpContext& ctx) {
   }
 }
 
-void ShmTransport::publish_header(const CollectiveDesc& d, uint64_t seq, uint64_t op) {
+void ShmTransport::publish_header(const CollectiveDesc& d, uint64_t seq, uint64_t op,
+                                  const RegisteredCall& reg) {
   RankControl& me = controls_[rank_];
   HeaderSlot& h = me.headers[op % kHeaderSlots];
   h.call = CallHeader::of(d, seq, op);
+  me.registered[op % kHeaderSlots] = reg;
   h.op.store(static_cast<uint32_t>(op), std::memory_order_seq_cst);
   if (me.waiters.load(std::memory_order_seq_cst) > 0) futex_wake_all(&h.op);
 }
@@ -427,10 +380,12 @@ void ShmTransport::run(const CollectiveDesc& desc, uint64_t seq) {
   ctx.op = ++ops_;  // from 1: a slot never written reads as op 0
   ctx.timeout_s = desc.timeout_s > 0 ? desc.timeout_s : timeout();
   ctx.deadline = deadline_after(ctx.timeout_s);
-  publish_header(desc, seq, ctx.op);
+  std::vector<std::shared_ptr<ShmAllocation>> keep;
+  const RegisteredCall reg = desc.check_only ? RegisteredCall{} : registration(desc, &keep);
+  publish_header(desc, seq, ctx.op, reg);
   std::vector<bool> checked(world_, false);
   checked[rank_] = true;
-  if (!desc.check_only) execute(desc, ctx, checked, seq);
+  if (!desc.check_only && !run_registered(desc, ctx, checked, seq, reg, keep)) execute(desc, ctx, checked, seq);
   // Every peer must have entered the same collective before anybody returns:
   // a mismatch therefore fails on every rank, and no rank runs ahead of the
   // header slots.

@@ -15,7 +15,9 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -43,6 +45,49 @@ struct ShmConfig {
 struct SegmentHeader;
 struct RankControl;
 
+// Registered (symmetric) memory: one shared-memory segment per
+// ShmTransport::allocate call, holding one equal region per local rank and
+// mapped by every local rank, so that a collective on tensors inside it can
+// read peers' data where it lies instead of staging it in the mailboxes.
+// Its name is unlinked before allocate returns; the mapping lives as long as
+// the last shared_ptr (the tensors' storage holds one), so memory a peer may
+// still read is never unmapped under it.
+class ShmAllocation {
+ public:
+  ~ShmAllocation();
+  ShmAllocation(const ShmAllocation&) = delete;
+  ShmAllocation& operator=(const ShmAllocation&) = delete;
+
+  uint64_t id() const { return id_; }
+  // The segment name of the transport that made it: allocations of another
+  // communicator are refused by name.
+  const std::string& owner() const { return owner_; }
+  char* region(int local_rank) const { return regions_ + static_cast<size_t>(local_rank) * region_bytes_; }
+  size_t region_bytes() const { return region_bytes_; }
+  // The bytes the caller asked for (at most region_bytes()).
+  size_t bytes() const { return bytes_; }
+  int rank() const { return rank_; }
+
+ private:
+  friend class ShmTransport;
+  ShmAllocation() = default;
+  uint64_t id_ = 0;
+  std::string owner_;
+  void* base_ = nullptr;
+  size_t size_ = 0;
+  char* regions_ = nullptr;
+  size_t region_bytes_ = 0;
+  size_t bytes_ = 0;
+  int rank_ = 0;
+};
+
+// Where a call's buffers lie in registered memory: allocation id (0: not
+// registered) and byte offset in the owner's region. Published beside the
+// call header so that peers can find them.
+struct RegisteredCall {
+  uint64_t in_id = 0, in_off = 0, out_id = 0, out_off = 0;
+};
+
 // What a rank was doing, for error messages.
 struct OpContext {
   Collective coll = Collective::kBarrier;
@@ -68,6 +113,13 @@ class ShmTransport : public Transport {
   // Runs one collective of user call `seq` (see Transport). Throws CommError.
   void run(const CollectiveDesc& desc, uint64_t seq) override;
 
+  // Registered memory: `bytes` in every local rank's region of a new
+  // segment (comm.empty). Collective over the local ranks, as operation(s)
+  // of user call `seq`; every rank must ask for the same size. A failure
+  // (no space in /dev/shm) raises CommError on every rank and leaves the
+  // transport usable.
+  std::shared_ptr<ShmAllocation> allocate(size_t bytes, uint64_t seq);
+
   // Tells peers this rank is leaving: their waits on it fail fast instead of
   // timing out.
   void shutdown();
@@ -83,6 +135,10 @@ class ShmTransport : public Transport {
   int rank() const override { return rank_; }
   int world() const override { return world_; }
   size_t round_bytes() const { return round_bytes_; }
+  // Calls that ran in place on registered memory (any thread may read it).
+  uint64_t in_place_calls() const { return in_place_calls_.load(std::memory_order_relaxed); }
+  // Unique per communicator and job (it carries the job's random token).
+  const std::string& segment_name() const { return name_; }
   // Atomic: the caller's thread may change it while the progress thread
   // and point-to-point lanes read it.
   double timeout() const { return timeout_s_.load(std::memory_order_relaxed); }
@@ -93,10 +149,10 @@ class ShmTransport : public Transport {
   // checks and waiting policy.
   friend class ShmChannels;
   void map_segment(const ShmConfig& config);
-  void publish_header(const CollectiveDesc& desc, uint64_t seq, uint64_t op);
+  void publish_header(const CollectiveDesc& desc, uint64_t seq, uint64_t op, const RegisteredCall& reg);
   int name(int local) const { return names_.empty() ? local : names_[local]; }
   void check_header(int peer, uint64_t seq, const OpContext& ctx);
-  void wait_step(int peer, uint64_t step, const OpContext& ctx);
+  void wait_step(int peer, uint64_t step, const OpContext& ctx, const char* what = "its data");
   void wait_round_free(uint64_t round, const OpContext& ctx);
   void post_step(uint64_t step);
   void post_round_done(uint64_t round);
@@ -123,6 +179,19 @@ class ShmTransport : public Transport {
   char* mailbox(int rank, uint64_t round, int phase) const;
   void execute(const CollectiveDesc& desc, const OpContext& ctx, std::vector<bool>& checked,
                uint64_t seq);
+  // Registered memory (shm_registered.cpp). The allocation of this
+  // transport holding [p, p + bytes) in this rank's region, with p's offset
+  // there; null if none.
+  std::shared_ptr<ShmAllocation> find_registered(const void* p, size_t bytes, uint64_t* offset);
+  // The registered parts of a call's buffers; *keep pins their allocations.
+  RegisteredCall registration(const CollectiveDesc& d, std::vector<std::shared_ptr<ShmAllocation>>* keep);
+  // Runs the call in place on registered memory when every rank's buffers
+  // allow it (decided from the headers, so every rank decides alike);
+  // false: the caller runs the staged executor.
+  bool run_registered(const CollectiveDesc& d, const OpContext& ctx, std::vector<bool>& checked, uint64_t seq,
+                      const RegisteredCall& mine, const std::vector<std::shared_ptr<ShmAllocation>>& keep);
+  // Waits until every peer posted step `step` (this rank posted it too).
+  void wait_all_steps(uint64_t step, const OpContext& ctx, const char* what);
 
   std::string name_;
   int rank_ = 0;
@@ -144,6 +213,13 @@ class ShmTransport : public Transport {
   int yield_iters_ = 0;
   std::chrono::steady_clock::time_point next_liveness_check_{};
   PlanCache plans_;
+  // Registered allocations by id. Weak: the tensors own them; an id is
+  // never reused, so a freed one is simply gone.
+  std::mutex registered_mu_;
+  std::map<uint64_t, std::weak_ptr<ShmAllocation>> registered_;
+  uint64_t allocations_ = 0;  // allocate calls so far, same on every rank
+  std::atomic<uint64_t> in_place_calls_{0};
+  std::string token_;
 };
 
 template <typename Ready, typename TimeoutMessage>

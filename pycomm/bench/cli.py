@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot bandwidth and latency against size")
     p.add_argument("--timeout", type=float, default=120.0, help="pycomm collective timeout in seconds")
+    p.add_argument("--registered", action="store_true",
+                   help="also run every algorithm on registered buffers (comm.empty; '+reg' rows) and time a plain "
+                        "copy of the buffer on every rank at once (the 'memcpy' row)")
     p.add_argument("--bind-cores", action="store_true",
                    help="bind each rank to its share of the CPUs (pycomm.Communicator(bind_cores=True))")
     return p
@@ -118,7 +121,7 @@ def _rank_main(rank: int, world: int, port: Optional[int], args: argparse.Namesp
               "#wrong: elements off the closed-form result")
         print(HEADER, flush=True)
     cfg = BenchConfig(args.collective, sizes(args), algos, args.dtype, args.op, args.iters, args.warmup,
-                      not args.no_baseline)
+                      not args.no_baseline, registered=args.registered)
     if "c10d" in algos:
         cfg.c10d_group = dist.new_group(backend="pycomm", timeout=datetime.timedelta(seconds=args.timeout))
     rows = run_rank(cfg, comm)

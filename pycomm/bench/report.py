@@ -24,16 +24,16 @@ def format_size(n: int) -> str:
 
 
 HEADER = (
-    f"{'size(B)':>12} {'count':>12} {'type':>9} {'redop':>6} {'algorithm':>22} |"
+    f"{'size(B)':>12} {'count':>12} {'type':>9} {'redop':>6} {'algorithm':>26} |"
     f" {'time(us)':>10} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>7} | {'vs base':>8}"
 )
 
 
 def format_row(row: Dict) -> str:
     speedup = row.get("speedup_vs_baseline")
-    vs = f"{speedup:7.2f}x" if speedup else f"{'base' if row['backend'] != 'pycomm' else '-':>8}"
+    vs = f"{speedup:7.2f}x" if speedup else f"{'base' if row['backend'] not in ('pycomm', 'memcpy') else '-':>8}"
     return (
-        f"{row['size_bytes']:>12} {row['count']:>12} {row['dtype']:>9} {row['op']:>6} {row['label']:>22} |"
+        f"{row['size_bytes']:>12} {row['count']:>12} {row['dtype']:>9} {row['op']:>6} {row['label']:>26} |"
         f" {row['time_us']:>10.1f} {row['algbw_gbps']:>11.3f} {row['busbw_gbps']:>11.3f} {row['wrong']:>7} | {vs}"
     )
 
@@ -44,11 +44,11 @@ def summary(rows: List[Dict]) -> List[str]:
     sizes = sorted({r["size_bytes"] for r in rows})
     for size in sizes:
         mine = [r for r in rows if r["size_bytes"] == size and r["backend"] == "pycomm"]
-        base = [r for r in rows if r["size_bytes"] == size and r["backend"] != "pycomm"]
+        base = [r for r in rows if r["size_bytes"] == size and r["backend"] not in ("pycomm", "memcpy")]
         if not mine:
             continue
         best = min(mine, key=lambda r: r["time_us"])
-        text = (f"{format_size(size):>6}: best {best['label']:<22} {best['time_us']:10.1f} us "
+        text = (f"{format_size(size):>6}: best {best['label']:<26} {best['time_us']:10.1f} us "
                 f"{best['algbw_gbps']:7.3f} GB/s algbw")
         if base:
             b = base[0]

@@ -33,6 +33,10 @@ class BenchConfig:
     warmup: Optional[int]
     baseline: bool
     c10d_group: Optional["dist.ProcessGroup"] = None  # for the "c10d" rows
+    # Also run every pycomm algorithm on registered buffers (comm.empty;
+    # "<algorithm>+reg" rows), and time a plain copy of the buffer on every
+    # rank at once (the "memcpy" row: the machine's copy bandwidth, same run).
+    registered: bool = False
 
 
 def auto_iters(size: int) -> int:
@@ -45,7 +49,8 @@ class Case:
     a closed form: rank r holds r + 1 + (i % 7) at position i, which every
     supported dtype represents and sums exactly for up to 8 ranks."""
 
-    def __init__(self, collective: str, size: int, dtype: torch.dtype, op: str, rank: int, world: int) -> None:
+    def __init__(self, collective: str, size: int, dtype: torch.dtype, op: str, rank: int, world: int,
+                 empty: Callable[..., torch.Tensor] = torch.empty) -> None:
         self.collective, self.op, self.rank, self.world = collective, op, rank, world
         esize = torch.empty((), dtype=dtype).element_size()
         # nccl-tests' size: the larger buffer (all_gather: the output,
@@ -57,8 +62,8 @@ class Case:
         self.dtype = dtype
         n_in = self.count * (world if collective == "reduce_scatter" else 1)
         n_out = {"all_gather": self.count * world, "reduce_scatter": self.count}.get(collective, 0)
-        self.inp = torch.empty(n_in, dtype=dtype)
-        self.out = torch.empty(n_out, dtype=dtype)
+        self.inp = empty(n_in, dtype=dtype)
+        self.out = empty(n_out, dtype=dtype)
 
     def pattern(self, n: int, rank: int) -> torch.Tensor:
         return (torch.arange(n, dtype=torch.int64) % 7 + rank + 1).to(self.dtype)
@@ -132,6 +137,23 @@ def _time(fn: Callable[[], None], iters: int, warmup: int) -> float:
     return statistics.median(samples)
 
 
+def _copy_row(cfg: BenchConfig, case: Case, iters: int, warmup: int, world: int) -> Dict:
+    """Every rank copies one buffer of the point's size at once: what the
+    machine's memory moves in the same run, for the collectives to be read
+    against."""
+    src = torch.empty(case.size_bytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    slowest = torch.tensor([_time(lambda: dst.copy_(src), iters, warmup)], dtype=torch.float64)
+    dist.all_reduce(slowest, dist.ReduceOp.MAX)
+    t = slowest.item()
+    wrong = torch.tensor([int((dst != 1).sum().item())], dtype=torch.int64)
+    dist.all_reduce(wrong, dist.ReduceOp.SUM)
+    return {"collective": cfg.collective, "backend": "memcpy", "algorithm": "memcpy", "label": "memcpy (each rank)",
+            "dtype": "uint8", "op": "none", "size_bytes": case.size_bytes, "count": case.size_bytes, "nranks": world,
+            "time_us": t * 1e6, "algbw_gbps": case.size_bytes / t / 1e9, "busbw_gbps": case.size_bytes / t / 1e9,
+            "wrong": int(wrong.item()), "iters": iters}
+
+
 def run_rank(cfg: BenchConfig, comm: "pycomm.Communicator") -> Optional[List[Dict]]:
     """Runs the sweep on this rank; returns the rows on rank 0, None elsewhere."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -142,12 +164,19 @@ def run_rank(cfg: BenchConfig, comm: "pycomm.Communicator") -> Optional[List[Dic
         case = Case(cfg.collective, size, dtype, cfg.op, rank, world)
         iters = cfg.iters or auto_iters(case.size_bytes)
         warmup = cfg.warmup if cfg.warmup is not None else max(2, iters // 10)
-        runs = [("pycomm", a, _baseline_call(case, cfg.c10d_group) if a == "c10d" else _pycomm_call(comm, case, a))
-                for a in cfg.algorithms]
+        runs = []
+        reg_case = Case(cfg.collective, size, dtype, cfg.op, rank, world, comm.empty) if cfg.registered else None
+        for a in cfg.algorithms:
+            runs.append(("pycomm", a, case, _baseline_call(case, cfg.c10d_group) if a == "c10d"
+                         else _pycomm_call(comm, case, a)))
+            if reg_case is not None and a != "c10d":
+                runs.append(("pycomm", a + "+reg", reg_case, _pycomm_call(comm, reg_case, a)))
         if cfg.baseline:
-            runs.append((backend, backend, _baseline_call(case)))
+            runs.append((backend, backend, case, _baseline_call(case)))
         point = []
-        for backend_name, label, fn in runs:
+        if reg_case is not None:
+            point.append(_copy_row(cfg, case, iters, warmup, world))
+        for backend_name, label, case, fn in runs:
             case.fill()
             seconds = _time(fn, iters, warmup)
             # Correctness on fresh data after the timed loop (in-place
@@ -162,10 +191,11 @@ def run_rank(cfg: BenchConfig, comm: "pycomm.Communicator") -> Optional[List[Dic
             dist.all_reduce(wrong_total, dist.ReduceOp.SUM)
             t = slowest.item()
             resolved = label
-            if backend_name == "pycomm" and label in ("auto", "direct"):
+            algo, reg = (label[:-4], "+reg") if label.endswith("+reg") else (label, "")
+            if backend_name == "pycomm" and algo in ("auto", "direct"):
                 # The tuner sizes a call by its larger buffer, as nccl-tests does.
-                chosen = comm.resolve_algorithm(cfg.collective, label, case.size_bytes)
-                resolved = f"auto:{chosen}" if label == "auto" else chosen
+                chosen = comm.resolve_algorithm(cfg.collective, algo, case.size_bytes)
+                resolved = (f"auto:{chosen}" if algo == "auto" else chosen) + reg
             algbw = case.size_bytes / t / 1e9
             point.append({
                 "collective": cfg.collective, "backend": backend_name, "algorithm": label, "label": resolved,
@@ -174,7 +204,7 @@ def run_rank(cfg: BenchConfig, comm: "pycomm.Communicator") -> Optional[List[Dic
                 "time_us": t * 1e6, "algbw_gbps": algbw, "busbw_gbps": algbw * busbw_factor(cfg.collective, world),
                 "wrong": int(wrong_total.item()), "iters": iters,
             })
-        base = [p for p in point if p["backend"] != "pycomm"]
+        base = [p for p in point if p["backend"] not in ("pycomm", "memcpy")]
         for p in point:
             if p["backend"] == "pycomm" and base:
                 p["speedup_vs_baseline"] = base[0]["time_us"] / p["time_us"]
