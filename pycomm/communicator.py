@@ -272,8 +272,16 @@ class Communicator:
             by_dtype.setdefault(t.dtype, []).append(t)
         with torch.no_grad():
             for dtype, group in by_dtype.items():
-                flat = torch.cat([t.detach().reshape(-1) for t in group])
                 codec = compression if dtype in compressible else None
+                numel = sum(t.numel() for t in group)
+                if codec is None and all(t.device.type == "cpu" for t in group):
+                    # Registered scratch where it pays (the extension decides;
+                    # ordinary memory otherwise): the all-reduce runs in place.
+                    nbytes = numel * group[0].element_size()
+                    flat = self._c.caller_scratch(nbytes)[:nbytes].view(dtype)
+                    torch.cat([t.detach().reshape(-1) for t in group], out=flat)
+                else:
+                    flat = torch.cat([t.detach().reshape(-1) for t in group])
                 self.all_reduce(flat, op, compression=codec)
                 offset = 0
                 for t in group:

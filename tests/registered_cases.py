@@ -293,3 +293,47 @@ def kill_trial(world: int, seed: int) -> Dict[str, Any]:
     hung = rc.reap(pids, time.monotonic() + 15)
     rc.reap([store_pid], 0)
     return dict(victim=victim, errors=errs, hung=len(hung), leaked=sorted(rc.shm_entries() - before))
+
+
+def coalesced(rank: int, world: int, name: str) -> List[str]:
+    """Coalesced calls pack into registered scratch and run in place: the
+    Python one, and the c10d backend's (async, several queued at once),
+    bitwise equal to one unregistered all-reduce of the concatenation."""
+    import torch.distributed as dist
+
+    comm = make_comm(rank, world, name, timeout=60)
+    problems = []
+    sizes = (1000, 70001, 12345)
+    for step, op in enumerate(("sum", "avg")):
+        ts = [make_input(10 * step + i, rank, n, torch.float32).view(-1, 1) for i, n in enumerate(sizes)]
+        ref = torch.cat([t.reshape(-1) for t in ts])
+        comm.all_reduce(ref, op)
+        before = comm.in_place_calls
+        comm.all_reduce_coalesced(ts, op=op)
+        if comm.in_place_calls - before != 1:
+            problems.append(f"python {op}: did not run in place")
+        if not torch.equal(torch.cat([t.reshape(-1) for t in ts]), ref):
+            problems.append(f"python {op}: differs from the flat all-reduce")
+    backend = comm.as_c10d_backend()
+    opts = dist.AllreduceCoalescedOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    lists, refs, works = [], [], []
+    for k in range(3):
+        ts = [make_input(100 + 10 * k + i, rank, n + k, torch.float32) for i, n in enumerate(sizes)]
+        ref = torch.cat(ts)
+        comm.all_reduce(ref)
+        lists.append(ts)
+        refs.append(ref)
+    before = comm.in_place_calls
+    for ts in lists:
+        opts.asyncOp = True
+        works.append(backend.allreduce_coalesced(ts, opts))
+    for w in works:
+        w.wait()
+    if comm.in_place_calls - before != 3:
+        problems.append(f"c10d: {comm.in_place_calls - before} of 3 calls ran in place")
+    for k, (ts, ref) in enumerate(zip(lists, refs)):
+        if not torch.equal(torch.cat(ts), ref):
+            problems.append(f"c10d call {k}: differs from the flat all-reduce")
+    comm.close()
+    return problems

@@ -73,3 +73,9 @@ def test_kill_9_with_registered_buffers(pool8):
                 assert err and err.startswith("CommError"), f"{where}: rank {r}: {err}"
     finally:
         zygote.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_coalesced_calls_use_registered_scratch(pool8, world):
+    problems = pool8.run(rg.coalesced, world, pool8.new_name("regco"), world=world)
+    assert not any(problems), problems

@@ -217,7 +217,14 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allreduce_coalesced(std::vector<at::
   if (tensors.empty())
     return wrap(comm_->barrier(opts.asyncOp, call_timeout(opts.timeout)), c10d::OpType::ALLREDUCE_COALESCED,
                 "pycomm:all_reduce_coalesced");
-  at::Tensor flat = flat_like(tensors[0], offsets_of(tensors).back());
+  const int64_t numel = offsets_of(tensors).back();
+  // CPU tensors pack into the communicator's registered scratch, where the
+  // all-reduce runs in place: no staging copies besides the packing. Its
+  // packing runs in the op's turn, so queued calls can share it.
+  const size_t bytes = numel * tensors[0].element_size();
+  at::Tensor flat = tensors[0].is_cpu()
+                        ? comm_->scratch(Communicator::kScratchBackend, bytes).narrow(0, 0, bytes).view(tensors[0].scalar_type())
+                        : flat_like(tensors[0], numel);
   Staging s = timed(opts.timeout);
   s.before = [flat, tensors] { pack(flat, tensors); };
   s.after = [flat, tensors] { unpack(tensors, flat); };

@@ -290,6 +290,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("sizes"), py::arg("like"), py::call_guard<py::gil_scoped_release>())
       .def("registered_by", &Communicator::registered_by, py::arg("tensor"))
+      .def(
+          "caller_scratch", [](Communicator& c, size_t bytes) { return c.scratch(Communicator::kScratchCaller, bytes); },
+          py::arg("bytes"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("in_place_calls", &Communicator::in_place_calls)
       .def("resolve",
            [](Communicator& c, int coll, int algo, size_t bytes) {

@@ -266,6 +266,30 @@ at::Tensor Communicator::empty(at::IntArrayRef sizes, at::ScalarType dtype) {
   return at::empty({0}, options).set_(storage, 0, sizes);
 }
 
+at::Tensor Communicator::scratch(int slot, size_t bytes) {
+  const auto bytes_of = at::TensorOptions().dtype(at::kByte);
+  ShmTransport* shm = transports_.local();
+  const bool worth = shm && shm->world() > 1 &&
+                     transports_.choose(Algorithm::kAuto, Collective::kAllReduce, bytes).algo == Algorithm::kTwoShot;
+  std::lock_guard<std::mutex> lk(scratch_mu_);
+  if (!worth || scratch_failed_) return at::empty({static_cast<int64_t>(bytes)}, bytes_of);
+  at::Tensor& s = scratch_[slot];
+  if (!s.defined() || static_cast<size_t>(s.numel()) < bytes) {
+    // Whole MiBs, so that sizes that grow a little do not reallocate each time.
+    const size_t want = (bytes + (1 << 20) - 1) >> 20 << 20;
+    s = at::Tensor();  // queued ops keep the old buffer alive as long as they need it
+    try {
+      s = empty({static_cast<int64_t>(want)}, at::kByte);
+    } catch (const CommError& e) {
+      scratch_failed_ = true;
+      TORCH_WARN("pycomm: could not allocate ", want >> 20, " MiB of registered memory for coalesced calls (",
+                 e.what(), "); they use ordinary memory from now on");
+      return at::empty({static_cast<int64_t>(bytes)}, bytes_of);
+    }
+  }
+  return s;
+}
+
 int Communicator::registered_by(const at::Tensor& t) const {
   const ShmAllocation* a = allocation_of(t);
   if (!a) return 0;

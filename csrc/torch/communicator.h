@@ -98,6 +98,20 @@ class Communicator {
   // even after the communicator is closed. Without shared memory (one rank
   // per host, or use_shm false) it is an ordinary tensor.
   at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype);
+  // Registered memory pycomm keeps for flat buffers it owns (the packed
+  // tensors of coalesced calls): a uint8 tensor of at least `bytes`, the
+  // same for every call on one `slot`, grown (through empty(), so every
+  // local rank must ask in the same order with the same sizes) when a call
+  // needs more. Ordinary memory where registration gains nothing: without
+  // shared memory, below the size where an all-reduce runs two-shot, or
+  // after an allocation failed (warned once; every rank sees the failure,
+  // so every rank falls back alike). Slot kScratchBackend serves the c10d
+  // backend, whose packing runs in the op's turn; kScratchCaller serves
+  // synchronous calls that pack on the caller's thread, which must not
+  // write a buffer a queued op will still pack into.
+  static constexpr int kScratchBackend = 0;
+  static constexpr int kScratchCaller = 1;
+  at::Tensor scratch(int slot, size_t bytes);
   // `t`'s storage came from a communicator's empty(): 1 this one, 2 another
   // one, 0 none.
   int registered_by(const at::Tensor& t) const;
@@ -163,6 +177,10 @@ class Communicator {
   bool stop_ = false;
   uint64_t next_seq_ = 1;
   std::thread progress_;
+
+  std::mutex scratch_mu_;
+  at::Tensor scratch_[2];
+  bool scratch_failed_ = false;
 
   std::mutex lanes_mu_;
   std::map<std::pair<int, bool>, std::shared_ptr<Lane>> lanes_;  // (peer, incoming)
