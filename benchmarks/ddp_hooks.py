@@ -30,7 +30,8 @@ e2e: a ~25M-parameter MLP trained for a fixed number of steps with DDP's
 default (gloo), PyTorch's bf16_compress_hook (and powerSGD_hook, rank 4:
 ``torch-powersgd``), and pycomm's allreduce_hook, int8_hook and
 topk_hook (1 %), each compressed hook also through the device-generic group
-path (``int8-group``, ``topk-group``), and staleness 1 with int8 on the
+path (``int8-group``, ``topk-group``), allreduce_hook with registered bucket
+copies (``allreduce-reg``), and staleness 1 with int8 on the
 wire (``stale1-int8``): median step time (forward, backward,
 optimizer) and the final loss, every config on the same data. "none" (a hook
 that sends nothing; each rank trains alone) gives the compute floor.
@@ -209,8 +210,8 @@ def e2e(args):
         elif name == "stale1-int8":
             state = hooks.StaleState(staleness=1, wire=pycomm.Int8(), communicator=comm)
             model.register_comm_hook(state, hooks.stale_hook)
-        elif name == "allreduce":
-            state = hooks.AllReduceState(communicator=comm)
+        elif name in ("allreduce", "allreduce-reg"):  # -reg: bucket copies in registered memory
+            state = hooks.AllReduceState(communicator=comm, registered=name == "allreduce-reg")
             model.register_comm_hook(state, hooks.allreduce_hook)
         elif name in ("int8", "int8-group"):  # -group: the device-generic path over a Gloo group
             where = dict(communicator=comm) if name == "int8" else dict(path="group")

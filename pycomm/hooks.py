@@ -332,6 +332,14 @@ class AllReduceState(HookState):
         wire_dtype: ``None`` (send the gradients' own dtype), ``torch.bfloat16``
             or ``torch.float16``: cast before sending and back after (half the
             bytes of float32). pycomm accumulates 16-bit sums in float32.
+        registered: keep each CPU bucket's copy in registered memory
+            (:meth:`pycomm.Communicator.empty`, one buffer per bucket, made when
+            DDP first sends it): the bucket is copied in on the backward
+            thread, averaged in place (no staging copies), and copied back.
+            The same number of full copies as the default, done as plain
+            copies instead of inside the all-reduce; whether that is faster
+            depends on the machine (benchmarks/RESULTS.md). Shared memory
+            only (the communicator path); a bucket on another path ignores it.
         process_group, communicator: see :class:`HookState`.
 
     Example::
@@ -340,12 +348,26 @@ class AllReduceState(HookState):
     """
 
     def __init__(self, process_group: Group = None, *, wire_dtype: Optional[torch.dtype] = None,
-                 communicator: Optional["_communicator.Communicator"] = None, path: Optional[str] = None) -> None:
+                 communicator: Optional["_communicator.Communicator"] = None, path: Optional[str] = None,
+                 registered: bool = False) -> None:
         if wire_dtype not in _WIRE_DTYPES:
             raise ValueError(f"pycomm.hooks: wire_dtype={wire_dtype} is not supported; use None, torch.bfloat16 "
                              "or torch.float16")
         super().__init__(process_group, communicator=communicator, path=path)
         self.wire_dtype = wire_dtype
+        self.registered = bool(registered)
+        # Bucket index -> its registered copy (replaced when DDP rebuilds
+        # its buckets and the size or dtype changes).
+        self._registered: Dict[int, torch.Tensor] = {}
+
+    def _registered_copy(self, index: int, wire: torch.Tensor) -> torch.Tensor:
+        """``wire`` copied into this bucket's registered buffer (allocated on
+        first use: every rank sends its buckets in one order, so every rank
+        allocates alike)."""
+        buf = self._registered.get(index)
+        if buf is None or buf.numel() != wire.numel() or buf.dtype != wire.dtype:
+            buf = self._registered[index] = self.communicator.empty(wire.numel(), dtype=wire.dtype)
+        return buf.copy_(wire)
 
 
 def _average(state: HookState, bucket: dist.GradBucket, wire_dtype: Optional[torch.dtype],
@@ -361,6 +383,9 @@ def _average(state: HookState, bucket: dist.GradBucket, wire_dtype: Optional[tor
                 wire = buf.to(wire_dtype)
         else:
             wire = buf
+        registered = route == "communicator" and getattr(state, "registered", False) and wire.device.type == "cpu"
+        if registered:
+            wire = state._registered_copy(bucket.index(), wire)
         if route == "communicator":
             work = state.communicator.all_reduce(wire, op="avg", async_op=True)
         elif route == "ipc":
@@ -377,6 +402,9 @@ def _average(state: HookState, bucket: dist.GradBucket, wire_dtype: Optional[tor
         if cast:
             with record_function("pycomm::decompress"):
                 buf.copy_(result)
+            result = buf
+        elif registered:
+            buf.copy_(result)
             result = buf
         state._record(getattr(work, "run_seconds", 0.0), sent, uncompressed, compressed=cast)
         return result

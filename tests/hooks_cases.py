@@ -68,15 +68,16 @@ def _state(hook: str, comm, path: str = "auto", group=None, device: str = "cpu",
     process group ``group`` (CUDA buckets, or another path forced)."""
     where = (dict(communicator=comm) if path == "auto" and device == "cpu"
              else dict(process_group=group, path=path))
-    if hook in ("allreduce", "bf16"):
-        return hooks.AllReduceState(wire_dtype=torch.bfloat16 if hook == "bf16" else None, **where)
+    if hook in ("allreduce", "bf16", "allreduce_reg"):
+        return hooks.AllReduceState(wire_dtype=torch.bfloat16 if hook == "bf16" else None,
+                                    registered=hook == "allreduce_reg", **where)
     if hook == "local_sgd":
         return hooks.LocalSGDState(**where, **kw)
     codec = {"int8": pycomm.Int8(), "int4": pycomm.Int4(), "topk": pycomm.TopK(0.25)}[hook]
     return hooks.CompressionState(codec=codec, start_iter=kw.get("start_iter", 0), **where)
 
 
-HOOKS = {"allreduce": hooks.allreduce_hook, "bf16": hooks.allreduce_hook, "int8": hooks.int8_hook,
+HOOKS = {"allreduce": hooks.allreduce_hook, "bf16": hooks.allreduce_hook, "allreduce_reg": hooks.allreduce_hook, "int8": hooks.int8_hook,
          "int4": hooks.int4_hook, "topk": hooks.topk_hook, "local_sgd": hooks.local_sgd_hook}
 
 
@@ -95,16 +96,20 @@ def _grads(model: torch.nn.Module) -> torch.Tensor:
 # ---------------------------------------------------------------- cases
 
 
-def grads_match(rank: int, world: int, model_name: str, bucket_mb: float, steps: int = 3) -> Dict[str, float]:
-    """DDP without a hook and DDP with allreduce_hook, side by side on the
-    same data: gradients of every step and the final parameters."""
+def grads_match(rank: int, world: int, model_name: str, bucket_mb: float, steps: int = 3,
+                registered: bool = False) -> Dict[str, float]:
+    """DDP without a hook and DDP with allreduce_hook (optionally with
+    registered bucket copies), side by side on the same data: gradients of
+    every step and the final parameters."""
     g, comm = _group(world)
     if rank >= world:
         return {}
     ref = DDP(make_model(model_name), process_group=g, bucket_cap_mb=bucket_mb)
     ours = DDP(make_model(model_name), process_group=g, bucket_cap_mb=bucket_mb)
     seen: list = []
-    ours.register_comm_hook(hooks.AllReduceState(communicator=comm), _counting(hooks.allreduce_hook, seen))
+    ours.register_comm_hook(hooks.AllReduceState(communicator=comm, registered=registered),
+                            _counting(hooks.allreduce_hook, seen))
+    in_place = comm.in_place_calls
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours)]
     gen = torch.Generator().manual_seed(1000 + rank)
     worst = 0.0
@@ -118,7 +123,7 @@ def grads_match(rank: int, world: int, model_name: str, bucket_mb: float, steps:
             opt.step()
     pdiff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), ours.parameters()))
     return {"grad_diff": worst, "param_diff": pdiff, "grad_scale": _grads(ref.module).abs().max().item(),
-            "buckets": len({i for _, i in seen})}
+            "buckets": len({i for _, i in seen}), "in_place": comm.in_place_calls - in_place}
 
 
 def compose(rank: int, world: int, hook: str, option: str, iters: int = 3, path: str = "auto",
