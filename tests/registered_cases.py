@@ -337,3 +337,38 @@ def coalesced(rank: int, world: int, name: str) -> List[str]:
             problems.append(f"c10d call {k}: differs from the flat all-reduce")
     comm.close()
     return problems
+
+
+def on_hosts(rank: int, world: int, name: str, local: int) -> List[str]:
+    """Simulated hosts: registered tensors work in every collective (their
+    local parts may run in place), bitwise equal to ordinary ones."""
+    comm = make_comm(rank, world, name, timeout=60, local_size=local)
+    problems = []
+    seed = 0
+    for n in (1021, 70001, 300007):
+        for coll, algos in (("all_reduce", ["auto", "ring", "hierarchical"]), ("reduce_scatter", ["auto", "ring"]),
+                            ("all_gather", ["auto", "ring"]), ("broadcast", ["auto", "hierarchical"])):
+            for algo in algos:
+                seed += 1
+                k = n * world if coll == "reduce_scatter" else n
+                mine = make_input(seed, rank, k, torch.float32)
+                out_n = n * world if coll == "all_gather" else n
+                results = []
+                for empty in (torch.empty, comm.empty):
+                    x = empty(k, dtype=torch.float32)
+                    x.copy_(mine)
+                    out = empty(out_n, dtype=torch.float32)
+                    if coll == "all_reduce":
+                        comm.all_reduce(x, "avg", output=out, algorithm=algo)
+                    elif coll == "reduce_scatter":
+                        comm.reduce_scatter(out, x, "sum", algorithm=algo)
+                    elif coll == "all_gather":
+                        comm.all_gather(out, x, algorithm=algo)
+                    else:
+                        comm.broadcast(x, src=seed % world, algorithm=algo)
+                        out = x
+                    results.append(out.clone())
+                if not torch.equal(results[0], results[1]):
+                    problems.append(f"{coll}/{algo}/{n}: registered differs from ordinary")
+    comm.close()
+    return problems

@@ -79,3 +79,8 @@ def test_kill_9_with_registered_buffers(pool8):
 def test_coalesced_calls_use_registered_scratch(pool8, world):
     problems = pool8.run(rg.coalesced, world, pool8.new_name("regco"), world=world)
     assert not any(problems), problems
+
+
+def test_registered_tensors_on_simulated_hosts(pool8):
+    problems = pool8.run(rg.on_hosts, 4, pool8.new_name("reghosts"), 2, world=4)
+    assert not any(problems), problems

@@ -10,6 +10,10 @@
 // Rounds alternate between the two mailbox halves, so a rank can fill round
 // R+1 while slow peers still read round R; before reusing a half it waits
 // until every peer has finished the round that last used it.
+//
+// Registered memory (allocate, comm.empty) lives in segments of its own, one
+// per allocation; collectives whose buffers lie there run in place without
+// the mailboxes (protocol in shm_registered.cpp).
 #pragma once
 
 #include <atomic>
