@@ -17,7 +17,7 @@ Example::
 
     dist.init_process_group("cpu:pycomm")    # or as a torch.distributed backend
 """
-from . import bootstrap, c10d, compression, cuda_ipc, group
+from . import bootstrap, c10d, compression, cuda_ipc, elastic, group
 from ._loader import CommError, Work, load_core
 from ._tables import ALGORITHMS
 from .compression import ErrorFeedback, Int4, Int8, TopK

@@ -177,20 +177,23 @@ def bind_cores(local_rank: int, local_size: int) -> Optional[List[int]]:
 
 
 def exchange_topology(store: "dist.Store", rank: int, world_size: int, timeout: float,
-                      local_size: Optional[int]) -> Topology:
+                      local_size: Optional[int], host_label: Optional[str] = None) -> Topology:
     """Which ranks share a host: every rank publishes its host key and reads everyone's.
 
     ``local_size`` (or ``PYCOMM_LOCAL_SIZE``) pretends consecutive blocks of
     that many ranks are hosts (tests, benchmarks of a multi-host layout).
+    ``host_label`` splits hosts further: ranks share a host only if their
+    labels match too (a shrunk communicator keeps its parent's hosts, which
+    may have been simulated).
     """
-    store.set(f"host/{rank}", _host_key())
+    store.set(f"host/{rank}", _host_key() + (f"#{host_label}" if host_label else ""))
     keys = [f"host/{r}" for r in range(world_size)]
     wait_keys(store, keys, timeout, "every rank to join")
     values = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
     hosts = [v.decode() for v in values]
     if local_size is None and os.environ.get("PYCOMM_LOCAL_SIZE"):
         local_size = int(os.environ["PYCOMM_LOCAL_SIZE"])
-    if local_size is not None:
+    if local_size is not None and not host_label:
         n = int(local_size)
         if n <= 0 or world_size % n:
             raise CommError(f"pycomm: local_size={n} must divide the world size {world_size}")
@@ -226,7 +229,7 @@ def _inter_host_backend(group: Optional["dist.ProcessGroup"], store: "dist.Store
 
 def connect(store: "dist.Store", rank: int, world_size: int, *, timeout: float, round_bytes: Optional[int],
             transport: str, local_size: Optional[int],
-            inter_host_group: Optional["dist.ProcessGroup"]) -> Tuple[Any, Topology]:
+            inter_host_group: Optional["dist.ProcessGroup"], host_label: Optional[str] = None) -> Tuple[Any, Topology]:
     """Builds this rank's compiled communicator; every rank calls it with the same ``store`` prefix.
 
     Returns the core communicator and the topology. Raises CommError on a
@@ -237,7 +240,7 @@ def connect(store: "dist.Store", rank: int, world_size: int, *, timeout: float, 
         raise CommError(f"pycomm: transport={transport!r} is not one of {', '.join(TRANSPORTS)}")
 
     # 1. Topology: which ranks share a host.
-    topo = exchange_topology(store, rank, world_size, timeout, local_size)
+    topo = exchange_topology(store, rank, world_size, timeout, local_size, host_label)
     if transport == "shm" and topo.num_hosts > 1:
         raise CommError(f"pycomm: transport='shm' cannot connect the {topo.num_hosts} hosts of this job; "
                         "use 'auto'")

@@ -107,9 +107,12 @@ class Communicator:
         local_size: Optional[int] = None,
         inter_host_group: Optional["dist.ProcessGroup"] = None,
         bind_cores: Optional[bool] = None,
+        _host_label: Optional[str] = None,
     ) -> None:
         core = load_core()
         store, rank, world_size, group_name = bootstrap.resolve_group(group, store, rank, world_size)
+        # What a shrink needs to build this communicator's successor.
+        self._root_store = store
         if name is None:
             # Like torch's new_group: the n-th communicator of a group is the
             # n-th on every rank, provided ranks create them in the same order.
@@ -117,15 +120,20 @@ class Communicator:
                 index = _instances_per_group.get(group_name, 0)
                 _instances_per_group[group_name] = index + 1
             name = f"{group_name}/{index}"
+        self.name: str = name
+        #: Membership epoch: 0 for a communicator made by the constructor, e + 1
+        #: for one made by :meth:`shrink` of a communicator of epoch e.
+        self.epoch: int = 0
         store = dist.PrefixStore(f"pycomm/{name}/{bootstrap.restart_prefix()}", store)
         if timeout is None:
             timeout = float(os.environ.get("PYCOMM_TIMEOUT", bootstrap.DEFAULT_TIMEOUT_S))
         if isinstance(timeout, datetime.timedelta):
             timeout = timeout.total_seconds()
         transport = (transport or os.environ.get("PYCOMM_TRANSPORT", "auto")).strip().lower()
+        self._settings = dict(round_bytes=round_bytes, transport=transport, bind_cores=bind_cores)
         self._c, topo = bootstrap.connect(store, rank, world_size, timeout=float(timeout), round_bytes=round_bytes,
                                           transport=transport, local_size=local_size,
-                                          inter_host_group=inter_host_group)
+                                          inter_host_group=inter_host_group, host_label=_host_label)
         self.rank: int = rank
         self.world_size: int = world_size
         self.host: int = topo.host
@@ -552,6 +560,31 @@ class Communicator:
     def close(self) -> None:
         """Finish queued collectives and leave; later calls raise CommError."""
         self._c.shutdown()
+
+    def shrink(self, exclude: Sequence[int] = (), *, timeout: float = 30.0,
+               grace: float = 2.0) -> "Communicator":
+        """A new communicator of the surviving ranks, renumbered in rank order; this one is fenced.
+
+        Call it on every surviving rank after a collective raised
+        :class:`CommError` because a peer died, or with ``exclude=[ranks]`` on
+        purpose (a preempted host). See :func:`pycomm.elastic.shrink` for how the
+        survivors agree and what an excluded rank sees.
+
+        Example::
+
+            try:
+                comm.all_reduce(grad)
+            except pycomm.CommError:
+                comm = comm.shrink()          # the survivors, ranks 0..n-2
+                comm.all_reduce(grad)
+        """
+        from . import elastic
+
+        return elastic.shrink(self, exclude, timeout=timeout, grace=grace)
+
+    def gone_ranks(self) -> List[int]:
+        """Ranks known to be gone for good (dead or shut down on this host, or blamed as dead by a failure)."""
+        return list(self._c.gone_ranks())
 
     def __enter__(self) -> "Communicator":
         return self

@@ -143,7 +143,12 @@ void Communicator::abort(const std::string& why) {
 
 std::shared_ptr<Work> Communicator::submit(std::shared_ptr<Work> work, bool async_op) {
   std::unique_lock<std::mutex> lk(mu_);
-  if (stop_) throw CommError("pycomm: the communicator has been shut down");
+  if (stop_) {
+    // Closed after an abort (a shrink replaced it): the abort says why.
+    const ShmTransport* shm = transports_.local();
+    if (shm && shm->aborted()) throw shm->abort_error();
+    throw CommError("pycomm: the communicator has been shut down");
+  }
   work->seq_ = next_seq_;
   next_seq_ += work->seq_span_;
   if (!async_op && queue_.empty() && !busy_) {
@@ -288,6 +293,20 @@ at::Tensor Communicator::scratch(int slot, size_t bytes) {
     }
   }
   return s;
+}
+
+std::vector<int> Communicator::gone_ranks() {
+  std::vector<int> out;
+  if (ShmTransport* shm = transports_.local()) {
+    out = shm->gone_ranks();
+    const CommError e = shm->abort_error();
+    const Blame b = e.blame();
+    if ((b.kind == FailureKind::kDied || b.kind == FailureKind::kSilent) && b.rank >= 0 &&
+        std::find(out.begin(), out.end(), b.rank) == out.end())
+      out.push_back(b.rank);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 int Communicator::registered_by(const at::Tensor& t) const {

@@ -270,6 +270,16 @@ void ShmTransport::fail(const std::string& why, Blame blame) {
   throw abort_error();
 }
 
+std::vector<int> ShmTransport::gone_ranks() {
+  std::vector<int> out;
+  const OpContext ctx{};
+  for (int q = 0; q < world_; ++q) {
+    Blame blame;
+    if (q != rank_ && !peer_gone(q, ctx, &blame).empty()) out.push_back(name(q));
+  }
+  return out;
+}
+
 // Why `q` will never post again ("" while it is alive or not yet attached).
 std::string ShmTransport::peer_gone(int q, const OpContext& ctx, Blame* blame) {
   RankControl& pc = controls_[q];

@@ -134,6 +134,9 @@ class ShmTransport : public Transport {
   [[noreturn]] void fail(const std::string& why, Blame blame = {});
 
   bool aborted() const;
+  // The communicator's ranks of the local peers that will never post
+  // again: their process is gone, or they shut down. Safe from any thread.
+  std::vector<int> gone_ranks();
   // The first abort's message and blame (an empty message while healthy).
   CommError abort_error() const;
   int rank() const override { return rank_; }

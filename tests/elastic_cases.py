@@ -1,0 +1,155 @@
+"""Scenarios of shrinking communicators (pycomm.elastic), run in harness
+workers or in ranks forked from a zygote (reliability_cases)."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from typing import Any, Dict, List
+
+import torch
+
+import pycomm
+from harness import make_comm
+
+
+def _sum_check(comm, ranks: List[int], n: int = 70001) -> bool:
+    """An all-reduce whose closed-form result depends on which old ranks are members."""
+    x = torch.full((n,), float(ranks[comm.rank] + 1))
+    comm.all_reduce(x)
+    return bool((x == sum(r + 1 for r in ranks)).all())
+
+
+def exclude_on_purpose(rank: int, world: int, name: str, exclude: List[int]) -> Dict[str, Any]:
+    comm = make_comm(rank, world, name, timeout=20)
+    assert _sum_check(comm, list(range(world)))
+    out: Dict[str, Any] = {}
+    try:
+        new = comm.shrink(exclude=exclude)
+    except pycomm.CommError as e:
+        out["error"] = str(e)
+    else:
+        out.update(world=new.world_size, rank=new.rank, epoch=new.epoch, members=new.parent_ranks,
+                   ok=all(_sum_check(new, new.parent_ranks) for _ in range(3)))
+        new.close()
+    # The old communicator is fenced on every rank.
+    try:
+        comm.all_reduce(torch.ones(4))
+        out["old"] = "no error"
+    except pycomm.CommError as e:
+        out["old"] = str(e)
+    return out
+
+
+def _victim_rank(rank: int, world: int, port: int, conn, steps_after: int) -> None:
+    import reliability_cases as rc
+
+    store, comm = rc._bootstrap(rank, world, port, "shrink", 5.0)
+    conn.send("ready")
+    members = list(range(world))
+    report: Dict[str, Any] = dict(wrong=0, shrinks=0)
+    done_after = 0
+    t_fail = None
+    while done_after < steps_after:
+        try:
+            if not _sum_check(comm, members):
+                report["wrong"] += 1
+            if t_fail is not None and "recovery_s" not in report:
+                report["recovered_at"] = time.monotonic()
+                report["recovery_s"] = report["recovered_at"] - t_fail
+            if report["shrinks"]:
+                done_after += 1
+        except pycomm.CommError as e:
+            t_fail = time.monotonic()
+            report["error"] = str(e)[:300]
+            comm = comm.shrink()
+            members = [members[r] for r in comm.parent_ranks]
+            report["shrinks"] += 1
+    report.update(members=members, world=comm.world_size, epoch=comm.epoch)
+    comm.close()
+    conn.send(report)
+
+
+def kill_and_shrink(world: int, seed: int, steps_after: int = 20) -> Dict[str, Any]:
+    """kill -9 a random rank of a stream of checked all-reduces; the
+    survivors shrink and go on. Returns each survivor's report, hung ranks
+    and what stayed in /dev/shm."""
+    import reliability_cases as rc
+
+    rng = random.Random(seed)
+    victim = rng.randrange(world)
+    before = rc.shm_entries()
+    store_pid, pids, conns = rc.fork_ranks(world, _victim_rank, steps_after)
+    for c in conns:
+        if not c.poll(60) or c.recv() != "ready":
+            rc.reap(pids + [store_pid], 0)
+            raise AssertionError("a rank did not start")
+    time.sleep(rng.uniform(0.05, 0.3))
+    t_kill = time.monotonic()
+    os.kill(pids[victim], signal.SIGKILL)
+    reports = {}
+    for r, c in enumerate(conns):
+        if r != victim:
+            reports[r] = c.recv() if c.poll(60) else None
+            if reports[r] and "recovered_at" in reports[r]:
+                # Forked processes share CLOCK_MONOTONIC: from the kill to this
+                # rank's first completed step on the shrunk communicator.
+                reports[r]["since_kill_s"] = reports[r]["recovered_at"] - t_kill
+    hung = rc.reap(pids, time.monotonic() + 10)
+    rc.reap([store_pid], 0)
+    return dict(victim=victim, reports=reports, hung=len(hung), leaked=sorted(rc.shm_entries() - before))
+
+
+def _store_dies_rank(rank: int, world: int, port: int, conn) -> None:
+    import reliability_cases as rc
+
+    store, comm = rc._bootstrap(rank, world, port, "storedies", 5.0)
+    conn.send("ready")
+    conn.recv()  # the store is gone now
+    try:
+        comm.shrink(exclude=[world - 1], grace=0.5)
+        conn.send("no error")
+    except Exception as e:  # noqa: BLE001
+        conn.send(f"{type(e).__name__}: {e}")
+
+
+def store_dies(world: int = 2) -> List[str]:
+    """The Store's host dies: shrink says so on every rank."""
+    import multiprocessing as mp
+
+    import reliability_cases as rc
+
+    port = rc.free_port()
+    store_pid = os.fork()
+    if store_pid == 0:
+        try:
+            import torch.distributed as dist
+
+            _store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False)  # noqa: F841
+            while True:
+                time.sleep(3600)
+        finally:
+            os._exit(0)
+    pids, conns = [], []
+    for r in range(world):
+        parent, child = mp.Pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                parent.close()
+                _store_dies_rank(r, world, port, child)
+            finally:
+                os._exit(0)
+        child.close()
+        pids.append(pid)
+        conns.append(parent)
+    for c in conns:
+        assert c.poll(60) and c.recv() == "ready"
+    os.kill(store_pid, signal.SIGKILL)
+    os.waitpid(store_pid, 0)
+    for c in conns:
+        c.send("go")
+    out = [c.recv() if c.poll(60) else "no answer" for c in conns]
+    rc.reap(pids, time.monotonic() + 10)
+    return out
