@@ -544,6 +544,25 @@ class Communicator:
     def timeout(self, seconds: float) -> None:
         self._c.timeout = float(seconds)
 
+    @property
+    def heartbeat_timeout(self) -> float:
+        """Seconds without a heartbeat after which a waiting rank declares a peer on its host failed.
+
+        Every rank beats from a thread of its own every 0.1 s, so a peer that
+        computes for long is never declared failed, while one that is stopped
+        (SIGSTOP) or frozen is, within this bound instead of the collective
+        timeout: the waiting ranks raise CommError naming it (``failure ==
+        "silent"``), and :meth:`shrink` leaves it out. Default 5 s
+        (``PYCOMM_HEARTBEAT_S``); 0 stops judging peers. With
+        ``PYCOMM_HEARTBEAT_S=0`` at start a rank neither beats nor judges (and
+        is never judged). Between hosts the collective timeout still applies.
+        """
+        return self._c.heartbeat_timeout
+
+    @heartbeat_timeout.setter
+    def heartbeat_timeout(self, seconds: float) -> None:
+        self._c.heartbeat_timeout = float(seconds)
+
     def abort(self, reason: str = "aborted by the user", *, name_rank: bool = True) -> None:
         """Make the current and every later collective fail on every rank.
 

@@ -153,3 +153,57 @@ def store_dies(world: int = 2) -> List[str]:
     out = [c.recv() if c.poll(60) else "no answer" for c in conns]
     rc.reap(pids, time.monotonic() + 10)
     return out
+
+
+def _frozen_rank(rank: int, world: int, port: int, conn, heartbeat: float) -> None:
+    import reliability_cases as rc
+
+    store, comm = rc._bootstrap(rank, world, port, "frozen", 60.0)
+    comm.heartbeat_timeout = heartbeat
+    conn.send("ready")
+    members = list(range(world))
+    report: Dict[str, Any] = dict(wrong=0)
+    steps_after = 0
+    try:
+        while steps_after < 10:
+            try:
+                if not _sum_check(comm, members):
+                    report["wrong"] += 1
+                if comm.epoch:
+                    steps_after += 1
+                    if "recovered_at" not in report:
+                        report["recovered_at"] = time.monotonic()
+            except pycomm.CommError as e:
+                report.update(error=str(e)[:400], failed_at=time.monotonic(),
+                              blamed=getattr(e, "blamed_rank", None), failure=getattr(e, "failure", None))
+                comm = comm.shrink()
+                members = [members[r] for r in comm.parent_ranks]
+        report.update(members=members, epoch=comm.epoch)
+    except pycomm.CommError as e:  # the frozen rank, once continued
+        report["fenced"] = str(e)[:400]
+    conn.send(report)
+
+
+def freeze_and_shrink(world: int = 3, heartbeat: float = 1.0) -> Dict[str, Any]:
+    """SIGSTOP the last rank mid-stream: the others declare it failed within
+    the heartbeat bound, shrink and go on; SIGCONT it: it is fenced out."""
+    import reliability_cases as rc
+
+    store_pid, pids, conns = rc.fork_ranks(world, _frozen_rank, heartbeat)
+    for c in conns:
+        if not c.poll(60) or c.recv() != "ready":
+            rc.reap(pids + [store_pid], 0)
+            raise AssertionError("a rank did not start")
+    time.sleep(0.2)
+    frozen = world - 1
+    t_stop = time.monotonic()
+    os.kill(pids[frozen], signal.SIGSTOP)
+    reports = {r: (c.recv() if c.poll(60) else None) for r, c in enumerate(conns) if r != frozen}
+    os.kill(pids[frozen], signal.SIGCONT)
+    reports[frozen] = conns[frozen].recv() if conns[frozen].poll(60) else None
+    for r, rep in reports.items():
+        if rep and "failed_at" in rep:
+            rep["detected_after_s"] = rep["failed_at"] - t_stop
+    hung = rc.reap(pids, time.monotonic() + 10)
+    rc.reap([store_pid], 0)
+    return dict(frozen=frozen, reports=reports, hung=len(hung))

@@ -67,3 +67,21 @@ def test_shrink_says_when_the_store_is_gone(zygote):
     out = zygote.run(ec.store_dies, 2, timeout=120)
     for msg in out:
         assert msg.startswith("CommError") and "Store cannot be reached" in msg, out
+
+
+def test_frozen_rank_is_declared_failed_by_heartbeat_then_fenced(zygote):
+    """SIGSTOP: detected within the heartbeat bound (1 s here), not at the
+    60 s timeout; the survivors shrink and go on; SIGCONT: the frozen rank's
+    next call raises and its shrink says it was fenced out."""
+    res = zygote.run(ec.freeze_and_shrink, 3, 1.0, timeout=180)
+    frozen = res["frozen"]
+    assert res["hung"] == 0
+    for r in (0, 1):
+        rep = res["reports"][r]
+        assert rep and rep["wrong"] == 0 and rep["members"] == [0, 1] and rep["epoch"] == 1, rep
+        assert rep["blamed"] == frozen and rep["failure"] == "silent", rep
+        assert "no heartbeat" in rep["error"], rep
+        # The bound plus a liveness period and a sleep slice.
+        assert 0.9 <= rep["detected_after_s"] <= 3.0, rep
+    rep = res["reports"][frozen]
+    assert rep and "fenced out" in rep.get("fenced", ""), rep

@@ -307,7 +307,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("world", &Communicator::world)
       .def_property_readonly("round_bytes", &Communicator::round_bytes)
       .def_property_readonly("transport", &Communicator::transport_name)
-      .def_property("timeout", &Communicator::timeout, &Communicator::set_timeout);
+      .def_property("timeout", &Communicator::timeout, &Communicator::set_timeout)
+      .def_property("heartbeat_timeout", &Communicator::heartbeat_timeout, &Communicator::set_heartbeat_timeout);
 
   m.def(
       "make_backend",

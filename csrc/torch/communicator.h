@@ -142,6 +142,12 @@ class Communicator {
   int world() const { return world_; }
   double timeout() const { return transports_.timeout(); }
   void set_timeout(double seconds) { transports_.set_timeout(seconds); }
+  // The shared-memory transport's heartbeat bound (transport/shm.h); 0
+  // without shared memory.
+  double heartbeat_timeout() const { return transports_.local() ? transports_.local()->heartbeat_timeout() : 0; }
+  void set_heartbeat_timeout(double seconds) {
+    if (transports_.local()) transports_.local()->set_heartbeat_timeout(seconds);
+  }
   size_t round_bytes() const { return transports_.local() ? transports_.local()->round_bytes() : 0; }
   // "shm", "process_group" or "shm+process_group": what carries the data.
   std::string transport_name() const { return transports_.name(); }

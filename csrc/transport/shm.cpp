@@ -59,6 +59,12 @@ bool read_proc_stat(int pid, char* state, uint64_t* starttime) {
   return false;
 }
 
+uint64_t monotonic_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);  // one clock for every process of the host
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
 uint64_t pid_namespace_id() {
   struct stat st;
   if (stat("/proc/self/ns/pid", &st) != 0) return 0;
@@ -106,6 +112,19 @@ ShmTransport::ShmTransport(const ShmConfig& config)
   if (const char* env = std::getenv("PYCOMM_SPIN_US")) spin_us = std::max(0L, std::atol(env));
   spin_ = std::chrono::microseconds(spin_us);
   yield_iters_ = oversubscribed ? 8 : 2;
+  if (const char* env = std::getenv("PYCOMM_HEARTBEAT_S")) heartbeat_s_.store(std::max(0.0, std::atof(env)));
+  // PYCOMM_HEARTBEAT_S=0: no thread, and a heartbeat of 0, which peers never
+  // judge (whatever their own bound).
+  if (heartbeat_timeout() > 0) {
+    controls_[rank_].heartbeat_ns.store(monotonic_ns(), std::memory_order_release);
+    heartbeat_ = std::thread([this] { heartbeat_loop(); });
+  }
+}
+
+void ShmTransport::heartbeat_loop() {
+  std::unique_lock<std::mutex> lk(heartbeat_mu_);
+  while (!heartbeat_cv_.wait_for(lk, kHeartbeatPeriod, [this] { return heartbeat_stop_; }))
+    controls_[rank_].heartbeat_ns.store(monotonic_ns(), std::memory_order_release);
 }
 
 void ShmTransport::map_segment(const ShmConfig& config) {
@@ -213,6 +232,14 @@ void ShmTransport::wait_all_attached() {
 }
 
 ShmTransport::~ShmTransport() {
+  if (heartbeat_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lk(heartbeat_mu_);
+      heartbeat_stop_ = true;
+    }
+    heartbeat_cv_.notify_all();
+    heartbeat_.join();
+  }
   if (!base_) return;
   shutdown();
   munmap(base_, size_);
@@ -292,16 +319,31 @@ std::string ShmTransport::peer_gone(int q, const OpContext& ctx, Blame* blame) {
     *blame = {FailureKind::kShutDown, name(q)};
     return os.str();
   }
-  if (pc.pidns != controls_[rank_].pidns) return "";  // its pid means nothing here
-  char state = 0;
-  uint64_t starttime = 0;
-  const bool found = read_proc_stat(pid, &state, &starttime);
-  if (!found || state == 'Z' || state == 'X' || starttime != pc.starttime) {
-    // "Connection closed by peer" is Gloo's phrase for a lost peer, which
-    // users' error handling matches on; the rest says which and where.
-    os << "pycomm: rank " << name(q) << " (pid " << pid << ") died; detected by rank " << name(rank_) << " during "
-       << collective_name(ctx.coll) << " #" << ctx.seq << " (Connection closed by peer)";
-    *blame = {FailureKind::kDied, name(q)};
+  // Its pid means something only in our pid namespace.
+  if (pc.pidns == controls_[rank_].pidns) {
+    char state = 0;
+    uint64_t starttime = 0;
+    const bool found = read_proc_stat(pid, &state, &starttime);
+    if (!found || state == 'Z' || state == 'X' || starttime != pc.starttime) {
+      // "Connection closed by peer" is Gloo's phrase for a lost peer, which
+      // users' error handling matches on; the rest says which and where.
+      os << "pycomm: rank " << name(q) << " (pid " << pid << ") died; detected by rank " << name(rank_)
+         << " during " << collective_name(ctx.coll) << " #" << ctx.seq << " (Connection closed by peer)";
+      *blame = {FailureKind::kDied, name(q)};
+      return os.str();
+    }
+  }
+  // Alive but frozen (or, in another pid namespace, perhaps dead): its
+  // heartbeat thread stopped beating too.
+  const double heartbeat_s = heartbeat_timeout();
+  const uint64_t last = pc.heartbeat_ns.load(std::memory_order_acquire);
+  const uint64_t now = monotonic_ns();
+  if (heartbeat_s > 0 && last != 0 && now > last && static_cast<double>(now - last) > heartbeat_s * 1e9) {
+    os << "pycomm: rank " << name(q) << " (pid " << pid << ") stopped responding: no heartbeat for "
+       << static_cast<double>(now - last) / 1e9 << " s (stopped, frozen, or its machine stalled; the bound is "
+       << heartbeat_s << " s); detected by rank " << name(rank_) << " during " << collective_name(ctx.coll)
+       << " #" << ctx.seq;
+    *blame = {FailureKind::kSilent, name(q)};
     return os.str();
   }
   return "";

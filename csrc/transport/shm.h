@@ -18,6 +18,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <thread>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -150,6 +152,14 @@ class ShmTransport : public Transport {
   // and point-to-point lanes read it.
   double timeout() const { return timeout_s_.load(std::memory_order_relaxed); }
   void set_timeout(double seconds) { timeout_s_.store(seconds, std::memory_order_relaxed); }
+  // A peer whose heartbeat is older than this (seconds) is declared failed
+  // while this rank waits for it (0: never): a rank that is alive but
+  // frozen (SIGSTOP, a stalled VM) is found in seconds, not at the timeout,
+  // while a rank that only computes for long keeps beating from its own
+  // thread. Default PYCOMM_HEARTBEAT_S or kDefaultHeartbeatS.
+  double heartbeat_timeout() const { return heartbeat_s_.load(std::memory_order_relaxed); }
+  void set_heartbeat_timeout(double seconds) { heartbeat_s_.store(seconds, std::memory_order_relaxed); }
+  static constexpr double kDefaultHeartbeatS = 5.0;
 
  private:
   // Point-to-point channels share the segment's abort state, liveness
@@ -205,6 +215,14 @@ class ShmTransport : public Transport {
   int world_ = 1;
   size_t round_bytes_ = 0;
   std::atomic<double> timeout_s_{300};
+  std::atomic<double> heartbeat_s_{kDefaultHeartbeatS};
+  // Beats every kHeartbeatPeriod into this rank's control block.
+  static constexpr std::chrono::milliseconds kHeartbeatPeriod{100};
+  void heartbeat_loop();
+  std::thread heartbeat_;
+  std::mutex heartbeat_mu_;
+  std::condition_variable heartbeat_cv_;
+  bool heartbeat_stop_ = false;
   void* base_ = nullptr;
   size_t size_ = 0;
   SegmentHeader* header_ = nullptr;

@@ -14,7 +14,8 @@ namespace pycomm {
 constexpr uint64_t kMagic = 0x314d4d4f43595075ull;  // "uPYCOMM1"
 // 3: the abort state carries the blamed rank and why (a structured Blame).
 // 4: each header slot has a registered-memory record beside it.
-constexpr uint32_t kLayoutVersion = 4;
+// 5: each rank's heartbeat.
+constexpr uint32_t kLayoutVersion = 5;
 constexpr size_t kPage = 4096;
 // Header slots per rank, indexed by the transport's operation counter modulo
 // kHeaderSlots. A rank finishes operation s only after every peer has
@@ -56,6 +57,8 @@ struct RankControl {
   alignas(64) std::atomic<uint32_t> step_flag;   // owner: sends done through step flag-1
   alignas(64) std::atomic<uint32_t> round_done;  // owner: rounds completed
   alignas(64) std::atomic<uint32_t> waiters;     // peers sleeping on this rank's words
+  // CLOCK_MONOTONIC nanoseconds of the owner's last heartbeat (0: none yet).
+  alignas(64) std::atomic<uint64_t> heartbeat_ns;
   alignas(64) std::atomic<int32_t> pid;
   std::atomic<uint32_t> exited;
   uint64_t starttime;
