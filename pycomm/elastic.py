@@ -62,6 +62,11 @@ def _members_key(epoch: int) -> str:
     return f"epoch{epoch}/members"
 
 
+def _agreement_store(comm: "Communicator", attempt: int) -> "dist.Store":
+    """Where the ranks of ``comm`` agree in their ``attempt``-th shrink of it."""
+    return dist.PrefixStore(f"pycomm/{comm.name}/{bootstrap.restart_prefix()}elastic/a{attempt}/", comm._root_store)
+
+
 def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float = 30.0,
            grace: float = 2.0) -> "Communicator":
     """The survivors of ``comm`` in a new communicator (see the module's docstring).
@@ -88,8 +93,7 @@ def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float 
     attempt = getattr(comm, "_shrink_attempts", 0)
     comm._shrink_attempts = attempt + 1
     epoch = comm.epoch + 1
-    store = dist.PrefixStore(f"pycomm/{comm.name}/{bootstrap.restart_prefix()}elastic/a{attempt}/",
-                             comm._root_store)
+    store = _agreement_store(comm, attempt)
     t0 = time.monotonic()
     try:
         # 1. Check in, then wait for everybody not known to be gone.

@@ -6,7 +6,7 @@ import os
 import random
 import signal
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -42,10 +42,10 @@ def exclude_on_purpose(rank: int, world: int, name: str, exclude: List[int]) -> 
     return out
 
 
-def _victim_rank(rank: int, world: int, port: int, conn, steps_after: int) -> None:
+def _victim_rank(rank: int, world: int, port: int, conn, steps_after: int, comm_kwargs: Dict[str, Any]) -> None:
     import reliability_cases as rc
 
-    store, comm = rc._bootstrap(rank, world, port, "shrink", 5.0)
+    store, comm = rc._bootstrap(rank, world, port, "shrink", 5.0, **comm_kwargs)
     conn.send("ready")
     members = list(range(world))
     report: Dict[str, Any] = dict(wrong=0, shrinks=0)
@@ -71,16 +71,17 @@ def _victim_rank(rank: int, world: int, port: int, conn, steps_after: int) -> No
     conn.send(report)
 
 
-def kill_and_shrink(world: int, seed: int, steps_after: int = 20) -> Dict[str, Any]:
+def kill_and_shrink(world: int, seed: int, steps_after: int = 20, comm_kwargs: Optional[Dict[str, Any]] = None,
+                    victim: Optional[int] = None) -> Dict[str, Any]:
     """kill -9 a random rank of a stream of checked all-reduces; the
     survivors shrink and go on. Returns each survivor's report, hung ranks
     and what stayed in /dev/shm."""
     import reliability_cases as rc
 
     rng = random.Random(seed)
-    victim = rng.randrange(world)
+    victim = rng.randrange(world) if victim is None else victim
     before = rc.shm_entries()
-    store_pid, pids, conns = rc.fork_ranks(world, _victim_rank, steps_after)
+    store_pid, pids, conns = rc.fork_ranks(world, _victim_rank, steps_after, comm_kwargs or {})
     for c in conns:
         if not c.poll(60) or c.recv() != "ready":
             rc.reap(pids + [store_pid], 0)
@@ -207,3 +208,55 @@ def freeze_and_shrink(world: int = 3, heartbeat: float = 1.0) -> Dict[str, Any]:
     hung = rc.reap(pids, time.monotonic() + 10)
     rc.reap([store_pid], 0)
     return dict(frozen=frozen, reports=reports, hung=len(hung))
+
+
+def _second_death_rank(rank: int, world: int, port: int, conn, first: int, second: int) -> None:
+    import reliability_cases as rc
+    from pycomm import elastic
+
+    store, comm = rc._bootstrap(rank, world, port, "second", 10.0)
+    conn.send("ready")
+    old, members, report = comm, list(range(world)), dict(wrong=0, attempts=0)
+    while True:
+        try:
+            if not _sum_check(comm, members):
+                report["wrong"] += 1
+            if comm.epoch:
+                break
+        except pycomm.CommError:
+            if rank == second:
+                # Dies in the middle of the shrink: after checking in, before
+                # the new communicator is built.
+                elastic._agreement_store(old, 0).set(f"alive/{rank}", "1")
+                os.kill(os.getpid(), signal.SIGKILL)
+            while True:
+                report["attempts"] += 1
+                try:
+                    comm = old.shrink(timeout=2.0)
+                    break
+                except pycomm.CommError as e:
+                    report["retry_error"] = str(e)[:300]
+            members = [r for r in comm.parent_ranks]
+    report.update(members=members, epoch=comm.epoch)
+    comm.close()
+    conn.send(report)
+
+
+def second_death_during_shrink(world: int = 4) -> Dict[str, Any]:
+    """Rank 0 dies; rank 1 dies during the survivors' shrink (after checking
+    in). The first attempt fails on every survivor with a clear error; the
+    second gives the two that are left one communicator."""
+    import reliability_cases as rc
+
+    first, second = 0, 1
+    store_pid, pids, conns = rc.fork_ranks(world, _second_death_rank, first, second)
+    for c in conns:
+        if not c.poll(60) or c.recv() != "ready":
+            rc.reap(pids + [store_pid], 0)
+            raise AssertionError("a rank did not start")
+    time.sleep(0.2)
+    os.kill(pids[first], signal.SIGKILL)
+    reports = {r: (c.recv() if c.poll(60) else None) for r, c in enumerate(conns) if r not in (first, second)}
+    hung = rc.reap(pids, time.monotonic() + 10)
+    rc.reap([store_pid], 0)
+    return dict(reports=reports, hung=len(hung))

@@ -85,3 +85,25 @@ def test_frozen_rank_is_declared_failed_by_heartbeat_then_fenced(zygote):
         assert 0.9 <= rep["detected_after_s"] <= 3.0, rep
     rep = res["reports"][frozen]
     assert rep and "fenced out" in rep.get("fenced", ""), rep
+
+
+def test_second_death_during_a_shrink(zygote):
+    res = zygote.run(ec.second_death_during_shrink, 4, timeout=180)
+    assert res["hung"] == 0
+    for r in (2, 3):
+        rep = res["reports"][r]
+        assert rep and rep["wrong"] == 0, rep
+        # One attempt failed on every survivor, with a message saying to retry; the next one held.
+        assert rep["attempts"] == 2 and "call shrink() again" in rep["retry_error"], rep
+        assert rep["members"] == [2, 3] and rep["epoch"] == 1, rep
+
+
+@pytest.mark.parametrize("victim", [1, 2])
+def test_shrink_on_simulated_hosts(zygote, victim):
+    """2 hosts x 2 ranks: the victim shares a host with rank 0 (victim 1) or
+    not (victim 2); the survivors' new communicator keeps the hosts."""
+    res = zygote.run(ec.kill_and_shrink, 4, 0, 10, dict(local_size=2), victim, timeout=180)
+    assert res["hung"] == 0 and res["leaked"] == [], res
+    survivors = [r for r in range(4) if r != victim]
+    for r, rep in res["reports"].items():
+        assert rep and rep["wrong"] == 0 and rep["members"] == survivors and rep["world"] == 3, (r, rep)
