@@ -602,7 +602,7 @@ class Communicator:
         return elastic.shrink(self, exclude, timeout=timeout, grace=grace)
 
     def gone_ranks(self) -> List[int]:
-        """Ranks known to be gone for good (dead or shut down on this host, or blamed as dead by a failure)."""
+        """Ranks known to be gone for good: dead or frozen on this host, or blamed as dead by a failure."""
         return list(self._c.gone_ranks())
 
     def __enter__(self) -> "Communicator":

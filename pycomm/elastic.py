@@ -9,22 +9,24 @@ group, a fresh sequence — without restarting any process (what NCCL's
 How the survivors agree (through the Store, which must outlive every rank:
 torchrun's agent store, or a TCPStore whose host is not a training rank):
 
-1. Every rank of the old communicator that calls ``shrink`` checks in under
-   the next epoch's keys. Each waits for the ranks it does not know to be
-   gone (``exclude``, and :meth:`Communicator.gone_ranks`: a dead local
-   process, a shut-down peer, the rank a failure blamed as dead) for at
-   most ``grace`` seconds; a rank that has not checked in by then is taken
-   as failed (a second death during the shrink).
-2. The first rank to get there proposes the members it saw (checked in, not
+1. Each caller first aborts the old communicator: every later call on it,
+   by anyone, raises, and a peer still blocked in one of its collectives
+   (waiting on this rank, perhaps across hosts) raises at once and comes to
+   shrink too.
+2. It checks in under the shrink's keys and waits for the ranks it does not
+   know to be gone (``exclude``, and :meth:`Communicator.gone_ranks`: a dead
+   or frozen local process, the rank a failure blamed as dead) for at most
+   ``grace`` seconds; a rank that has not checked in by then is taken as
+   failed (a second death during the shrink).
+3. The first rank to get there proposes the members it saw (checked in, not
    excluded) with one compare-and-set: exactly one proposal wins, every
    caller reads the same list, so there are never two different groups. A
    rank not in it (excluded, or too late) gets a CommError saying it was
    fenced out.
-3. The old communicator is aborted (every later call on it, by anyone,
-   raises) and the members build the new one under the epoch's own keys.
-   If a member dies before it joins, the build times out after ``timeout``
-   seconds on every member with a CommError: call ``shrink`` again (on the
-   old communicator: each attempt uses a new epoch).
+4. The members build the new communicator under keys of their own. If a
+   member dies before it joins, the build fails after ``timeout`` seconds on
+   every member with a CommError: call ``shrink`` again on the old
+   communicator (each attempt agrees under new keys).
 
 Fencing: keys, segment names and the inter-host group of epoch e+1 are new,
 so a rank that was excluded (frozen, partitioned, too late) cannot reach
@@ -56,6 +58,21 @@ logger = logging.getLogger("pycomm")
 
 # How often a waiting survivor polls the Store for the others' check-ins.
 _POLL_S = 0.002
+
+
+class _Fenced:
+    """What a shrunk communicator's compiled part is replaced by: every use
+    raises why, except what another shrink of it reads (a retry)."""
+
+    def __init__(self, why: str, timeout: float, gone: List[int]) -> None:
+        self._why, self.timeout, self._gone = why, timeout, gone
+
+    def __getattr__(self, name: str):
+        if name in ("shutdown", "abort"):  # closing or aborting it again is harmless
+            return lambda *a, **k: None
+        if name == "gone_ranks":
+            return lambda: list(self._gone)
+        raise CommError(self._why)
 
 
 def _members_key(epoch: int) -> str:
@@ -95,10 +112,23 @@ def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float 
     epoch = comm.epoch + 1
     store = _agreement_store(comm, attempt)
     t0 = time.monotonic()
+    gone = set(comm.gone_ranks()) | excluded
+    old_timeout = comm.timeout
+    # 1. Fence the old communicator first, for everybody: a peer still
+    #    blocked in one of its collectives (waiting on this rank, perhaps
+    #    across hosts) raises now and comes to shrink too, instead of at its
+    #    timeout.
+    why = (f"pycomm: communicator {comm.name!r} (epoch {comm.epoch}) is being replaced by a shrink; use the "
+           "communicator shrink() returns")
+    comm.abort(why, name_rank=False)
+    comm.close()
+    # Closing leaves the inter-host connections open until the compiled
+    # communicator is gone; a peer on another host blocked on this rank
+    # only sees a closed connection then.
+    comm._c = _Fenced(why, old_timeout, sorted(gone - excluded))
     try:
-        # 1. Check in, then wait for everybody not known to be gone.
+        # 2. Check in, then wait for everybody not known to be gone.
         store.set(f"alive/{me}", "1")
-        gone = set(comm.gone_ranks()) | excluded
         waiting = [r for r in range(world) if r not in gone and r != me]
         deadline = time.monotonic() + grace
         while waiting and time.monotonic() < deadline and not store.check([_members_key(epoch)]):
@@ -106,7 +136,7 @@ def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float 
             if waiting:
                 time.sleep(_POLL_S)
         seen = [r for r in range(world) if r not in excluded and (r == me or store.check([f"alive/{r}"]))]
-        # 2. One proposal wins; everybody reads it.
+        # 3. One proposal wins; everybody reads it.
         decided = store.compare_set(_members_key(epoch), "", json.dumps(seen))
         members: List[int] = json.loads(decided.decode() if isinstance(decided, bytes) else decided)
     except CommError:
@@ -115,11 +145,6 @@ def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float 
         raise CommError(f"pycomm.shrink: the Store cannot be reached ({type(e).__name__}: {e}); shrinking needs "
                         "a Store that outlives every training rank (torchrun's agent store, or a TCPStore "
                         "hosted outside the ranks)") from e
-    # 3. The old communicator is fenced for everybody, members or not.
-    why = (f"pycomm: communicator {comm.name!r} (epoch {comm.epoch}) was replaced by a shrink to ranks "
-           f"{members}; use the communicator shrink() returned")
-    comm.abort(why, name_rank=False)
-    comm.close()
     if me not in members:
         raise CommError(f"pycomm.shrink: rank {me} was fenced out of {comm.name!r}: the survivors agreed on ranks "
                         f"{members} of epoch {epoch}" + (" (it was excluded)" if me in excluded else
@@ -134,7 +159,7 @@ def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float 
     except CommError as e:
         raise CommError(f"pycomm.shrink: building the communicator of ranks {members} failed ({e}); a member "
                         "may have died meanwhile: call shrink() again") from e
-    new.timeout = comm.timeout
+    new.timeout = old_timeout
     new.epoch = epoch
     new.parent_ranks = members
     logger.info("pycomm: rank %d shrank %r to ranks %s (epoch %d) in %.3f s", me, comm.name, members, epoch,

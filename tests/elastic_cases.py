@@ -71,6 +71,15 @@ def _victim_rank(rank: int, world: int, port: int, conn, steps_after: int, comm_
     conn.send(report)
 
 
+def _victim_rank_reporting(rank: int, world: int, port: int, conn, *args: Any) -> None:
+    import traceback
+
+    try:
+        _victim_rank(rank, world, port, conn, *args)
+    except BaseException as e:  # noqa: BLE001 - the test shows what went wrong
+        conn.send(dict(crash=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"))
+
+
 def kill_and_shrink(world: int, seed: int, steps_after: int = 20, comm_kwargs: Optional[Dict[str, Any]] = None,
                     victim: Optional[int] = None) -> Dict[str, Any]:
     """kill -9 a random rank of a stream of checked all-reduces; the
@@ -81,7 +90,7 @@ def kill_and_shrink(world: int, seed: int, steps_after: int = 20, comm_kwargs: O
     rng = random.Random(seed)
     victim = rng.randrange(world) if victim is None else victim
     before = rc.shm_entries()
-    store_pid, pids, conns = rc.fork_ranks(world, _victim_rank, steps_after, comm_kwargs or {})
+    store_pid, pids, conns = rc.fork_ranks(world, _victim_rank_reporting, steps_after, comm_kwargs or {})
     for c in conns:
         if not c.poll(60) or c.recv() != "ready":
             rc.reap(pids + [store_pid], 0)
@@ -229,13 +238,15 @@ def _second_death_rank(rank: int, world: int, port: int, conn, first: int, secon
                 # the new communicator is built.
                 elastic._agreement_store(old, 0).set(f"alive/{rank}", "1")
                 os.kill(os.getpid(), signal.SIGKILL)
-            while True:
+            for _ in range(5):
                 report["attempts"] += 1
                 try:
                     comm = old.shrink(timeout=2.0)
                     break
                 except pycomm.CommError as e:
                     report["retry_error"] = str(e)[:300]
+            else:
+                raise AssertionError(f"no shrink held in 5 attempts: {report}")
             members = [r for r in comm.parent_ranks]
     report.update(members=members, epoch=comm.epoch)
     comm.close()

@@ -115,9 +115,9 @@ class Communicator {
   // `t`'s storage came from a communicator's empty(): 1 this one, 2 another
   // one, 0 none.
   int registered_by(const at::Tensor& t) const;
-  // Ranks known to be gone for good: local peers whose process died or that
-  // shut down, and the rank a failure blamed as dead (kDied) or silent
-  // (kSilent) when this communicator aborted. What a shrink excludes
+  // Ranks known to be gone for good: local peers whose process died or
+  // whose heartbeat stopped, and the rank a failure blamed as dead (kDied)
+  // or silent (kSilent) when this communicator aborted. What a shrink excludes
   // without waiting for it.
   std::vector<int> gone_ranks();
   // Collectives that ran in place on registered memory so far.

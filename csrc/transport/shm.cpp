@@ -302,7 +302,11 @@ std::vector<int> ShmTransport::gone_ranks() {
   const OpContext ctx{};
   for (int q = 0; q < world_; ++q) {
     Blame blame;
-    if (q != rank_ && !peer_gone(q, ctx, &blame).empty()) out.push_back(name(q));
+    // A peer that shut down may live on (it may be shrinking this
+    // communicator too): only the dead and the frozen are gone.
+    if (q != rank_ && !peer_gone(q, ctx, &blame).empty() &&
+        (blame.kind == FailureKind::kDied || blame.kind == FailureKind::kSilent))
+      out.push_back(name(q));
   }
   return out;
 }

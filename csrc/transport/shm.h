@@ -137,7 +137,8 @@ class ShmTransport : public Transport {
 
   bool aborted() const;
   // The communicator's ranks of the local peers that will never post
-  // again: their process is gone, or they shut down. Safe from any thread.
+  // again: their process is gone, or their heartbeat stopped (a peer that
+  // shut down is not among them). Safe from any thread.
   std::vector<int> gone_ranks();
   // The first abort's message and blame (an empty message while healthy).
   CommError abort_error() const;
