@@ -95,8 +95,9 @@ def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float 
             that died meanwhile makes it fail after this long).
         grace: seconds to wait for ranks not known to be gone to check in.
 
-    Returns the new communicator (its ``epoch`` one more than ``comm``'s, its
-    timeout ``comm``'s). Raises CommError on a rank that is fenced out, on
+    Returns the new communicator: its ``epoch`` one more than ``comm``'s, its
+    timeout ``comm``'s, and ``parent_ranks`` the members' ranks in ``comm``
+    (its rank r was rank ``parent_ranks[r]`` of ``comm``). Raises CommError on a rank that is fenced out, on
     every member if one dies before the new communicator is built, and with a
     clear message if the Store cannot be reached.
     """
