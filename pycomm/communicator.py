@@ -460,9 +460,9 @@ class Communicator:
 
         Every local rank maps every rank's registered buffer, so a collective
         whose tensors were all made by ``empty`` of this communicator reads
-        peers' data where it lies: an all-reduce reduces its shard straight
-        from the peers' buffers and gathers the others' shards straight into
-        its output, with no copy into and out of the staging mailboxes (what
+        peers' data where it lies: an all-reduce reduces its part straight
+        from every rank's buffer and writes the result straight into every
+        rank's output, with no copy into and out of the staging mailboxes (what
         NCCL's buffer registration and ``torch.distributed._symmetric_memory``
         do on GPUs). Results are bitwise identical to the unregistered call
         with the same algorithm.

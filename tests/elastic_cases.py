@@ -126,34 +126,9 @@ def _store_dies_rank(rank: int, world: int, port: int, conn) -> None:
 
 def store_dies(world: int = 2) -> List[str]:
     """The Store's host dies: shrink says so on every rank."""
-    import multiprocessing as mp
-
     import reliability_cases as rc
 
-    port = rc.free_port()
-    store_pid = os.fork()
-    if store_pid == 0:
-        try:
-            import torch.distributed as dist
-
-            _store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False)  # noqa: F841
-            while True:
-                time.sleep(3600)
-        finally:
-            os._exit(0)
-    pids, conns = [], []
-    for r in range(world):
-        parent, child = mp.Pipe()
-        pid = os.fork()
-        if pid == 0:
-            try:
-                parent.close()
-                _store_dies_rank(r, world, port, child)
-            finally:
-                os._exit(0)
-        child.close()
-        pids.append(pid)
-        conns.append(parent)
+    store_pid, pids, conns = rc.fork_ranks(world, _store_dies_rank, duplex=True)
     for c in conns:
         assert c.poll(60) and c.recv() == "ready"
     os.kill(store_pid, signal.SIGKILL)

@@ -148,11 +148,13 @@ class Zygote:
             self.proc.kill()
 
 
-def fork_ranks(world: int, target, *args: Any) -> tuple:
+def fork_ranks(world: int, target, *args: Any, duplex: bool = False) -> tuple:
     """Forks a store process (the TCPStore's host, like torchrun's agent) and
     `world` ranks running target(rank, world, port, conn, *args); returns
-    (store pid, rank pids, connections). Forked processes exit without
-    running the zygote's exit handlers."""
+    (store pid, rank pids, connections). The connections carry the ranks'
+    reports to the caller (and, with `duplex`, the caller's messages to the
+    ranks). Forked processes exit without running the zygote's exit
+    handlers."""
     port = free_port()
     store_pid = os.fork()
     if store_pid == 0:
@@ -164,7 +166,7 @@ def fork_ranks(world: int, target, *args: Any) -> tuple:
             os._exit(0)
     pids, conns = [], []
     for r in range(world):
-        parent, child = mp.Pipe(duplex=False)
+        parent, child = mp.Pipe(duplex=duplex)
         pid = os.fork()
         if pid == 0:
             code = 0

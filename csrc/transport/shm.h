@@ -70,8 +70,6 @@ class ShmAllocation {
   const std::string& owner() const { return owner_; }
   char* region(int local_rank) const { return regions_ + static_cast<size_t>(local_rank) * region_bytes_; }
   size_t region_bytes() const { return region_bytes_; }
-  // The bytes the caller asked for (at most region_bytes()).
-  size_t bytes() const { return bytes_; }
   int rank() const { return rank_; }
 
  private:
@@ -83,7 +81,6 @@ class ShmAllocation {
   size_t size_ = 0;
   char* regions_ = nullptr;
   size_t region_bytes_ = 0;
-  size_t bytes_ = 0;
   int rank_ = 0;
 };
 

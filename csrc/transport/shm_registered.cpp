@@ -51,6 +51,18 @@ struct AllocHeader {
   char token[64];
 };
 
+// Bytes of a call's input and of its output on one rank: the sharded side
+// of reduce-scatter, all-gather and all-to-all holds `world` blocks.
+struct BufferBytes {
+  size_t in, out;
+};
+BufferBytes buffer_bytes(const CollectiveDesc& d, int world) {
+  const size_t es = dtype_size(d.dtype);
+  const bool many_in = d.coll == Collective::kReduceScatter || d.coll == Collective::kAllToAll;
+  const bool many_out = d.coll == Collective::kAllGather || d.coll == Collective::kAllToAll;
+  return {d.count * (many_in ? world : 1) * es, d.count * (many_out ? world : 1) * es};
+}
+
 // The order in which the staged two-shot plan reduces this rank's shard:
 // the in-place executor reduces in the same order, so both give the same
 // bits.
@@ -78,7 +90,6 @@ std::shared_ptr<ShmAllocation> ShmTransport::allocate(size_t bytes, uint64_t seq
   a->id_ = id;
   a->owner_ = name_;
   a->rank_ = rank_;
-  a->bytes_ = bytes;
   a->region_bytes_ = align_up(std::max<size_t>(bytes, 1), kPage);
   a->size_ = kPage + a->region_bytes_ * world_;
 
@@ -207,13 +218,9 @@ RegisteredCall ShmTransport::registration(const CollectiveDesc& d,
   RegisteredCall r;
   keep->assign(2, nullptr);
   if (d.count == 0 || d.coll == Collective::kBarrier || d.coll == Collective::kInvalid || world_ == 1) return r;
-  const size_t es = dtype_size(d.dtype);
-  const RoundLayout layout(d, 1, world_, round_bytes_);
-  const bool sharded_in = d.coll == Collective::kReduceScatter || d.coll == Collective::kAllToAll;
-  const size_t in_bytes = d.count * (sharded_in ? world_ : 1) * es;
-  const size_t out_bytes = layout.out_count * es;
-  (*keep)[0] = find_registered(d.input, in_bytes, &r.in_off);
-  (*keep)[1] = find_registered(d.output, out_bytes, &r.out_off);
+  const BufferBytes bytes = buffer_bytes(d, world_);
+  (*keep)[0] = find_registered(d.input, bytes.in, &r.in_off);
+  (*keep)[1] = find_registered(d.output, bytes.out, &r.out_off);
   if ((*keep)[0]) r.in_id = (*keep)[0]->id();
   if ((*keep)[1]) r.out_id = (*keep)[1]->id();
   return r;
@@ -265,22 +272,19 @@ bool ShmTransport::run_registered(const CollectiveDesc& d, const OpContext& ctx,
   in_place_calls_.fetch_add(1, std::memory_order_relaxed);
   const size_t es = dtype_size(d.dtype);
   const uint64_t n = d.count;
-  const bool sharded_in = c == Collective::kReduceScatter || c == Collective::kAllToAll;
-  const size_t in_bytes = n * (sharded_in ? world_ : 1) * es;
-  const size_t out_bytes = (ar ? n : 0) * es;
+  const BufferBytes bytes = buffer_bytes(d, world_);
   // Offsets come from peers' memory: bounded before anything is read.
   for (int q = 0; q < world_; ++q) {
-    const bool bad = (in_shared && rec(q).in_off + in_bytes > keep[0]->region_bytes()) ||
-                     (ar && rec(q).out_off + out_bytes > keep[1]->region_bytes());
+    const bool bad = (in_shared && rec(q).in_off + bytes.in > keep[0]->region_bytes()) ||
+                     (ar && rec(q).out_off + bytes.out > keep[1]->region_bytes());
     if (bad)
       fail("pycomm: rank " + std::to_string(name(q)) + "'s registered buffer of " + collective_name(c) + " #" +
                std::to_string(seq) + " lies outside its registered region (corrupt shared memory)",
            Blame{FailureKind::kWaiting, name(q)});
   }
   auto input_of = [&](int q) -> const char* { return keep[0]->region(q) + rec(q).in_off; };
-  auto output_of = [&](int q) -> const char* { return keep[1]->region(q) + rec(q).out_off; };
   // Peers' outputs are written only by the pushed all-reduce.
-  auto peer_output = [&](int q) -> char* { return keep[1]->region(q) + rec(q).out_off; };
+  auto output_of = [&](int q) -> char* { return keep[1]->region(q) + rec(q).out_off; };
   auto* out = static_cast<char*>(d.output);
   const uint64_t g0 = step_base_;
   const char* reading = "it to finish reading this rank's registered buffer";
@@ -323,7 +327,7 @@ bool ShmTransport::run_registered(const CollectiveDesc& d, const OpContext& ctx,
   //    allocation, else the outputs, after each rank copied its input there
   //    (one copy instead of two).
   const bool from_inputs = in_shared;
-  auto source_of = [&](int q) { return from_inputs ? input_of(q) : output_of(q); };
+  auto source_of = [&](int q) -> const char* { return from_inputs ? input_of(q) : output_of(q); };
   if (!from_inputs && d.input != d.output) kernels::copy_cpu(out, nullptr, d.input, n * es);
   post_step(g0);
   // Nobody writes into a peer's output before that peer's source is ready
@@ -353,9 +357,9 @@ bool ShmTransport::run_registered(const CollectiveDesc& d, const OpContext& ctx,
     if (m == 0) continue;
     const size_t at = static_cast<size_t>(chunk_out[rank_] - out);
     for (int k = 0; k < world_; ++k) srcs[k] = source_of(order[k]) + at;
-    kernels::reduce_cpu(d.dtype, d.op, out + at, peer_output(next) + at, srcs.data(), world_, m);
+    kernels::reduce_cpu(d.dtype, d.op, out + at, output_of(next) + at, srcs.data(), world_, m);
     for (int q = 0; q < world_; ++q)
-      if (q != rank_ && q != next) kernels::copy_cpu(peer_output(q) + at, nullptr, out + at, m * es);
+      if (q != rank_ && q != next) kernels::copy_cpu(output_of(q) + at, nullptr, out + at, m * es);
   }
   // 6. Nobody returns (and lets its user read or overwrite the buffers)
   //    before every rank has written its shard everywhere and read its
