@@ -122,8 +122,17 @@ class Communicator:
             name = f"{group_name}/{index}"
         self.name: str = name
         #: Membership epoch: 0 for a communicator made by the constructor, e + 1
-        #: for one made by :meth:`shrink` of a communicator of epoch e.
+        #: for one made by :meth:`shrink` or :meth:`admit` of a communicator of epoch e.
         self.epoch: int = 0
+        #: The name a process passes to :meth:`join` to join this job: the
+        #: epoch-0 communicator's name, kept by every shrink and admit.
+        self.job: str = name
+        #: Ranks of the communicator this one replaced (``parent_ranks[r]`` was
+        #: rank r's rank there; -1 for a rank that joined); None at epoch 0.
+        self.parent_ranks: Optional[List[int]] = None
+        #: True on a process whose communicator came from :meth:`join`.
+        self.joined: bool = False
+        self._admitted_upto = 0  # joiners' tickets up to this one were admitted (pycomm.elastic)
         store = dist.PrefixStore(f"pycomm/{name}/{bootstrap.restart_prefix()}", store)
         if timeout is None:
             timeout = float(os.environ.get("PYCOMM_TIMEOUT", bootstrap.DEFAULT_TIMEOUT_S))
@@ -137,6 +146,10 @@ class Communicator:
         self.rank: int = rank
         self.world_size: int = world_size
         self.host: int = topo.host
+        # The hosts a successor (shrink, admit) keeps: a simulated layout is
+        # carried as labels; a real one is found again.
+        simulated = bool(_host_label) or local_size is not None or bool(os.environ.get("PYCOMM_LOCAL_SIZE"))
+        self._host_label: Optional[str] = _host_label or (f"h{topo.host}" if simulated else None)
         self.local_rank: int = topo.local_rank
         self.local_size: int = topo.local_size
         self.num_hosts: int = topo.num_hosts
@@ -600,6 +613,35 @@ class Communicator:
         from . import elastic
 
         return elastic.shrink(self, exclude, timeout=timeout, grace=grace)
+
+    def admit(self, *, timeout: float = 30.0) -> "Communicator":
+        """This communicator grown by the processes waiting in :meth:`join`; itself if none wait.
+
+        Collective over the members, at a step boundary (every member calls it
+        at the same point). See :func:`pycomm.elastic.admit`.
+
+        Example::
+
+            comm = comm.admit()        # every member, e.g. every 10 steps
+        """
+        from . import elastic
+
+        return elastic.admit(self, timeout=timeout)
+
+    @staticmethod
+    def join(store: "dist.Store", job: str, *, timeout: float = 300.0) -> "Communicator":
+        """Join a running job as a new rank: waits until its members :meth:`admit` this process.
+
+        ``job`` is the members' :attr:`job` (the first communicator's name).
+        See :func:`pycomm.elastic.join`.
+
+        Example::
+
+            comm = pycomm.Communicator.join(store, "train")   # rank comm.rank of comm.world_size
+        """
+        from . import elastic
+
+        return elastic.join(store, job, timeout=timeout)
 
     def gone_ranks(self) -> List[int]:
         """Ranks known to be gone for good: dead or frozen on this host, or blamed as dead by a failure."""

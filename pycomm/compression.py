@@ -173,7 +173,9 @@ class ErrorFeedback:
     keeps a float32 residual of the tensor's size (what this rank's
     compression dropped) and, for Int8/Int4, one of its reduced shard's size
     (what requantizing the sum dropped, as in 1-bit Adam's server error).
-    A key whose tensor changed size or codec starts from zero again.
+    A key whose tensor changed size or codec starts from zero again; when only
+    the reduced shard changed (the world grew or shrank) the worker residual
+    stays and the server residual, of another shard layout, restarts.
 
     Example::
 
@@ -192,9 +194,13 @@ class ErrorFeedback:
         entry = self._state.get(key)
         if entry is not None and entry[0] == layout:
             return entry[1]
-        if entry is not None:
-            logger.info("pycomm: error feedback for key %r restarts from zero: layout %s -> %s", key, entry[0], layout)
-        worker = torch.zeros(tensor.numel(), dtype=torch.float32, device=tensor.device)
+        if entry is not None and entry[0][:2] + entry[0][3:] == layout[:2] + layout[3:]:
+            worker = entry[1].worker  # the shard moved, this rank's own residual did not
+        else:
+            if entry is not None:
+                logger.info("pycomm: error feedback for key %r restarts from zero: layout %s -> %s", key, entry[0],
+                            layout)
+            worker = torch.zeros(tensor.numel(), dtype=torch.float32, device=tensor.device)
         server = (torch.zeros(shard_numel, dtype=torch.float32, device=tensor.device) if is_quantizer(codec)
                   else None)
         res = _Residuals(worker, server)

@@ -196,7 +196,7 @@ def freeze_and_shrink(world: int = 3, heartbeat: float = 1.0) -> Dict[str, Any]:
 
 def _second_death_rank(rank: int, world: int, port: int, conn, first: int, second: int) -> None:
     import reliability_cases as rc
-    from pycomm import elastic
+    from pycomm.elastic import membership as elastic
 
     store, comm = rc._bootstrap(rank, world, port, "second", 10.0)
     conn.send("ready")

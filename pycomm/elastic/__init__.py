@@ -1,0 +1,13 @@
+"""Training that survives failures.
+
+* :mod:`pycomm.elastic.membership` — a communicator's members change:
+  :func:`shrink` to the survivors after a failure (or leaving ranks out on
+  purpose), :func:`admit` / :func:`join` to grow by newcomers; every change
+  makes a new communicator of the next membership epoch and fences the old.
+* :mod:`pycomm.elastic.ddp` — :class:`FaultTolerantDDP`: DDP training that
+  shrinks, heals and goes on when a rank dies, and heals a replacement.
+"""
+from .membership import FencedOut, admit, join, shrink
+from .ddp import FaultTolerantDDP
+
+__all__ = ["FaultTolerantDDP", "FencedOut", "admit", "join", "shrink"]

@@ -1,0 +1,447 @@
+"""Fault-tolerant data-parallel training: when a rank dies the survivors shrink,
+heal and go on; a replacement that joins is healed before its first step.
+
+:class:`FaultTolerantDDP` wraps a model and its optimizer. It runs torch's
+``DistributedDataParallel`` for the bucketing and the overlap of backward with
+communication, on a private one-rank process group (so DDP itself never waits
+on a peer), and sends every bucket through a pycomm hook on a pycomm
+communicator it can replace: a process group's membership is fixed, a pycomm
+communicator's is not.
+
+A step (:meth:`FaultTolerantDDP.step`):
+
+1. At a step boundary, every ``admit_every`` steps, newcomers waiting in
+   :meth:`pycomm.Communicator.join` are admitted and healed.
+2. The closure runs forward and backward; each bucket goes through the hook.
+   A failed bucket is handed back to DDP untouched and remembered, so that
+   DDP's own state stays whole.
+3. No failure: the optimizer steps and ``steps_done`` grows by one.
+4. A failure: the survivors :func:`~pycomm.elastic.shrink` (retried while
+   further ranks die), rebind the hook to the new communicator (averages are
+   rescaled to the new world by the communicator's ``avg``) and heal: the
+   rank that completed the most steps sends the model, the optimizer and
+   ``extra_state`` to every rank that is behind. Then the step is redone with
+   the survivors (``on_failure="redo"``, the default: a step is never lost,
+   only the dead rank's share of its batch) or skipped (``"drop"``). If a
+   survivor had already completed it (it can finish before another notices
+   the death), everyone adopts its result instead.
+
+What the heal sends and what it does not: parameters, buffers, optimizer
+state, the step count and the hook's iteration count always; the
+error-feedback residuals of the compressed hooks are this rank's own
+compression error (the part of its gradients it still owes), so a newcomer
+starts with zero residuals instead of a copy of a peer's, which would send
+that peer's error twice; after a change of world every rank keeps its worker
+residual and restarts its server residual, whose shard moved. With
+:func:`~pycomm.hooks.stale_hook` the averages in flight at a change are
+dropped on every rank (at most ``staleness`` steps of gradients).
+
+Example (every rank; a replacement runs the same script with ``--join``)::
+
+    store = dist.TCPStore(store_host, port, is_master=False)     # outlives every rank
+    if joining:
+        comm = pycomm.Communicator.join(store, "train")
+    else:
+        comm = pycomm.Communicator(store=store, rank=rank, world_size=world, name="train")
+    ft = pycomm.elastic.FaultTolerantDDP(model, opt, comm, hook=hooks.int8_hook,
+                                         state=hooks.CompressionState(start_iter=10))
+
+    def train_step(step):                     # this rank's share of step `step`
+        x, y = shard(step, ft.rank, ft.world_size)
+        loss = loss_fn(ft(x), y)
+        loss.backward()
+        return loss.item()
+
+    ft.train(1000, train_step)                # or: while ft.steps_done < n: ft.step(lambda: ...)
+"""
+from __future__ import annotations
+
+import datetime
+import io
+import logging
+import time
+import warnings
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from .. import hooks as _hooks
+from .._loader import CommError
+from ..communicator import Communicator
+from .membership import FencedOut
+
+logger = logging.getLogger("pycomm")
+
+ON_FAILURE = ("redo", "drop")
+
+
+def _local_group() -> "dist.ProcessGroup":
+    """A one-rank Gloo process group on a private store: DDP's own collectives
+    (its bucket rebuild, buffer syncs) become local copies."""
+    store = dist.HashStore()
+    pg = dist.ProcessGroup(store, 0, 1)
+    backend = dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=60))
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return pg
+
+
+def _done(value: torch.Tensor) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+def _is_comm_failure(e: BaseException) -> bool:
+    # A Work's future hands its CommError on as a RuntimeError with the same text.
+    return isinstance(e, CommError) or "pycomm" in str(e)
+
+
+class FaultTolerantDDP(torch.nn.Module):
+    """Data-parallel training that survives the death of ranks and admits
+    replacements (see :mod:`pycomm.elastic.ddp` for what a step does).
+
+    Args:
+        module: the model (CPU parameters: the communicator carries CPU
+            tensors).
+        optimizer: its optimizer (:class:`pycomm.hooks.LocalSGD` too).
+        comm: a :class:`pycomm.Communicator` built on a Store that outlives
+            every rank, or one from :meth:`pycomm.Communicator.join`. Building
+            the wrapper is collective: it sends rank 0's model and optimizer
+            state to every rank (a joining process: the most advanced
+            member's).
+        hook, state: any pycomm hook and its state (default:
+            :func:`pycomm.hooks.allreduce_hook` with a fresh
+            :class:`~pycomm.hooks.AllReduceState`). The state is bound to
+            ``comm``, and to each communicator that replaces it.
+        on_failure: ``"redo"`` the failed step with the survivors (default)
+            or ``"drop"`` it.
+        admit_every: admit waiting newcomers every this many steps (0: never;
+            each check is two Store operations).
+        scheduler: a learning-rate scheduler, stepped after each completed
+            optimizer step (so that it counts the steps the ranks agree on)
+            and healed with the model.
+        extra_state: anything else with ``state_dict()`` /
+            ``load_state_dict()`` that must match on every rank: healed with
+            the model.
+        shrink_timeout, grace: passed to :func:`~pycomm.elastic.shrink`.
+        max_recoveries: raise after this many shrinks in one step's recovery.
+        **ddp_kwargs: for ``DistributedDataParallel`` (``bucket_cap_mb``,
+            ``gradient_as_bucket_view``, ``static_graph``, ...).
+
+    Attributes: ``comm`` (the current communicator), ``steps_done``,
+    ``events`` (one dict per membership change: step, kind, world, seconds).
+    """
+
+    def __init__(self, module: torch.nn.Module, optimizer: Any, comm: Communicator, *,
+                 hook: Optional[Callable] = None, state: Optional[_hooks.HookState] = None,
+                 on_failure: str = "redo", admit_every: int = 10, scheduler: Any = None, extra_state: Any = None,
+                 shrink_timeout: float = 30.0, grace: float = 2.0, max_recoveries: int = 8,
+                 **ddp_kwargs: Any) -> None:
+        super().__init__()
+        if not isinstance(comm, Communicator):
+            raise TypeError(f"pycomm.elastic.FaultTolerantDDP: comm must be a pycomm.Communicator, got "
+                            f"{type(comm).__name__}")
+        if on_failure not in ON_FAILURE:
+            raise ValueError(f"pycomm.elastic.FaultTolerantDDP: on_failure={on_failure!r}; use 'redo' or 'drop'")
+        if int(admit_every) < 0:
+            raise ValueError(f"pycomm.elastic.FaultTolerantDDP: admit_every must be >= 0, got {admit_every}")
+        devices = {p.device.type for p in module.parameters()}
+        if devices - {"cpu"}:
+            raise ValueError(f"pycomm.elastic.FaultTolerantDDP: the model has parameters on {sorted(devices)}; it "
+                             "averages CPU models through pycomm's communicator (a CUDA model needs a process "
+                             "group, whose membership cannot change)")
+        if hook is None:
+            hook = _hooks.allreduce_hook
+        if state is None:
+            state = _hooks.AllReduceState()
+        if not isinstance(state, _hooks.HookState):
+            raise TypeError(f"pycomm.elastic.FaultTolerantDDP: state must be a pycomm hook state, got "
+                            f"{type(state).__name__}")
+        self.optimizer = optimizer
+        self.hook, self.state = hook, state
+        self.on_failure = on_failure
+        self.admit_every = int(admit_every)
+        self.scheduler, self.extra_state = scheduler, extra_state
+        self.shrink_timeout, self.grace, self.max_recoveries = float(shrink_timeout), float(grace), int(max_recoveries)
+        self.steps_done = 0
+        self.events: List[Dict[str, Any]] = []
+        self._failures: List[BaseException] = []
+        self._dirty = False        # the optimizer stepped but its own collective failed (LocalSGD)
+        self._admit_checked = -1   # steps_done at the last admit check
+        # A newcomer's DDP still has the initial bucket layout; the members
+        # rebuilt theirs after their first backward (in gradient-ready
+        # order). Its first step is rehearsed without communication, so it
+        # rebuilds the same layout before any bucket goes out.
+        self._rehearse = comm.joined
+        self._bypass = False
+        with warnings.catch_warnings():
+            # Buffers are this wrapper's to sync (the heal), never DDP's: it
+            # has no peers. torch 2.13 deprecates the argument's name only.
+            warnings.simplefilter("ignore", FutureWarning)
+            self.ddp = DistributedDataParallel(module, process_group=_local_group(), broadcast_buffers=False,
+                                               **ddp_kwargs)
+        self.ddp.register_comm_hook(None, self._hook)
+        self.comm = comm
+        self._rebind(comm)
+        self._heal(force=True, newcomer=comm.joined)
+
+    # -------------------------------------------------------------- public
+
+    @property
+    def module(self) -> torch.nn.Module:  # type: ignore[override]
+        return self.ddp.module
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.ddp(*args, **kwargs)
+
+    def step(self, closure: Callable[[], Any]) -> Any:
+        """One training step: zero the gradients, run ``closure`` (forward and
+        backward), average, step the optimizer.
+
+        Returns the closure's value, or None when the step was dropped or
+        adopted from a survivor that had completed it. A failure of a peer
+        is recovered from inside (see the module's docstring); a rank that
+        was fenced out raises :class:`pycomm.elastic.FencedOut`.
+        """
+        self._maybe_admit()
+        if self._rehearse:
+            self._rehearsal(closure)
+        recoveries = 0
+        while True:
+            attempt = self.steps_done
+            iteration = self.state.iteration
+            self._failures = []
+            self.optimizer.zero_grad()
+            try:
+                value = closure()
+            except Exception as e:  # noqa: BLE001 - sorted below
+                if not (self._failures or _is_comm_failure(e)):
+                    raise
+                self._failures.append(e)
+            if not self._failures:
+                try:
+                    self.optimizer.step()
+                except Exception as e:  # LocalSGD's average: the local step is applied
+                    if not _is_comm_failure(e):
+                        raise
+                    self._failures.append(e)
+                    self._dirty = True
+                self.steps_done += 1
+                if self.scheduler is not None:
+                    self.scheduler.step()
+                if not self._failures:
+                    return value
+            recoveries += 1
+            if recoveries > self.max_recoveries:
+                raise CommError(f"pycomm.elastic: step {attempt} failed {recoveries} times; last failure: "
+                                f"{self._failures[0]}")
+            # Every rank counts the failed attempt's buckets alike: none of them.
+            self.state.iteration = iteration
+            self._recover(self._failures[0])
+            if self.steps_done > attempt:
+                return None
+            if self.on_failure == "drop":
+                self.steps_done += 1
+                return None
+
+    def train(self, steps: int, step_fn: Callable[[int], Any]) -> None:
+        """Run ``step_fn(step)`` (forward and backward of this rank's share of
+        step ``step``) until ``steps`` steps are done on every rank, surviving
+        failures; returns once all ranks agree they are done."""
+        while True:
+            while self.steps_done < steps:
+                self.step(lambda: step_fn(self.steps_done))
+            # A survivor may have finished the last step while another failed
+            # it: all agree on the count before anyone leaves.
+            try:
+                count = torch.tensor([self.steps_done], dtype=torch.int64)
+                self.comm.all_reduce(count, op="min")
+                if int(count) >= steps:
+                    return
+            except CommError as e:
+                self._recover(e)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
+        """Everything this wrapper keeps, for a checkpoint: the model, the
+        optimizer, the hook state (with this rank's residuals), ``extra_state``
+        and the step count."""
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "hook": self.state.state_dict(), "steps_done": self.steps_done, **self._extras()}
+
+    def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:  # type: ignore[override]
+        self.module.load_state_dict(state["model"], strict=strict)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.state.load_state_dict(state["hook"])
+        self.steps_done = int(state["steps_done"])
+        self._load_extras(state)
+
+    def _extras(self) -> Dict[str, Any]:
+        return {k: (v.state_dict() if v is not None else None)
+                for k, v in (("scheduler", self.scheduler), ("extra", self.extra_state))}
+
+    def _load_extras(self, state: Dict[str, Any]) -> None:
+        for k, v in (("scheduler", self.scheduler), ("extra", self.extra_state)):
+            if v is not None and state.get(k) is not None:
+                v.load_state_dict(state[k])
+
+    # -------------------------------------------------------------- internals
+
+    def _rehearsal(self, closure: Callable[[], Any]) -> None:
+        """Run ``closure`` once without sending anything (the buffers, such as
+        batch-norm statistics, restored), so that DDP rebuilds its buckets
+        as the members' were rebuilt; the gradients are discarded."""
+        buffers = [b.detach().clone() for b in self.module.buffers()]
+        self._bypass = True
+        try:
+            self.optimizer.zero_grad()
+            closure()
+        finally:
+            self._bypass = False
+            self._rehearse = False
+        with torch.no_grad():
+            for b, saved in zip(self.module.buffers(), buffers):
+                b.copy_(saved)
+
+    def _hook(self, _, bucket):  # unannotated: DDP checks a hook's annotations, which are strings here
+        """The user's hook; a failure hands the bucket back untouched (DDP's
+        state stays whole) and is remembered for the step."""
+        buf = bucket.buffer()
+        if self._bypass:
+            # The members' states saw this initial layout first too: the order
+            # a compressed hook names parameters by in checkpoints.
+            observe = getattr(self.state, "_observe", None)
+            if observe is not None:
+                observe(bucket)
+            return _done(buf)
+        if self._failures:
+            return _done(buf)
+        try:
+            fut = self.hook(self.state, bucket)
+        except Exception as e:  # noqa: BLE001 - a CommError, or the hook's own error: step() sorts it
+            self._failures.append(e)
+            return _done(buf)
+
+        def settle(f: torch.futures.Future) -> torch.Tensor:
+            try:
+                return f.value()
+            except Exception as e:  # noqa: BLE001
+                self._failures.append(e)
+                return buf
+
+        return fut.then(settle)
+
+    def _rebind(self, comm: Communicator) -> None:
+        """Make the hook state (and a LocalSGD optimizer) use ``comm``."""
+        self.comm = comm
+        for st in (self.state, getattr(self.state, "inner", None)):
+            if st is not None:
+                st._comm_arg = st._communicator = comm
+                st.process_group = None
+        if isinstance(self.state, _hooks.StaleState):
+            self.state._inflight, self.state._started_step = [], -1
+        if isinstance(getattr(self.optimizer, "communicator", None), Communicator):
+            self.optimizer.communicator = comm
+
+    def _maybe_admit(self) -> None:
+        if not self.admit_every or self.steps_done % self.admit_every or self.steps_done == self._admit_checked:
+            return
+        self._admit_checked = self.steps_done
+        t0 = time.monotonic()
+        try:
+            new = self.comm.admit(timeout=self.shrink_timeout)
+        except CommError as e:
+            self._recover(e)
+            return
+        if new is self.comm:
+            return
+        self._rebind(new)
+        try:
+            self._heal(newcomer=False)
+        except CommError as e:
+            self._recover(e)
+            return
+        self._event("admit", t0)
+
+    def _recover(self, error: BaseException) -> None:
+        """Shrink to the survivors (again while more die) and heal."""
+        t0 = time.monotonic()
+        logger.warning("pycomm.elastic: rank %d of %d: step %d failed (%s); shrinking", self.comm.rank,
+                       self.comm.world_size, self.steps_done, str(error).splitlines()[0][:200])
+        for _ in range(self.max_recoveries):
+            try:
+                new = self.comm.shrink(timeout=self.shrink_timeout, grace=self.grace)
+            except FencedOut:
+                raise
+            except CommError as e:
+                logger.warning("pycomm.elastic: shrink failed (%s); again", e)
+                continue
+            self._rebind(new)
+            try:
+                self._heal(newcomer=False)
+            except CommError as e:
+                logger.warning("pycomm.elastic: healing failed (%s); shrinking again", e)
+                continue
+            self._event("shrink", t0)
+            return
+        raise CommError(f"pycomm.elastic: could not recover after {self.max_recoveries} shrinks; first failure: "
+                        f"{error}")
+
+    def _event(self, kind: str, t0: float) -> None:
+        self.events.append(dict(kind=kind, step=self.steps_done, world=self.comm.world_size, epoch=self.comm.epoch,
+                                seconds=time.monotonic() - t0))
+        logger.info("pycomm.elastic: %s: world %d, epoch %d, step %d (%.3f s)", kind, self.comm.world_size,
+                    self.comm.epoch, self.steps_done, time.monotonic() - t0)
+
+    def _heal(self, *, newcomer: bool, force: bool = False) -> None:
+        """Make every rank's state the most advanced rank's (collective).
+
+        Each rank says (not a newcomer, steps done, clean, hook iteration);
+        the source is the lowest rank with the largest such triple. Its
+        model, optimizer and extra state go to every rank when any rank
+        differs from it (a newcomer, fewer steps, a half-applied step), or
+        when ``force``; the step count and hook iteration always.
+        """
+        comm = self.comm
+        mine = torch.tensor([0 if newcomer else 1, self.steps_done, 0 if self._dirty else 1, self.state.iteration],
+                            dtype=torch.int64)
+        every = torch.empty(comm.world_size * 4, dtype=torch.int64)
+        comm.all_gather(every, mine)
+        rows = every.view(comm.world_size, 4).tolist()
+        src = max(range(comm.world_size), key=lambda r: (rows[r][0], rows[r][1], rows[r][2], -r))
+        best = rows[src]
+        if force or any(row[:3] != best[:3] for row in rows):
+            self._send_state(src)
+        self.steps_done, self.state.iteration, self._dirty = best[1], best[3], False
+
+    def _send_state(self, src: int) -> None:
+        """Rank ``src``'s model, optimizer, scheduler and extra state onto every rank."""
+        comm = self.comm
+        payload = None
+        size = torch.zeros(1, dtype=torch.int64)
+        if comm.rank == src:
+            out = io.BytesIO()
+            torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                        **self._extras()}, out)
+            payload = torch.frombuffer(bytearray(out.getbuffer()), dtype=torch.uint8)
+            size[0] = payload.numel()
+        comm.broadcast(size, src=src)
+        if payload is None:
+            payload = torch.empty(int(size), dtype=torch.uint8)
+        comm.broadcast(payload, src=src)
+        if comm.rank != src:
+            got = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+            with torch.no_grad():
+                self.module.load_state_dict(got["model"])
+            self.optimizer.load_state_dict(got["optimizer"])
+            self._load_extras(got)

@@ -1,0 +1,326 @@
+"""Membership of a communicator: shrinking it to its survivors, growing it by newcomers.
+
+After a peer dies, every survivor's collective raises :class:`pycomm.CommError`
+within milliseconds; :func:`shrink` then gives the survivors a new
+communicator with renumbered ranks — a fresh segment, a fresh inter-host
+group, a fresh sequence — without restarting any process (what NCCL's
+``ncclCommShrink`` and torchcomms' revoke/shrink do).
+
+How the survivors agree (through the Store, which must outlive every rank:
+torchrun's agent store, or a TCPStore whose host is not a training rank):
+
+1. Each caller first aborts the old communicator: every later call on it,
+   by anyone, raises, and a peer still blocked in one of its collectives
+   (waiting on this rank, perhaps across hosts) raises at once and comes to
+   shrink too.
+2. It checks in under the shrink's keys and waits for the ranks it does not
+   know to be gone (``exclude``, and :meth:`Communicator.gone_ranks`: a dead
+   or frozen local process, the rank a failure blamed as dead) for at most
+   ``grace`` seconds; a rank that has not checked in by then is taken as
+   failed (a second death during the shrink).
+3. The first rank to get there proposes the members it saw (checked in, not
+   excluded) with one compare-and-set: exactly one proposal wins, every
+   caller reads the same list, so there are never two different groups. A
+   rank not in it (excluded, or too late) gets a CommError saying it was
+   fenced out.
+4. The members build the new communicator under keys of their own. If a
+   member dies before it joins, the build fails after ``timeout`` seconds on
+   every member with a CommError: call ``shrink`` again on the old
+   communicator (each attempt agrees under new keys).
+
+Growing (:func:`admit`, :func:`join`): a new process calls
+``Communicator.join(store, job)``, which takes a ticket in the Store and
+waits; the members call ``comm.admit()`` at a step boundary, agree with one
+compare-and-set on the tickets to take (every member reads the same list),
+and all of them, newcomers included, build the communicator of epoch e+1:
+the members keep their ranks, the newcomers come after them in ticket order.
+``admit`` with nobody waiting costs two Store operations and returns ``comm``.
+
+Fencing: keys, segment names and the inter-host group of epoch e+1 are new,
+so a rank that was excluded (frozen, partitioned, too late) cannot reach
+them; its old communicator is aborted, so its next call raises. Example::
+
+    comm = pycomm.Communicator(store=store, rank=rank, world_size=world)
+    for step in range(steps):
+        try:
+            comm.all_reduce(grad, op="avg")
+        except pycomm.CommError:
+            comm = comm.shrink()        # survivors only; redo or drop this step
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+
+import torch.distributed as dist
+
+from .. import bootstrap
+from .._loader import CommError
+
+if TYPE_CHECKING:
+    from ..communicator import Communicator
+
+logger = logging.getLogger("pycomm")
+
+# How often a waiting survivor polls the Store for the others' check-ins.
+_POLL_S = 0.002
+
+
+class FencedOut(CommError):
+    """Raised by :func:`shrink` on a rank the survivors left out (excluded, or
+    too late to check in): it can never take part in this job again."""
+
+
+class _Fenced:
+    """What a shrunk communicator's compiled part is replaced by: every use
+    raises why, except what another shrink of it reads (a retry)."""
+
+    def __init__(self, why: str, timeout: float, gone: List[int]) -> None:
+        self._why, self.timeout, self._gone = why, timeout, gone
+
+    def __getattr__(self, name: str):
+        if name in ("shutdown", "abort"):  # closing or aborting it again is harmless
+            return lambda *a, **k: None
+        if name == "gone_ranks":
+            return lambda: list(self._gone)
+        raise CommError(self._why)
+
+
+def _fence(comm: "Communicator", why: str, gone: List[int]) -> None:
+    """Abort, close and drop ``comm``'s compiled part: every later call on it,
+    by anyone, raises ``why``."""
+    timeout = comm.timeout
+    comm.abort(why, name_rank=False)
+    comm.close()
+    # Closing leaves the inter-host connections open until the compiled
+    # communicator is gone; a peer on another host blocked on this rank
+    # only sees a closed connection then.
+    comm._c = _Fenced(why, timeout, gone)
+
+
+def _successor(comm: "Communicator", rank: int, world: int, name: str, timeout: float, keep_timeout: float,
+               parent_ranks: List[int]) -> "Communicator":
+    """The communicator of epoch ``comm.epoch + 1`` (fresh keys under
+    ``name``, the same hosts, settings and job), rank ``rank`` of ``world``."""
+    new = _build(comm._root_store, rank, world, name, timeout, comm._host_label, comm._settings)
+    _inherit(new, comm.job, comm.epoch + 1, keep_timeout, parent_ranks, comm._admitted_upto)
+    return new
+
+
+def _build(root: "dist.Store", rank: int, world: int, name: str, timeout: float, host_label: Optional[str],
+           settings: Dict[str, Any]) -> "Communicator":
+    """A new communicator that every rank of it has, or a CommError on every rank.
+
+    Building can fail on some ranks only (a rank dies after the rendezvous):
+    each rank then says whether it got one, and one compare-and-set decides
+    for all — "ok" only if every rank built it in time — so no rank goes on
+    with a communicator another rank gave up.
+    """
+    from ..communicator import Communicator
+
+    votes = dist.PrefixStore(f"pycomm/{name}/{bootstrap.restart_prefix()}built/", root)
+    new, error = None, None
+    try:
+        new = Communicator(store=root, rank=rank, world_size=world, name=name, timeout=timeout,
+                           _host_label=host_label, **settings)
+    except CommError as e:
+        error = e
+    verdict = "failed"
+    try:
+        if new is not None:
+            votes.set(str(rank), "1")
+            try:
+                votes.wait([str(r) for r in range(world)], timedelta(seconds=timeout))
+                verdict = "ok"
+            except Exception:  # the Store's timeout: a rank did not build it
+                pass
+        decided = votes.compare_set("verdict", "", verdict)
+        verdict = decided.decode() if isinstance(decided, bytes) else decided
+    except Exception as e:
+        error = error or CommError(f"the Store cannot be reached ({type(e).__name__}: {e})")
+        verdict = "failed"
+    if verdict != "ok":
+        if new is not None:
+            new.abort("a rank did not finish building this communicator", name_rank=False)
+            new.close()
+        raise error or CommError("a rank did not finish building the communicator in time")
+    return new
+
+
+def _inherit(new: "Communicator", job: str, epoch: int, timeout: float, parent_ranks: List[int],
+             admitted_upto: int) -> None:
+    new.timeout = timeout
+    new.job, new.epoch, new.parent_ranks, new._admitted_upto = job, epoch, list(parent_ranks), admitted_upto
+
+
+def _job_store(root: "dist.Store", job: str) -> "dist.Store":
+    """Where newcomers of ``job`` take tickets and read their admission."""
+    return dist.PrefixStore(f"pycomm/{job}/{bootstrap.restart_prefix()}elastic/joins/", root)
+
+
+def _members_key(epoch: int) -> str:
+    return f"epoch{epoch}/members"
+
+
+def _agreement_store(comm: "Communicator", attempt: int) -> "dist.Store":
+    """Where the ranks of ``comm`` agree in their ``attempt``-th shrink of it."""
+    return dist.PrefixStore(f"pycomm/{comm.name}/{bootstrap.restart_prefix()}elastic/a{attempt}/", comm._root_store)
+
+
+def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float = 30.0,
+           grace: float = 2.0) -> "Communicator":
+    """The survivors of ``comm`` in a new communicator (see the module's docstring).
+
+    Args:
+        comm: the communicator to shrink; every surviving rank passes its own.
+        exclude: ranks of ``comm`` to leave out although they may be alive.
+        timeout: seconds the new communicator's bootstrap may take (a member
+            that died meanwhile makes it fail after this long).
+        grace: seconds to wait for ranks not known to be gone to check in.
+
+    Returns the new communicator: its ``epoch`` one more than ``comm``'s, its
+    timeout ``comm``'s, and ``parent_ranks`` the members' ranks in ``comm``
+    (its rank r was rank ``parent_ranks[r]`` of ``comm``). Raises CommError on a rank that is fenced out, on
+    every member if one dies before the new communicator is built, and with a
+    clear message if the Store cannot be reached.
+    """
+    world, me = comm.world_size, comm.rank
+    bad = [r for r in exclude if not 0 <= int(r) < world]
+    if bad:
+        raise CommError(f"pycomm.shrink: exclude={list(exclude)} names ranks outside 0..{world - 1}")
+    excluded = {int(r) for r in exclude}
+    attempt = getattr(comm, "_shrink_attempts", 0)
+    comm._shrink_attempts = attempt + 1
+    epoch = comm.epoch + 1
+    store = _agreement_store(comm, attempt)
+    t0 = time.monotonic()
+    gone = set(comm.gone_ranks()) | excluded
+    old_timeout = comm.timeout
+    # 1. Fence the old communicator first, for everybody: a peer still
+    #    blocked in one of its collectives (waiting on this rank, perhaps
+    #    across hosts) raises now and comes to shrink too, instead of at its
+    #    timeout.
+    why = (f"pycomm: communicator {comm.name!r} (epoch {comm.epoch}) is being replaced by a shrink; use the "
+           "communicator shrink() returns")
+    _fence(comm, why, sorted(gone - excluded))
+    try:
+        # 2. Check in, then wait for everybody not known to be gone.
+        store.set(f"alive/{me}", "1")
+        waiting = [r for r in range(world) if r not in gone and r != me]
+        deadline = time.monotonic() + grace
+        while waiting and time.monotonic() < deadline and not store.check([_members_key(epoch)]):
+            waiting = [r for r in waiting if not store.check([f"alive/{r}"])]
+            if waiting:
+                time.sleep(_POLL_S)
+        seen = [r for r in range(world) if r not in excluded and (r == me or store.check([f"alive/{r}"]))]
+        # 3. One proposal wins; everybody reads it.
+        decided = store.compare_set(_members_key(epoch), "", json.dumps(seen))
+        members: List[int] = json.loads(decided.decode() if isinstance(decided, bytes) else decided)
+    except CommError:
+        raise
+    except Exception as e:  # the Store's own errors: its host is gone, or a timeout
+        raise CommError(f"pycomm.shrink: the Store cannot be reached ({type(e).__name__}: {e}); shrinking needs "
+                        "a Store that outlives every training rank (torchrun's agent store, or a TCPStore "
+                        "hosted outside the ranks)") from e
+    if me not in members:
+        raise FencedOut(f"pycomm.shrink: rank {me} was fenced out of {comm.name!r}: the survivors agreed on ranks "
+                        f"{members} of epoch {epoch}" + (" (it was excluded)" if me in excluded else
+                                                         " (it checked in too late)"))
+    # 4. The members' new communicator: the old hosts kept (simulated ones
+    #    too), fresh keys, segment and inter-host group.
+    try:
+        new = _successor(comm, members.index(me), len(members), f"{comm.name}@a{attempt}", timeout, old_timeout,
+                         members)
+    except CommError as e:
+        raise CommError(f"pycomm.shrink: building the communicator of ranks {members} failed ({e}); a member "
+                        "may have died meanwhile: call shrink() again") from e
+    logger.info("pycomm: rank %d shrank %r to ranks %s (epoch %d) in %.3f s", me, comm.name, members, epoch,
+                time.monotonic() - t0)
+    return new
+
+
+def admit(comm: "Communicator", *, timeout: float = 30.0) -> "Communicator":
+    """``comm`` grown by the processes waiting in :func:`join` (see the module's docstring).
+
+    Collective over ``comm``'s members, all at the same point of their work.
+    Returns ``comm`` itself when nobody waits; otherwise a new communicator of
+    epoch ``comm.epoch + 1`` (members keep their ranks, ``parent_ranks`` is -1
+    for each newcomer) and ``comm`` is fenced. Raises CommError on every member
+    if the new communicator cannot be built within ``timeout`` (a newcomer or
+    a member died meanwhile): ``comm`` stays fenced; shrink it.
+    """
+    root, me = comm._root_store, comm.rank
+    js = _job_store(root, comm.job)
+    k = getattr(comm, "_admit_calls", 0)
+    comm._admit_calls = k + 1
+    try:
+        # 1. Propose the tickets taken so far; one proposal wins.
+        count = js.add("tickets", 0)
+        proposal = list(range(comm._admitted_upto + 1, count + 1))
+        decided = js.compare_set(f"admit/{comm.name}/{k}", "", json.dumps(proposal))
+        tickets: List[int] = json.loads(decided.decode() if isinstance(decided, bytes) else decided)
+        if not tickets:
+            return comm
+        # 2. Tell each newcomer where it goes (one member writes; all read alike).
+        world = comm.world_size + len(tickets)
+        name = f"{comm.name}+{k}"
+        parents = list(range(comm.world_size)) + [-1] * len(tickets)
+        if me == 0:
+            for i, t in enumerate(tickets):
+                js.set(f"admitted/{t}", json.dumps(dict(
+                    name=name, rank=comm.world_size + i, world=world, epoch=comm.epoch + 1, timeout=comm.timeout,
+                    parent_ranks=parents, admitted_upto=tickets[-1], settings=comm._settings)))
+    except CommError:
+        raise
+    except Exception as e:
+        raise CommError(f"pycomm.admit: the Store cannot be reached ({type(e).__name__}: {e})") from e
+    t0 = time.monotonic()
+    keep_timeout = comm.timeout
+    comm._admitted_upto = tickets[-1]
+    _fence(comm, f"pycomm: communicator {comm.name!r} (epoch {comm.epoch}) was replaced by an admit; use the "
+                 "communicator admit() returns", [])
+    # 3. The communicator of epoch e+1, newcomers included.
+    try:
+        new = _successor(comm, me, world, name, timeout, keep_timeout, parents)
+    except CommError as e:
+        raise CommError(f"pycomm.admit: building the communicator with newcomers {tickets} failed ({e}); a "
+                        "newcomer or a member may have died meanwhile: shrink() the old communicator") from e
+    logger.info("pycomm: rank %d admitted %d newcomer(s) into %r: world %d (epoch %d) in %.3f s", me, len(tickets),
+                comm.job, world, new.epoch, time.monotonic() - t0)
+    return new
+
+
+def join(store: "dist.Store", job: str, *, timeout: float = 300.0) -> "Communicator":
+    """A communicator of the running job ``job``, once its members :func:`admit` this process.
+
+    Args:
+        store: the job's Store (the one its members bootstrapped from).
+        job: the members' ``comm.job`` (their first communicator's name).
+        timeout: seconds to wait for an admission, and for the bootstrap.
+
+    Returns the communicator (``joined`` True, ``epoch`` the members'). Raises
+    CommError if no member admits it within ``timeout``.
+    """
+    js = _job_store(store, job)
+    try:
+        ticket = js.add("tickets", 1)
+    except Exception as e:
+        raise CommError(f"pycomm.join: the Store cannot be reached ({type(e).__name__}: {e})") from e
+    key = f"admitted/{ticket}"
+    try:
+        js.wait([key], timedelta(seconds=timeout))
+    except Exception as e:
+        raise CommError(f"pycomm.join: job {job!r} did not admit this process (ticket {ticket}) within {timeout:g} "
+                        "s; its members admit newcomers when they call admit()") from e
+    rec = json.loads(js.get(key).decode())
+    try:
+        comm = _build(store, rec["rank"], rec["world"], rec["name"], timeout, None, rec["settings"])
+    except CommError as e:
+        raise CommError(f"pycomm.join: building the communicator of {job!r} failed ({e}); join again") from e
+    _inherit(comm, job, rec["epoch"], rec["timeout"], rec["parent_ranks"], rec["admitted_upto"])
+    comm.joined = True
+    logger.info("pycomm: joined %r as rank %d of %d (epoch %d)", job, comm.rank, comm.world_size, comm.epoch)
+    return comm

@@ -1,0 +1,228 @@
+"""Fault-tolerant DDP training on digits (pycomm.elastic.FaultTolerantDDP),
+in ranks forked from a zygote (reliability_cases): kill -9 of a rank at a
+random step and moment, a replacement that joins, every pycomm hook."""
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import signal
+import time
+import traceback
+from typing import Any, Dict, List, Optional
+
+import torch
+
+import pycomm
+from pycomm import hooks
+from pycomm.elastic import FaultTolerantDDP
+
+HOOKS = ("allreduce", "bf16", "int8", "int4", "topk", "stale1", "localsgd")
+GLOBAL_BATCH = 64
+
+
+_DATA: list = []
+
+
+def _digits():
+    if not _DATA:
+        from hooks_cases import _digits as load
+
+        _DATA.extend(load())
+    return _DATA
+
+
+def preload() -> None:
+    """Imports and data every rank needs, loaded once in the process the
+    ranks fork from (sklearn and torch's optimizer imports take seconds)."""
+    _digits()
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    torch.set_num_threads(1)  # 4 ranks on 2 cores: one thread each
+
+
+def make_hook(name: str, optimizer: torch.optim.Optimizer):
+    """(hook, state, optimizer) for one of HOOKS; start_iter 5 so that the
+    compressed hooks compress through most of the run."""
+    if name == "allreduce":
+        return hooks.allreduce_hook, hooks.AllReduceState(), optimizer
+    if name == "bf16":
+        return hooks.bf16_hook, hooks.AllReduceState(), optimizer
+    if name in ("int8", "int4"):
+        codec = pycomm.Int8() if name == "int8" else pycomm.Int4()
+        return getattr(hooks, f"{name}_hook"), hooks.CompressionState(codec=codec, start_iter=5), optimizer
+    if name == "topk":
+        return hooks.topk_hook, hooks.CompressionState(codec=pycomm.TopK(0.05), start_iter=5), optimizer
+    if name == "stale1":
+        return hooks.stale_hook, hooks.StaleState(staleness=1), optimizer
+    if name == "localsgd":
+        comm_free = hooks.LocalSGDState(start_iter=20)
+        return hooks.local_sgd_hook, comm_free, None  # the LocalSGD optimizer is built on the communicator
+    raise ValueError(name)
+
+
+def digest(ft: FaultTolerantDDP, optimizer: bool = True) -> str:
+    """A hash of the parameters and (``optimizer``) the optimizer state, bitwise."""
+    h = hashlib.sha256()
+    for p in ft.module.parameters():
+        h.update(p.detach().numpy().tobytes())
+    if not optimizer:
+        return h.hexdigest()[:16]
+    opt = ft.optimizer.optimizer if isinstance(ft.optimizer, hooks.LocalSGD) else ft.optimizer
+    for p in ft.module.parameters():
+        for k, v in sorted(opt.state.get(p, {}).items()):
+            h.update(k.encode())
+            h.update(v.detach().numpy().tobytes() if torch.is_tensor(v) else repr(v).encode())
+    return h.hexdigest()[:16]
+
+
+def train(comm: pycomm.Communicator, hook: str, steps: int, *, lr: float = 0.05, kill_at: Optional[tuple] = None,
+          on_step=None, bucket_cap_mb: float = 0.03, admit_every: int = 0) -> Dict[str, Any]:
+    """Train the digits MLP for ``steps`` steps with FaultTolerantDDP; the
+    global batch of step s is the same on every rank and split over the
+    current world. ``kill_at=(step, phase)`` kills this process at that step:
+    phase 0 before the forward, 1 inside the backward (before its buckets go
+    out), 2 after the backward (its peers may complete the step)."""
+    from hooks_cases import digits_mlp
+
+    xtr, ytr, xte, yte = _digits()
+    torch.manual_seed(comm.rank + 100)  # different on every rank: the wrapper's first heal makes them equal
+    model = digits_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    hook_fn, state, wrapped = make_hook(hook, opt)
+    if wrapped is None:
+        wrapped = hooks.LocalSGD(opt, period=4, warmup_steps=20, communicator=comm)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    ft = FaultTolerantDDP(model, wrapped, comm, hook=hook_fn, state=state, scheduler=sched,
+                          bucket_cap_mb=bucket_cap_mb, admit_every=admit_every)
+    first = model[0].weight
+    digests: Dict[int, str] = {}
+
+    def kill_in_backward(grad):
+        if kill_at is not None and ft.steps_done == kill_at[0] and kill_at[1] == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return grad
+
+    first.register_hook(kill_in_backward)
+
+    def step_fn(step: int) -> float:
+        digests.setdefault(step, digest(ft))
+        if on_step is not None:
+            on_step(ft, step)
+        if kill_at is not None and step == kill_at[0] and kill_at[1] == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        idx = torch.randint(0, len(xtr), (GLOBAL_BATCH,), generator=torch.Generator().manual_seed(1000 + step))
+        mine = torch.tensor_split(idx, ft.world_size)[ft.rank]
+        loss = torch.nn.functional.cross_entropy(ft(xtr[mine]), ytr[mine])
+        loss.backward()
+        if kill_at is not None and step == kill_at[0] and kill_at[1] == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return loss.item()
+
+    ft.train(steps, step_fn)
+    if isinstance(state, hooks.StaleState):
+        for _ in state.flush():  # the schedule has reached lr 0: nothing moves
+            opt.step()
+    with torch.no_grad():
+        acc = (ft.module(xte).argmax(1) == yte).float().mean().item() * 100
+    return dict(acc=acc, digest=digest(ft), params=digest(ft, optimizer=False), steps=ft.steps_done, world=ft.world_size, rank=ft.rank,
+                epoch=ft.comm.epoch, events=ft.events, digests=digests, stats=state.stats())
+
+
+def _ft_rank(rank: int, world: int, port: int, conn, hook: str, steps: int, victim: int, kill_at: tuple,
+             comm_kwargs: Dict[str, Any]) -> None:
+    import reliability_cases as rc
+
+    try:
+        _store, comm = rc._bootstrap(rank, world, port, "ft", 20.0, **comm_kwargs)
+        out = train(comm, hook, steps, kill_at=kill_at if rank == victim else None)
+        conn.send(out)
+    except BaseException as e:  # noqa: BLE001 - the test shows what went wrong
+        conn.send(dict(crash=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+
+
+def kill_during_training(hook: str, world: int, steps: int, seed: int,
+                         comm_kwargs: Optional[Dict[str, Any]] = None, victim: Optional[int] = None,
+                         kill: bool = True) -> Dict[str, Any]:
+    """kill -9 a random rank at a random step and moment; every survivor's
+    report (``kill=False``: the same training without a death)."""
+    import reliability_cases as rc
+
+    rng = random.Random(seed)
+    victim = rng.randrange(world) if victim is None else victim
+    kill_at = (rng.randrange(10, steps - 10), rng.randrange(3))
+    if not kill:
+        victim = -1
+    _store_pid, pids, conns = rc.fork_ranks(world, _ft_rank, hook, steps, victim, kill_at, comm_kwargs or {})
+    reports: Dict[int, Any] = {}
+    deadline = time.monotonic() + 150
+    for r, c in enumerate(conns):
+        if r == victim:
+            continue
+        if c.poll(max(0.0, deadline - time.monotonic())):
+            try:
+                reports[r] = c.recv()
+            except EOFError:
+                reports[r] = dict(crash="exited without a report")
+        else:
+            reports[r] = dict(crash="no report (hang)")
+    hung = rc.reap(pids, time.monotonic() + 10)
+    os.kill(_store_pid, signal.SIGKILL)
+    os.waitpid(_store_pid, 0)
+    return dict(victim=victim, kill_at=kill_at, reports=reports, hung=len(hung))
+
+
+def _join_rank(rank: int, procs: int, port: int, conn, hook: str, steps: int, victim: int, kill_step: int) -> None:
+    """Ranks 0..world-1 train; ``victim`` dies at ``kill_step``; process
+    ``world`` (the replacement) joins once the survivors have shrunk."""
+    import datetime
+
+    import torch.distributed as dist
+
+    world = procs - 1
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=30))
+        if rank == world:
+            store.wait(["ft-join/go"], datetime.timedelta(seconds=120))
+            t0 = time.monotonic()
+            comm = pycomm.Communicator.join(store, "ft-join", timeout=60)
+            joined_s = time.monotonic() - t0
+        else:
+            comm = pycomm.Communicator(store=store, rank=rank, world_size=world, name="ft-join", timeout=20)
+            joined_s = None
+
+        def on_step(ft, step):
+            # The survivors say "go" once they have shrunk; the replacement
+            # is admitted at the next multiple of admit_every.
+            if ft.comm.epoch == 1 and ft.rank == 0 and not store.check(["ft-join/go"]):
+                store.set("ft-join/go", "1")
+
+        out = train(comm, hook, steps, kill_at=(kill_step, 0) if rank == victim else None, on_step=on_step,
+                    admit_every=10)
+        out.update(joined=comm.joined, joined_s=joined_s)
+        conn.send(out)
+    except BaseException as e:  # noqa: BLE001
+        conn.send(dict(crash=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+
+
+def replacement_joins(hook: str, world: int = 4, steps: int = 120, victim: int = 1,
+                      kill_step: int = 23) -> Dict[str, Any]:
+    """A rank dies; the survivors go on; a replacement joins and is healed."""
+    import reliability_cases as rc
+
+    _store_pid, pids, conns = rc.fork_ranks(world + 1, _join_rank, hook, steps, victim, kill_step)
+    reports: Dict[int, Any] = {}
+    deadline = time.monotonic() + 150
+    for r, c in enumerate(conns):
+        if r == victim:
+            continue
+        if c.poll(max(0.0, deadline - time.monotonic())):
+            try:
+                reports[r] = c.recv()
+            except EOFError:
+                reports[r] = dict(crash="exited without a report")
+        else:
+            reports[r] = dict(crash="no report (hang)")
+    hung = rc.reap(pids, time.monotonic() + 10)
+    os.kill(_store_pid, signal.SIGKILL)
+    os.waitpid(_store_pid, 0)
+    return dict(reports=reports, hung=len(hung))
