@@ -76,7 +76,7 @@ def digest(ft: FaultTolerantDDP, optimizer: bool = True) -> str:
 
 
 def train(comm: pycomm.Communicator, hook: str, steps: int, *, lr: float = 0.05, kill_at: Optional[tuple] = None,
-          on_step=None, bucket_cap_mb: float = 0.03, admit_every: int = 0) -> Dict[str, Any]:
+          on_step=None, bucket_cap_mb: float = 0.03, admit_every: int = 0, on_failure: str = "redo") -> Dict[str, Any]:
     """Train the digits MLP for ``steps`` steps with FaultTolerantDDP; the
     global batch of step s is the same on every rank and split over the
     current world. ``kill_at=(step, phase)`` kills this process at that step:
@@ -93,7 +93,7 @@ def train(comm: pycomm.Communicator, hook: str, steps: int, *, lr: float = 0.05,
         wrapped = hooks.LocalSGD(opt, period=4, warmup_steps=20, communicator=comm)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
     ft = FaultTolerantDDP(model, wrapped, comm, hook=hook_fn, state=state, scheduler=sched,
-                          bucket_cap_mb=bucket_cap_mb, admit_every=admit_every)
+                          bucket_cap_mb=bucket_cap_mb, admit_every=admit_every, on_failure=on_failure)
     first = model[0].weight
     digests: Dict[int, str] = {}
 
@@ -128,35 +128,17 @@ def train(comm: pycomm.Communicator, hook: str, steps: int, *, lr: float = 0.05,
                 epoch=ft.comm.epoch, events=ft.events, digests=digests, stats=state.stats())
 
 
-def _ft_rank(rank: int, world: int, port: int, conn, hook: str, steps: int, victim: int, kill_at: tuple,
-             comm_kwargs: Dict[str, Any]) -> None:
+def _collect(procs: int, target, *args: Any, dead: tuple = ()) -> Dict[str, Any]:
+    """Forks a store and ``procs`` ranks running ``target``; every report but
+    the dead ranks', the hung count and what stayed in /dev/shm."""
     import reliability_cases as rc
 
-    try:
-        _store, comm = rc._bootstrap(rank, world, port, "ft", 20.0, **comm_kwargs)
-        out = train(comm, hook, steps, kill_at=kill_at if rank == victim else None)
-        conn.send(out)
-    except BaseException as e:  # noqa: BLE001 - the test shows what went wrong
-        conn.send(dict(crash=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
-
-
-def kill_during_training(hook: str, world: int, steps: int, seed: int,
-                         comm_kwargs: Optional[Dict[str, Any]] = None, victim: Optional[int] = None,
-                         kill: bool = True) -> Dict[str, Any]:
-    """kill -9 a random rank at a random step and moment; every survivor's
-    report (``kill=False``: the same training without a death)."""
-    import reliability_cases as rc
-
-    rng = random.Random(seed)
-    victim = rng.randrange(world) if victim is None else victim
-    kill_at = (rng.randrange(10, steps - 10), rng.randrange(3))
-    if not kill:
-        victim = -1
-    _store_pid, pids, conns = rc.fork_ranks(world, _ft_rank, hook, steps, victim, kill_at, comm_kwargs or {})
+    before = rc.shm_entries()
+    store_pid, pids, conns = rc.fork_ranks(procs, target, *args)
     reports: Dict[int, Any] = {}
     deadline = time.monotonic() + 150
     for r, c in enumerate(conns):
-        if r == victim:
+        if r in dead:
             continue
         if c.poll(max(0.0, deadline - time.monotonic())):
             try:
@@ -166,12 +148,44 @@ def kill_during_training(hook: str, world: int, steps: int, seed: int,
         else:
             reports[r] = dict(crash="no report (hang)")
     hung = rc.reap(pids, time.monotonic() + 10)
-    os.kill(_store_pid, signal.SIGKILL)
-    os.waitpid(_store_pid, 0)
-    return dict(victim=victim, kill_at=kill_at, reports=reports, hung=len(hung))
+    os.kill(store_pid, signal.SIGKILL)
+    os.waitpid(store_pid, 0)
+    return dict(reports=reports, hung=len(hung), leaked=sorted(rc.shm_entries() - before))
 
 
-def _join_rank(rank: int, procs: int, port: int, conn, hook: str, steps: int, victim: int, kill_step: int) -> None:
+def _reporting(fn):
+    def rank_main(rank: int, procs: int, port: int, conn, *args: Any) -> None:
+        try:
+            conn.send(fn(rank, procs, port, *args))
+        except BaseException as e:  # noqa: BLE001 - the test shows what went wrong
+            conn.send(dict(crash=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+    return rank_main
+
+
+def _ft_rank(rank: int, world: int, port: int, hook: str, steps: int, kills: Dict[int, tuple],
+             comm_kwargs: Dict[str, Any], train_kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    import reliability_cases as rc
+
+    _store, comm = rc._bootstrap(rank, world, port, "ft", 20.0, **comm_kwargs)
+    return train(comm, hook, steps, kill_at=kills.get(rank), **train_kwargs)
+
+
+def kill_during_training(hook: str, world: int, steps: int, seed: int, *, comm_kwargs: Optional[Dict[str, Any]] = None,
+                         victims: Optional[List[int]] = None, deaths: int = 1, **train_kwargs: Any) -> Dict[str, Any]:
+    """kill -9 ``deaths`` random ranks (or ``victims``), each at a random step
+    and moment; every survivor's report. ``deaths=0``: the same training
+    without a death."""
+    rng = random.Random(seed)
+    if victims is None:
+        victims = rng.sample(range(world), deaths)
+    kills = {v: (rng.randrange(10, steps - 10), rng.randrange(3)) for v in victims}
+    res = _collect(world, _reporting(_ft_rank), hook, steps, kills, comm_kwargs or {}, train_kwargs,
+                   dead=tuple(kills))
+    res.update(kills=kills)
+    return res
+
+
+def _join_rank(rank: int, procs: int, port: int, hook: str, steps: int, victim: int, kill_step: int) -> Dict[str, Any]:
     """Ranks 0..world-1 train; ``victim`` dies at ``kill_step``; process
     ``world`` (the replacement) joins once the survivors have shrunk."""
     import datetime
@@ -179,50 +193,71 @@ def _join_rank(rank: int, procs: int, port: int, conn, hook: str, steps: int, vi
     import torch.distributed as dist
 
     world = procs - 1
-    try:
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=30))
-        if rank == world:
-            store.wait(["ft-join/go"], datetime.timedelta(seconds=120))
-            t0 = time.monotonic()
-            comm = pycomm.Communicator.join(store, "ft-join", timeout=60)
-            joined_s = time.monotonic() - t0
-        else:
-            comm = pycomm.Communicator(store=store, rank=rank, world_size=world, name="ft-join", timeout=20)
-            joined_s = None
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=30))
+    if rank == world:
+        store.wait(["ft-join/go"], datetime.timedelta(seconds=120))
+        t0 = time.monotonic()
+        comm = pycomm.Communicator.join(store, "ft-join", timeout=60)
+        joined_s = time.monotonic() - t0
+    else:
+        comm = pycomm.Communicator(store=store, rank=rank, world_size=world, name="ft-join", timeout=20)
+        joined_s = None
 
-        def on_step(ft, step):
-            # The survivors say "go" once they have shrunk; the replacement
-            # is admitted at the next multiple of admit_every.
-            if ft.comm.epoch == 1 and ft.rank == 0 and not store.check(["ft-join/go"]):
-                store.set("ft-join/go", "1")
+    def on_step(ft, step):
+        # The survivors say "go" once they have shrunk; the replacement is
+        # admitted at the next multiple of admit_every.
+        if ft.comm.epoch == 1 and ft.rank == 0 and not store.check(["ft-join/go"]):
+            store.set("ft-join/go", "1")
 
-        out = train(comm, hook, steps, kill_at=(kill_step, 0) if rank == victim else None, on_step=on_step,
-                    admit_every=10)
-        out.update(joined=comm.joined, joined_s=joined_s)
-        conn.send(out)
-    except BaseException as e:  # noqa: BLE001
-        conn.send(dict(crash=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+    out = train(comm, hook, steps, kill_at=(kill_step, 0) if rank == victim else None, on_step=on_step,
+                admit_every=10)
+    out.update(joined=comm.joined, joined_s=joined_s)
+    return out
 
 
 def replacement_joins(hook: str, world: int = 4, steps: int = 120, victim: int = 1,
                       kill_step: int = 23) -> Dict[str, Any]:
     """A rank dies; the survivors go on; a replacement joins and is healed."""
-    import reliability_cases as rc
+    return _collect(world + 1, _reporting(_join_rank), hook, steps, victim, kill_step, dead=(victim,))
 
-    _store_pid, pids, conns = rc.fork_ranks(world + 1, _join_rank, hook, steps, victim, kill_step)
-    reports: Dict[int, Any] = {}
-    deadline = time.monotonic() + 150
-    for r, c in enumerate(conns):
-        if r == victim:
-            continue
-        if c.poll(max(0.0, deadline - time.monotonic())):
-            try:
-                reports[r] = c.recv()
-            except EOFError:
-                reports[r] = dict(crash="exited without a report")
-        else:
-            reports[r] = dict(crash="no report (hang)")
-    hung = rc.reap(pids, time.monotonic() + 10)
-    os.kill(_store_pid, signal.SIGKILL)
-    os.waitpid(_store_pid, 0)
-    return dict(reports=reports, hung=len(hung))
+
+def api_checks() -> Dict[str, Any]:
+    """Bad arguments and a state_dict round trip, on a one-rank communicator."""
+    import torch.distributed as dist
+
+    from hooks_cases import digits_mlp
+
+    out: Dict[str, Any] = {}
+    comm = pycomm.Communicator(store=dist.HashStore(), rank=0, world_size=1, name="ft-api")
+    model = digits_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for key, kwargs in dict(on_failure=dict(on_failure="retry"), admit_every=dict(admit_every=-1),
+                            state=dict(state=object()), comm=dict(comm=object())).items():
+        args = dict(comm=comm, **kwargs) if key != "comm" else kwargs
+        try:
+            FaultTolerantDDP(model, opt, **args)
+            out[key] = "no error"
+        except (TypeError, ValueError) as e:
+            out[key] = f"{type(e).__name__}: {e}"
+    meta = digits_mlp().to("meta")
+    try:
+        FaultTolerantDDP(meta, torch.optim.SGD(meta.parameters(), lr=0.1), comm)
+        out["device"] = "no error"
+    except ValueError as e:
+        out["device"] = str(e)
+    # A state_dict round trip: a second wrapper loads the first's.
+    xtr, ytr, _, _ = _digits()
+    state = hooks.CompressionState(codec=pycomm.Int8(), start_iter=0)
+    ft = FaultTolerantDDP(model, opt, comm, hook=hooks.int8_hook, state=state, bucket_cap_mb=0.03)
+    for step in range(5):
+        ft.step(lambda: torch.nn.functional.cross_entropy(ft(xtr[:32]), ytr[:32]).backward())
+    saved = ft.state_dict()
+    model2 = digits_mlp()
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    ft2 = FaultTolerantDDP(model2, opt2, comm, hook=hooks.int8_hook,
+                           state=hooks.CompressionState(codec=pycomm.Int8(), start_iter=0), bucket_cap_mb=0.03)
+    ft2.load_state_dict(saved)
+    out["same_after_load"] = digest(ft2) == digest(ft) and ft2.steps_done == 5
+    out["residuals_saved"] = sum(t is not None and bool(t.abs().sum() > 0) for t in saved["hook"]["worker_residuals"])
+    comm.close()
+    return out
