@@ -229,11 +229,13 @@ def _inter_host_backend(group: Optional["dist.ProcessGroup"], store: "dist.Store
 
 def connect(store: "dist.Store", rank: int, world_size: int, *, timeout: float, round_bytes: Optional[int],
             transport: str, local_size: Optional[int],
-            inter_host_group: Optional["dist.ProcessGroup"], host_label: Optional[str] = None) -> Tuple[Any, Topology]:
+            inter_host_group: Optional["dist.ProcessGroup"], host_label: Optional[str] = None
+            ) -> Tuple[Any, Topology, Optional[Any]]:
     """Builds this rank's compiled communicator; every rank calls it with the same ``store`` prefix.
 
-    Returns the core communicator and the topology. Raises CommError on a
-    bad setting or a bootstrap that times out.
+    Returns the core communicator, the topology and the private Gloo group
+    between hosts it made (None without one, or with ``inter_host_group``).
+    Raises CommError on a bad setting or a bootstrap that times out.
     """
     core = load_core()
     if transport not in TRANSPORTS:
@@ -289,4 +291,4 @@ def connect(store: "dist.Store", rank: int, world_size: int, *, timeout: float, 
     # Return only once every local rank has mapped the segment (which is
     # then unlinked): a fast rank must not leave before a slow one joined.
     c.wait_ready()
-    return c, topo
+    return c, topo, (backend if inter_host_group is None else None)

@@ -57,6 +57,9 @@ std::exception_ptr explain_failure(std::shared_ptr<FailureBoard> board, int rank
       [board, rank, mine, budget]() -> std::optional<CommError> {
         try {
           board->publish(rank, encode_failure(mine));
+          const Blame own = mine.blame();
+          if ((own.kind == FailureKind::kDied || own.kind == FailureKind::kSilent) && own.rank >= 0)
+            board->publish_death(own.rank, encode_failure(mine));
         } catch (...) {
           return std::nullopt;
         }
@@ -72,6 +75,9 @@ std::exception_ptr explain_failure(std::shared_ptr<FailureBoard> board, int rank
           try {
             std::optional<std::string> report = board->lookup(p);
             while (!report && std::chrono::steady_clock::now() < deadline) {
+              // A dead rank reports nothing; one that saw it die may have.
+              report = board->lookup_death(p);
+              if (report) break;
               std::this_thread::sleep_for(kPollPeriod);
               report = board->lookup(p);
             }

@@ -32,6 +32,12 @@ class FailureBoard {
   // `rank`'s report if it published one; does not wait. Throws on a board
   // that cannot be reached.
   virtual std::optional<std::string> lookup(int rank) = 0;
+  // A rank that saw `dead` die says so where others look for `dead`'s own
+  // report, which never comes: a peer on another host, whose error only
+  // says that a connection closed, learns the cause at once instead of
+  // after the budget. Kept beside the reports, under negative indices.
+  virtual void publish_death(int dead, const std::string& report) { publish(-2 - dead, report); }
+  virtual std::optional<std::string> lookup_death(int dead) { return lookup(-2 - dead); }
 };
 
 // A report as it travels: "pycomm-failure/1 <kind> <rank>\n<message>".

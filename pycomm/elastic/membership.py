@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
@@ -96,9 +97,22 @@ def _fence(comm: "Communicator", why: str, gone: List[int]) -> None:
     comm.abort(why, name_rank=False)
     comm.close()
     # Closing leaves the inter-host connections open until the compiled
-    # communicator is gone; a peer on another host blocked on this rank
-    # only sees a closed connection then.
+    # communicator is gone, and a Work or future still held (by DDP, by a
+    # caught exception's frames) keeps it alive; a peer on another host
+    # blocked on this rank would wait out its timeout. Shutting the private
+    # Gloo group down closes them now (a peer blocked in a receive raises
+    # within milliseconds); it takes ~0.1 s, so off the shrink's path.
+    backend, comm._own_inter_host = getattr(comm, "_own_inter_host", None), None
+    if backend is not None:
+        threading.Thread(target=_shutdown_quietly, args=(backend,), name="pycomm-fence", daemon=True).start()
     comm._c = _Fenced(why, timeout, gone)
+
+
+def _shutdown_quietly(backend: Any) -> None:
+    try:
+        backend.shutdown()
+    except Exception as e:  # noqa: BLE001 - already broken: nothing left to close
+        logger.debug("pycomm: shutting the fenced inter-host group down: %s", e)
 
 
 def _successor(comm: "Communicator", rank: int, world: int, name: str, timeout: float, keep_timeout: float,

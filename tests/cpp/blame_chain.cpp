@@ -1,6 +1,7 @@
 // The chain of blame between hosts follows structured Blame fields, never
 // the wording of messages: the reports below use wording no transport
 // writes, and the chain must still find the rank that died.
+#include <chrono>
 #include <cstdio>
 #include <map>
 #include <mutex>
@@ -73,6 +74,20 @@ int main() {
   auto silent = std::make_shared<MemoryBoard>();
   e = explained(silent, 0, CommError("gave up", {FailureKind::kWaiting, 5}));
   expect(e.blame().kind == FailureKind::kSilent && e.blame().rank == 5, "an unreported rank is named");
+
+  // 3b. A dead rank reports nothing, but a rank that saw it die said so: a
+  //     rank blaming it (across hosts: "connection closed") learns the
+  //     death at once, not after the budget.
+  auto seen = std::make_shared<MemoryBoard>();
+  CommError died = explained(seen, 2, CommError("peer gone (two)", {FailureKind::kDied, 3}));
+  expect(died.blame().kind == FailureKind::kDied && died.blame().rank == 3, "the witness keeps its own error");
+  expect(seen->lookup_death(3).has_value(), "the witness published the death of rank 3");
+  const auto t0 = std::chrono::steady_clock::now();
+  e = explained(seen, 0, CommError("closed (zero)", {FailureKind::kWaiting, 3}));
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  expect(e.blame().kind == FailureKind::kDied && e.blame().rank == 3, "the death is found beside the reports");
+  expect(std::string(e.what()).find("peer gone (two)") == 0, "the witness's words explain it");
+  expect(waited < std::chrono::milliseconds(150), "without waiting out the budget");
 
   // 4. Nothing to follow: the error stays as it was.
   e = explained(board, 4, CommError("bad input"));
