@@ -7,7 +7,7 @@ rank (kill -9, itself, at the start of a random step; it writes the time
 first). Clocks are CLOCK_MONOTONIC, one clock for every process of the
 machine (network namespaces included).
 
-* ``--mode pycomm``: a Store process and ``--world`` ranks (forked);
+* ``--mode pycomm``: a Store process and ``--world`` ranks (spawned);
   FaultTolerantDDP with the allreduce hook. Recovery = kill to the slowest
   survivor's next completed step on the shrunk world; steps lost: none
   (the failed step is redone by the survivors).
@@ -19,7 +19,7 @@ machine (network namespaces included).
 * ``--mode heartbeat``: the steady step time with pycomm's heartbeat thread
   (default) and without (PYCOMM_HEARTBEAT_S=0), alternating launches.
 * ``--mode testbed``: run under benchmarks/multihost/testbed.py, one process
-  per host (``--nproc-per-host 1``) that forks ``--local-ranks`` ranks and
+  per host (``--nproc-per-host 1``) that starts ``--local-ranks`` ranks and
   uses torchrun's agent store (it outlives every rank); host 0 prints.
 
 Examples::
@@ -103,35 +103,37 @@ def pycomm_rank(store: "dist.Store", rank: int, world: int, name: str, victim: i
     return dict(done=done)
 
 
-def _forked(fn, conn, *args: Any, **kwargs: Any) -> None:
+def _rank_main(conn, rank: int, store_addr: str, store_port: int, *args: Any, **kwargs: Any) -> None:
     try:
-        conn.send(fn(*args, **kwargs))
+        store = dist.TCPStore(store_addr, store_port, is_master=False, timeout=datetime.timedelta(seconds=120))
+        conn.send(pycomm_rank(store, rank, *args, **kwargs))
     except BaseException as e:  # noqa: BLE001
         conn.send(dict(error=f"{type(e).__name__}: {e}"))
-    finally:
-        os._exit(0)
 
 
-def fork_ranks(ranks: List[int], fn, *args: Any, **kwargs: Any) -> Dict[int, Any]:
-    """Fork one process per rank running fn(rank, *args); their reports (the killed rank's: None)."""
-    conns = {}
-    pids = []
+def launch_ranks(ranks: List[int], store_addr: str, store_port: int, *args: Any, **kwargs: Any) -> Dict[int, Any]:
+    """One fresh process per rank (spawned: a fork of a process that imported
+    torch is not safe with every torch build) running pycomm_rank; their
+    reports (the killed rank's: None). Startup is not timed."""
+    ctx = mp.get_context("spawn")
+    conns, procs = {}, []
     for r in ranks:
-        parent, child = mp.Pipe(duplex=False)
-        pid = os.fork()
-        if pid == 0:
-            parent.close()
-            _forked(fn, child, r, *args, **kwargs)
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_rank_main, args=(child, r, store_addr, store_port, *args), kwargs=kwargs)
+        p.start()
         child.close()
-        conns[r], _ = parent, pids.append(pid)
+        conns[r] = parent
+        procs.append(p)
     out = {}
     for r, c in conns.items():
         try:
             out[r] = c.recv() if c.poll(300) else None
         except EOFError:
             out[r] = None
-    for pid in pids:
-        os.waitpid(pid, 0)
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
     return out
 
 
@@ -151,16 +153,17 @@ def recovery_of(reports: Dict[int, Any], t_kill: float, world: int) -> Dict[str,
     return dict(recovery_s=max(firsts) - t_kill, step_s=statistics.median(steps) if steps else float("nan"))
 
 
-def store_server(port: int, world: int) -> int:
-    pid = os.fork()
-    if pid == 0:
-        try:
-            _s = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False)  # noqa: F841
-            while True:
-                time.sleep(3600)
-        finally:
-            os._exit(0)
-    return pid
+def _serve_store(port: int, world: int) -> None:
+    _s = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False)  # noqa: F841
+    while True:
+        time.sleep(3600)
+
+
+def store_server(port: int, world: int) -> "mp.Process":
+    """The Store's host: a process of its own that outlives every rank (like torchrun's agent)."""
+    p = mp.get_context("spawn").Process(target=_serve_store, args=(port, world), daemon=True)
+    p.start()
+    return p
 
 
 def free_port() -> int:
@@ -172,23 +175,22 @@ def free_port() -> int:
 
 
 def run_pycomm(args: argparse.Namespace) -> None:
-    # Forked ranks inherit what the imports loaded.
-    import pycomm  # noqa: F401
-    from pycomm.elastic import FaultTolerantDDP  # noqa: F401
-
     rng = random.Random(args.seed)
     rec = []
     for i in range(args.trials):
         victim, kill_step = rng.randrange(args.world), rng.randrange(20, args.steps - 10)
         port = free_port()
         spid = store_server(port, args.world)
-        store = dist.TCPStore("127.0.0.1", port, args.world, is_master=False)
-        reports = fork_ranks(list(range(args.world)), lambda r: pycomm_rank(
-            dist.TCPStore("127.0.0.1", port, args.world, is_master=False), r, args.world, f"t{i}", victim,
-            kill_step, args.steps, args.width, args.local_size))
+        store = dist.TCPStore("127.0.0.1", port, args.world, is_master=False, timeout=datetime.timedelta(seconds=60))
+        reports = launch_ranks(list(range(args.world)), "127.0.0.1", port, args.world, f"t{i}", victim,
+                               kill_step, args.steps, args.width, args.local_size)
+        errors = [rep["error"] for rep in reports.values() if rep and "error" in rep]
+        if errors or not store.check([f"t{i}/t_kill"]):
+            spid.kill()
+            raise RuntimeError(f"trial {i + 1}: the victim did not die as planned; ranks said: {errors}")
         t_kill = float(store.get(f"t{i}/t_kill").decode())
-        os.kill(spid, signal.SIGKILL)
-        os.waitpid(spid, 0)
+        spid.kill()
+        spid.join()
         r = recovery_of(reports, t_kill, args.world)
         rec.append(r)
         print(f"trial {i + 1}: rank {victim} killed at step {kill_step}; next completed step "
@@ -283,19 +285,15 @@ def run_torchrun(args: argparse.Namespace) -> None:
 
 
 def run_heartbeat(args: argparse.Namespace) -> None:
-    import pycomm  # noqa: F401
-    from pycomm.elastic import FaultTolerantDDP  # noqa: F401
-
     out: Dict[bool, List[float]] = {True: [], False: []}
     for i in range(args.trials):
         for beat in ((True, False) if i % 2 == 0 else (False, True)):
             port = free_port()
             spid = store_server(port, args.world)
-            reports = fork_ranks(list(range(args.world)), lambda r: pycomm_rank(
-                dist.TCPStore("127.0.0.1", port, args.world, is_master=False), r, args.world, f"h{i}{beat}", -1,
-                -1, args.steps, args.width, args.local_size, heartbeat=beat))
-            os.kill(spid, signal.SIGKILL)
-            os.waitpid(spid, 0)
+            reports = launch_ranks(list(range(args.world)), "127.0.0.1", port, args.world, f"h{i}{beat}", -1,
+                                   -1, args.steps, args.width, args.local_size, heartbeat=beat)
+            spid.kill()
+            spid.join()
             # Steady state: the second half of the run, slowest rank per step.
             per_rank = [[t for _, t, _ in rep["done"]] for rep in reports.values()]
             ends = [max(ts) for ts in zip(*per_rank)]
@@ -315,10 +313,8 @@ def run_heartbeat(args: argparse.Namespace) -> None:
 
 
 def run_testbed(args: argparse.Namespace) -> None:
-    """One process per simulated host (under torchrun): fork the host's ranks
+    """One process per simulated host (under torchrun): start the host's ranks
     for each trial; torchrun's agent store outlives them."""
-    import pycomm  # noqa: F401
-    from pycomm.elastic import FaultTolerantDDP  # noqa: F401
 
     host, hosts = int(os.environ["GROUP_RANK"]), int(os.environ["GROUP_WORLD_SIZE"])
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -329,9 +325,8 @@ def run_testbed(args: argparse.Namespace) -> None:
     for i in range(args.trials):
         victim, kill_step = rng.randrange(world), rng.randrange(20, args.steps - 10)
         mine = [host * args.local_ranks + j for j in range(args.local_ranks)]
-        reports = fork_ranks(mine, lambda r: pycomm_rank(
-            dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=120)), r, world,
-            f"ft-testbed/t{i}", victim, kill_step, args.steps, args.width))
+        reports = launch_ranks(mine, addr, port, world, f"ft-testbed/t{i}", victim, kill_step, args.steps,
+                               args.width)
         for r, rep in reports.items():
             store.set(f"ft-testbed/t{i}/report/{r}", json.dumps(rep))
         if host == 0:
@@ -350,8 +345,8 @@ def run_testbed(args: argparse.Namespace) -> None:
                 time.sleep(0.01)
             store.set(f"ft-testbed/t{i}/go", "1")
     if host == 0:
-        args.world, args.local_size = world, args.local_ranks
-        summary(f"pycomm FaultTolerantDDP on the testbed ({hosts} hosts)", args, rec)
+        args.world, args.local_size = world, None
+        summary(f"pycomm FaultTolerantDDP on the testbed ({hosts} hosts x {args.local_ranks} ranks)", args, rec)
 
 
 def main() -> int:

@@ -82,7 +82,12 @@ def _local_group() -> "dist.ProcessGroup":
     (its bucket rebuild, buffer syncs) become local copies."""
     store = dist.HashStore()
     pg = dist.ProcessGroup(store, 0, 1)
-    backend = dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=60))
+    # On loopback: Gloo's default device resolves the host's name, which
+    # can stall on a machine without name service; this group never talks.
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(seconds=60)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    backend = dist.ProcessGroupGloo(store, 0, 1, opts)
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
     return pg
