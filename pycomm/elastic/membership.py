@@ -146,11 +146,15 @@ def _build(root: "dist.Store", rank: int, world: int, name: str, timeout: float,
     try:
         if new is not None:
             votes.set(str(rank), "1")
-            try:
-                votes.wait([str(r) for r in range(world)], timedelta(seconds=timeout))
-                verdict = "ok"
-            except Exception:  # the Store's timeout: a rank did not build it
-                pass
+            # Every rank's vote, or a verdict already taken (a rank that
+            # failed says so at once), or the deadline.
+            everyone = [str(r) for r in range(world)]
+            deadline = time.monotonic() + timeout
+            while not votes.check(["verdict"]) and time.monotonic() < deadline:
+                if votes.check(everyone):
+                    verdict = "ok"
+                    break
+                time.sleep(_POLL_S)
         decided = votes.compare_set("verdict", "", verdict)
         verdict = decided.decode() if isinstance(decided, bytes) else decided
     except Exception as e:
