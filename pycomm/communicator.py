@@ -140,9 +140,9 @@ class Communicator:
             timeout = timeout.total_seconds()
         transport = (transport or os.environ.get("PYCOMM_TRANSPORT", "auto")).strip().lower()
         self._settings = dict(round_bytes=round_bytes, transport=transport, bind_cores=bind_cores)
-        self._c, topo, self._own_inter_host = bootstrap.connect(store, rank, world_size, timeout=float(timeout), round_bytes=round_bytes,
-                                          transport=transport, local_size=local_size,
-                                          inter_host_group=inter_host_group, host_label=_host_label)
+        self._c, topo, self._own_inter_host = bootstrap.connect(
+            store, rank, world_size, timeout=float(timeout), round_bytes=round_bytes, transport=transport,
+            local_size=local_size, inter_host_group=inter_host_group, host_label=_host_label)
         self.rank: int = rank
         self.world_size: int = world_size
         self.host: int = topo.host

@@ -124,7 +124,8 @@ def train(comm: pycomm.Communicator, hook: str, steps: int, *, lr: float = 0.05,
             opt.step()
     with torch.no_grad():
         acc = (ft.module(xte).argmax(1) == yte).float().mean().item() * 100
-    return dict(acc=acc, digest=digest(ft), params=digest(ft, optimizer=False), steps=ft.steps_done, world=ft.world_size, rank=ft.rank,
+    return dict(acc=acc, digest=digest(ft), params=digest(ft, optimizer=False), steps=ft.steps_done,
+                world=ft.world_size, rank=ft.rank,
                 epoch=ft.comm.epoch, events=ft.events, digests=digests, stats=state.stats())
 
 

@@ -307,6 +307,24 @@ def test_topk_error_feedback_residual():
     assert (res[sel].abs() <= xe[sel].abs() * 2 ** -8).all()
 
 
+def test_error_feedback_keeps_the_worker_residual_when_only_the_shard_moves():
+    """A world that shrank or grew changes the reduced shard, not this rank's
+    own residual: the worker residual stays, the server residual restarts;
+    a tensor of another size or codec starts from zero."""
+    ef = C.ErrorFeedback()
+    t = torch.randn(5000, generator=gen(17))
+    worker, server = ef.residuals("k", t, pycomm.Int8(), 1250)
+    worker.copy_(torch.randn(5000, generator=gen(18)))
+    server.copy_(torch.randn(1250, generator=gen(19)))
+    kept = worker.clone()
+    w2, s2 = ef.residuals("k", t, pycomm.Int8(), 1667)  # 4 ranks -> 3
+    assert torch.equal(w2, kept) and s2.numel() == 1667 and not s2.any()
+    w3, _ = ef.residuals("k", t, pycomm.Int4(), 1667)   # another codec
+    assert not w3.any()
+    w4, _ = ef.residuals("k", torch.randn(4000, generator=gen(20)), pycomm.Int4(), 1000)  # another size
+    assert w4.numel() == 4000 and not w4.any()
+
+
 def test_scatter_add_matches_index_add():
     dense = torch.randn(1000, generator=gen(14))
     idx = torch.randint(0, 1000, (3000,), generator=gen(15), dtype=torch.int32)  # repeats

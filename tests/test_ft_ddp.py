@@ -93,7 +93,8 @@ def test_replacement_joins_and_is_healed(zygote, hook):
     # survivors' at the same step, bitwise.
     first = min(newcomer["digests"])
     assert first == 30, newcomer["digests"].keys()
-    assert len({rep["digests"][first] for rep in reps.values()}) == 1, {r: rep["digests"][first] for r, rep in reps.items()}
+    at_first = {r: rep["digests"][first] for r, rep in reps.items()}
+    assert len(set(at_first.values())) == 1, at_first
     assert len({rep["digest"] for rep in reps.values()}) == 1
     for r in (0, 2, 3):
         assert [e["kind"] for e in reps[r]["events"]] == ["shrink", "admit"], reps[r]["events"]
