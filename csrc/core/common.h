@@ -129,6 +129,9 @@ const char* failure_kind_name(FailureKind kind);
 struct Blame {
   FailureKind kind = FailureKind::kNone;
   int rank = -1;  // the communicator's rank; -1 with kNone
+  // The blamed rank will never post again: its process died, or it stopped
+  // beating (frozen). Other kinds name a rank that may still be alive.
+  bool gone() const { return kind == FailureKind::kDied || kind == FailureKind::kSilent; }
 };
 
 // Raised for every communication failure a user can act on: bad input,

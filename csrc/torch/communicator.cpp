@@ -301,8 +301,7 @@ std::vector<int> Communicator::gone_ranks() {
     out = shm->gone_ranks();
     const CommError e = shm->abort_error();
     const Blame b = e.blame();
-    if ((b.kind == FailureKind::kDied || b.kind == FailureKind::kSilent) && b.rank >= 0 &&
-        std::find(out.begin(), out.end(), b.rank) == out.end())
+    if (b.gone() && b.rank >= 0 && std::find(out.begin(), out.end(), b.rank) == out.end())
       out.push_back(b.rank);
   }
   std::sort(out.begin(), out.end());

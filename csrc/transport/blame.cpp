@@ -58,7 +58,7 @@ std::exception_ptr explain_failure(std::shared_ptr<FailureBoard> board, int rank
         try {
           board->publish(rank, encode_failure(mine));
           const Blame own = mine.blame();
-          if ((own.kind == FailureKind::kDied || own.kind == FailureKind::kSilent) && own.rank >= 0)
+          if (own.gone() && own.rank >= 0)
             board->publish_death(own.rank, encode_failure(mine));
         } catch (...) {
           return std::nullopt;
@@ -68,7 +68,7 @@ std::exception_ptr explain_failure(std::shared_ptr<FailureBoard> board, int rank
         const auto deadline = std::chrono::steady_clock::now() + budget;
         while (true) {
           const Blame blame = at.blame();
-          if (blame.kind == FailureKind::kDied || blame.kind == FailureKind::kSilent) return at;
+          if (blame.gone()) return at;
           const int p = blame.rank;
           if (blame.kind == FailureKind::kNone || p < 0 || std::find(seen.begin(), seen.end(), p) != seen.end())
             return std::nullopt;

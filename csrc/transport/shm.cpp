@@ -304,8 +304,7 @@ std::vector<int> ShmTransport::gone_ranks() {
     Blame blame;
     // A peer that shut down may live on (it may be shrinking this
     // communicator too): only the dead and the frozen are gone.
-    if (q != rank_ && !peer_gone(q, ctx, &blame).empty() &&
-        (blame.kind == FailureKind::kDied || blame.kind == FailureKind::kSilent))
+    if (q != rank_ && !peer_gone(q, ctx, &blame).empty() && blame.gone())
       out.push_back(name(q));
   }
   return out;
