@@ -55,6 +55,10 @@ class Topology:
     local_rank: int
     local_size: int
     host_ranks: List[List[int]]
+    #: What a successor communicator (shrink, admit) passes to find these
+    #: hosts again: the host label given, ``h<host>`` for a layout simulated
+    #: with ``local_size``, None for real hosts (found again by name).
+    label: Optional[str] = None
 
 
 def parse_size(text: str) -> int:
@@ -87,6 +91,17 @@ def restart_prefix() -> str:
     """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     return f"attempt{attempt}/" if attempt else ""
+
+
+def key_space(store: "dist.Store", name: str, sub: str = "") -> "dist.Store":
+    """The Store keys of communicator ``name`` in this attempt of the job
+    (``sub``: a part of them), as every rank sees them.
+
+    Example::
+
+        key_space(store, comm.name, "elastic/a0/")   # pycomm/<name>/[attempt<n>/]elastic/a0/...
+    """
+    return dist.PrefixStore(f"pycomm/{name}/{restart_prefix()}{sub}", store)
 
 
 def wait_keys(store: "dist.Store", keys: List[str], timeout: float, what: str) -> None:
@@ -193,7 +208,8 @@ def exchange_topology(store: "dist.Store", rank: int, world_size: int, timeout: 
     hosts = [v.decode() for v in values]
     if local_size is None and os.environ.get("PYCOMM_LOCAL_SIZE"):
         local_size = int(os.environ["PYCOMM_LOCAL_SIZE"])
-    if local_size is not None and not host_label:
+    simulated = local_size is not None and not host_label
+    if simulated:
         n = int(local_size)
         if n <= 0 or world_size % n:
             raise CommError(f"pycomm: local_size={n} must divide the world size {world_size}")
@@ -203,7 +219,7 @@ def exchange_topology(store: "dist.Store", rank: int, world_size: int, timeout: 
     host = host_keys.index(hosts[rank])
     return Topology(rank=rank, world_size=world_size, host=host, num_hosts=len(host_keys),
                     local_rank=host_ranks[host].index(rank), local_size=len(host_ranks[host]),
-                    host_ranks=host_ranks)
+                    host_ranks=host_ranks, label=host_label or (f"h{host}" if simulated else None))
 
 
 def _inter_host_backend(group: Optional["dist.ProcessGroup"], store: "dist.Store", rank: int, world_size: int,

@@ -133,7 +133,7 @@ class Communicator:
         #: True on a process whose communicator came from :meth:`join`.
         self.joined: bool = False
         self._admitted_upto = 0  # joiners' tickets up to this one were admitted (pycomm.elastic)
-        store = dist.PrefixStore(f"pycomm/{name}/{bootstrap.restart_prefix()}", store)
+        store = bootstrap.key_space(store, name)
         if timeout is None:
             timeout = float(os.environ.get("PYCOMM_TIMEOUT", bootstrap.DEFAULT_TIMEOUT_S))
         if isinstance(timeout, datetime.timedelta):
@@ -146,10 +146,8 @@ class Communicator:
         self.rank: int = rank
         self.world_size: int = world_size
         self.host: int = topo.host
-        # The hosts a successor (shrink, admit) keeps: a simulated layout is
-        # carried as labels; a real one is found again.
-        simulated = bool(_host_label) or local_size is not None or bool(os.environ.get("PYCOMM_LOCAL_SIZE"))
-        self._host_label: Optional[str] = _host_label or (f"h{topo.host}" if simulated else None)
+        # The hosts a successor (shrink, admit) keeps.
+        self._host_label: Optional[str] = topo.label
         self.local_rank: int = topo.local_rank
         self.local_size: int = topo.local_size
         self.num_hosts: int = topo.num_hosts

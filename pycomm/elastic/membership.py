@@ -135,7 +135,7 @@ def _build(root: "dist.Store", rank: int, world: int, name: str, timeout: float,
     """
     from ..communicator import Communicator
 
-    votes = dist.PrefixStore(f"pycomm/{name}/{bootstrap.restart_prefix()}built/", root)
+    votes = bootstrap.key_space(root, name, "built/")
     new, error = None, None
     try:
         new = Communicator(store=root, rank=rank, world_size=world, name=name, timeout=timeout,
@@ -155,8 +155,7 @@ def _build(root: "dist.Store", rank: int, world: int, name: str, timeout: float,
                     verdict = "ok"
                     break
                 time.sleep(_POLL_S)
-        decided = votes.compare_set("verdict", "", verdict)
-        verdict = decided.decode() if isinstance(decided, bytes) else decided
+        verdict = _first_proposal(votes, "verdict", verdict)
     except Exception as e:
         error = error or CommError(f"the Store cannot be reached ({type(e).__name__}: {e})")
         verdict = "failed"
@@ -176,7 +175,14 @@ def _inherit(new: "Communicator", job: str, epoch: int, timeout: float, parent_r
 
 def _job_store(root: "dist.Store", job: str) -> "dist.Store":
     """Where newcomers of ``job`` take tickets and read their admission."""
-    return dist.PrefixStore(f"pycomm/{job}/{bootstrap.restart_prefix()}elastic/joins/", root)
+    return bootstrap.key_space(root, job, "elastic/joins/")
+
+
+def _first_proposal(store: "dist.Store", key: str, proposal: str) -> str:
+    """``proposal`` if it is the first made under ``key``, else the one that
+    was: every rank that asks reads the same answer."""
+    decided = store.compare_set(key, "", proposal)
+    return decided.decode() if isinstance(decided, bytes) else decided
 
 
 def _members_key(epoch: int) -> str:
@@ -185,7 +191,7 @@ def _members_key(epoch: int) -> str:
 
 def _agreement_store(comm: "Communicator", attempt: int) -> "dist.Store":
     """Where the ranks of ``comm`` agree in their ``attempt``-th shrink of it."""
-    return dist.PrefixStore(f"pycomm/{comm.name}/{bootstrap.restart_prefix()}elastic/a{attempt}/", comm._root_store)
+    return bootstrap.key_space(comm._root_store, comm.name, f"elastic/a{attempt}/")
 
 
 def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float = 30.0,
@@ -235,8 +241,7 @@ def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float 
                 time.sleep(_POLL_S)
         seen = [r for r in range(world) if r not in excluded and (r == me or store.check([f"alive/{r}"]))]
         # 3. One proposal wins; everybody reads it.
-        decided = store.compare_set(_members_key(epoch), "", json.dumps(seen))
-        members: List[int] = json.loads(decided.decode() if isinstance(decided, bytes) else decided)
+        members: List[int] = json.loads(_first_proposal(store, _members_key(epoch), json.dumps(seen)))
     except CommError:
         raise
     except Exception as e:  # the Store's own errors: its host is gone, or a timeout
@@ -278,8 +283,7 @@ def admit(comm: "Communicator", *, timeout: float = 30.0) -> "Communicator":
         # 1. Propose the tickets taken so far; one proposal wins.
         count = js.add("tickets", 0)
         proposal = list(range(comm._admitted_upto + 1, count + 1))
-        decided = js.compare_set(f"admit/{comm.name}/{k}", "", json.dumps(proposal))
-        tickets: List[int] = json.loads(decided.decode() if isinstance(decided, bytes) else decided)
+        tickets: List[int] = json.loads(_first_proposal(js, f"admit/{comm.name}/{k}", json.dumps(proposal)))
         if not tickets:
             return comm
         # 2. Tell each newcomer where it goes (one member writes; all read alike).
