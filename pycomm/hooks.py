@@ -121,6 +121,14 @@ def _resolve_communicator(process_group: Group, communicator: Optional["_communi
     return _communicator.Communicator(process_group)
 
 
+def completed(value: torch.Tensor) -> torch.futures.Future:
+    """A future that already holds ``value``: what a hook returns for a bucket
+    it does not send."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
 def ipc_refusal(ranks: List[Tuple[str, str, bool]]) -> Optional[str]:
     """Why CUDA IPC cannot carry plain buckets among ``ranks`` (each rank's
     (host, GPU id, build has CUDA)), or None if it can."""
@@ -890,9 +898,7 @@ class StaleState(HookState):
             else:
                 buf[off:off + p.numel()].copy_(self._value(hit[0])[hit[1]:hit[1] + p.numel()])
             off += p.numel()
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(buf)
-        return fut
+        return completed(buf)
 
 
 def stale_hook(state: StaleState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -924,8 +930,7 @@ def stale_hook(state: StaleState, bucket: dist.GradBucket) -> torch.futures.Futu
             result = state._delayed(bucket, buf)
         else:
             buf.zero_()
-            result = torch.futures.Future()
-            result.set_result(buf)
+            result = completed(buf)
     if bucket.is_last():
         state.has_update = len(state._inflight) > state.staleness
         if state.has_update:
@@ -964,8 +969,7 @@ def local_sgd_hook(state: LocalSGDState, bucket: dist.GradBucket) -> torch.futur
                         f"{type(state).__name__}")
     if state.iteration < state.start_iter:
         return _average(state, bucket, None, "pycomm::local_sgd_hook")
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(bucket.buffer())
+    fut = completed(bucket.buffer())
     state._end_bucket(bucket)
     return fut
 

@@ -93,12 +93,6 @@ def _local_group() -> "dist.ProcessGroup":
     return pg
 
 
-def _done(value: torch.Tensor) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(value)
-    return fut
-
-
 def _is_comm_failure(e: BaseException) -> bool:
     # A Work's future hands its CommError on as a RuntimeError with the same text.
     return isinstance(e, CommError) or "pycomm" in str(e)
@@ -189,7 +183,6 @@ class FaultTolerantDDP(torch.nn.Module):
             self.ddp = DistributedDataParallel(module, process_group=_local_group(), broadcast_buffers=False,
                                                **ddp_kwargs)
         self.ddp.register_comm_hook(None, self._hook)
-        self.comm = comm
         self._rebind(comm)
         self._heal(force=True, newcomer=comm.joined)
 
@@ -328,14 +321,14 @@ class FaultTolerantDDP(torch.nn.Module):
             observe = getattr(self.state, "_observe", None)
             if observe is not None:
                 observe(bucket)
-            return _done(buf)
+            return _hooks.completed(buf)
         if self._failures:
-            return _done(buf)
+            return _hooks.completed(buf)
         try:
             fut = self.hook(self.state, bucket)
         except Exception as e:  # noqa: BLE001 - a CommError, or the hook's own error: step() sorts it
             self._failures.append(e)
-            return _done(buf)
+            return _hooks.completed(buf)
 
         def settle(f: torch.futures.Future) -> torch.Tensor:
             try:
