@@ -33,6 +33,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import multiprocessing as mp
@@ -44,10 +45,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from harness import free_port  # noqa: E402
 
 GLOBAL_BATCH = 64
 
@@ -159,19 +163,18 @@ def _serve_store(port: int, world: int) -> None:
         time.sleep(3600)
 
 
-def store_server(port: int, world: int) -> "mp.Process":
-    """The Store's host: a process of its own that outlives every rank (like torchrun's agent)."""
+@contextlib.contextmanager
+def store_server(world: int) -> Iterator[int]:
+    """The Store's host, a process of its own that outlives every rank (like
+    torchrun's agent), for the block; yields its port."""
+    port = free_port()
     p = mp.get_context("spawn").Process(target=_serve_store, args=(port, world), daemon=True)
     p.start()
-    return p
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    try:
+        yield port
+    finally:
+        p.kill()
+        p.join()
 
 
 def run_pycomm(args: argparse.Namespace) -> None:
@@ -179,18 +182,15 @@ def run_pycomm(args: argparse.Namespace) -> None:
     rec = []
     for i in range(args.trials):
         victim, kill_step = rng.randrange(args.world), rng.randrange(20, args.steps - 10)
-        port = free_port()
-        spid = store_server(port, args.world)
-        store = dist.TCPStore("127.0.0.1", port, args.world, is_master=False, timeout=datetime.timedelta(seconds=60))
-        reports = launch_ranks(list(range(args.world)), "127.0.0.1", port, args.world, f"t{i}", victim,
-                               kill_step, args.steps, args.width, args.local_size)
-        errors = [rep["error"] for rep in reports.values() if rep and "error" in rep]
-        if errors or not store.check([f"t{i}/t_kill"]):
-            spid.kill()
-            raise RuntimeError(f"trial {i + 1}: the victim did not die as planned; ranks said: {errors}")
-        t_kill = float(store.get(f"t{i}/t_kill").decode())
-        spid.kill()
-        spid.join()
+        with store_server(args.world) as port:
+            store = dist.TCPStore("127.0.0.1", port, args.world, is_master=False,
+                                  timeout=datetime.timedelta(seconds=60))
+            reports = launch_ranks(list(range(args.world)), "127.0.0.1", port, args.world, f"t{i}", victim,
+                                   kill_step, args.steps, args.width, args.local_size)
+            errors = [rep["error"] for rep in reports.values() if rep and "error" in rep]
+            if errors or not store.check([f"t{i}/t_kill"]):
+                raise RuntimeError(f"trial {i + 1}: the victim did not die as planned; ranks said: {errors}")
+            t_kill = float(store.get(f"t{i}/t_kill").decode())
         r = recovery_of(reports, t_kill, args.world)
         rec.append(r)
         print(f"trial {i + 1}: rank {victim} killed at step {kill_step}; next completed step "
@@ -288,12 +288,9 @@ def run_heartbeat(args: argparse.Namespace) -> None:
     out: Dict[bool, List[float]] = {True: [], False: []}
     for i in range(args.trials):
         for beat in ((True, False) if i % 2 == 0 else (False, True)):
-            port = free_port()
-            spid = store_server(port, args.world)
-            reports = launch_ranks(list(range(args.world)), "127.0.0.1", port, args.world, f"h{i}{beat}", -1,
-                                   -1, args.steps, args.width, args.local_size, heartbeat=beat)
-            spid.kill()
-            spid.join()
+            with store_server(args.world) as port:
+                reports = launch_ranks(list(range(args.world)), "127.0.0.1", port, args.world, f"h{i}{beat}", -1,
+                                       -1, args.steps, args.width, args.local_size, heartbeat=beat)
             # Steady state: the second half of the run, slowest rank per step.
             per_rank = [[t for _, t, _ in rep["done"]] for rep in reports.values()]
             ends = [max(ts) for ts in zip(*per_rank)]
