@@ -112,7 +112,7 @@ ShmTransport::ShmTransport(const ShmConfig& config)
   if (const char* env = std::getenv("PYCOMM_SPIN_US")) spin_us = std::max(0L, std::atol(env));
   spin_ = std::chrono::microseconds(spin_us);
   yield_iters_ = oversubscribed ? 8 : 2;
-  if (const char* env = std::getenv("PYCOMM_HEARTBEAT_S")) heartbeat_s_.store(std::max(0.0, std::atof(env)));
+  heartbeat_s_.store(heartbeat_setting());
   // PYCOMM_HEARTBEAT_S=0: no thread, and a heartbeat of 0, which peers never
   // judge (whatever their own bound).
   if (heartbeat_timeout() > 0) {

@@ -32,6 +32,7 @@
 #include "../algorithms/plan.h"
 #include "../core/collective.h"
 #include "futex.h"
+#include "peer_watch.h"
 #include "transport.h"
 
 namespace pycomm {
@@ -154,10 +155,9 @@ class ShmTransport : public Transport {
   // while this rank waits for it (0: never): a rank that is alive but
   // frozen (SIGSTOP, a stalled VM) is found in seconds, not at the timeout,
   // while a rank that only computes for long keeps beating from its own
-  // thread. Default PYCOMM_HEARTBEAT_S or kDefaultHeartbeatS.
+  // thread. Starts at heartbeat_setting() (peer_watch.h).
   double heartbeat_timeout() const { return heartbeat_s_.load(std::memory_order_relaxed); }
   void set_heartbeat_timeout(double seconds) { heartbeat_s_.store(seconds, std::memory_order_relaxed); }
-  static constexpr double kDefaultHeartbeatS = 5.0;
 
  private:
   // Point-to-point channels share the segment's abort state, liveness
