@@ -6,7 +6,11 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <algorithm>
+#include <atomic>
 #include <memory>
+#include <mutex>
+#include <vector>
 
 #include "../transport/process_group.h"
 
@@ -20,30 +24,76 @@ class C10dLink : public PeerLink {
 
   std::shared_ptr<Transfer> send(const void* data, size_t bytes, int peer, uint32_t tag) override {
     std::vector<at::Tensor> t{view(const_cast<void*>(data), bytes)};
-    return std::make_shared<C10dTransfer>(backend_->send(t, peer, static_cast<int>(tag)));
+    return track(std::make_shared<C10dTransfer>(backend_->send(t, peer, static_cast<int>(tag))));
   }
 
   std::shared_ptr<Transfer> recv(void* data, size_t bytes, int peer, uint32_t tag) override {
     std::vector<at::Tensor> t{view(data, bytes)};
-    return std::make_shared<C10dTransfer>(backend_->recv(t, peer, static_cast<int>(tag)));
+    return track(std::make_shared<C10dTransfer>(backend_->recv(t, peer, static_cast<int>(tag))));
+  }
+
+  // Work::abort() on Gloo's send and receive wakes the wait in progress, or
+  // the next one, which returns false; the transfer stays posted and the
+  // connection stays up.
+  void interrupt() override {
+    std::vector<std::shared_ptr<C10dTransfer>> live;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      for (auto& w : live_)
+        if (auto t = w.lock()) live.push_back(std::move(t));
+      live_.clear();
+    }
+    for (auto& t : live) t->interrupt();
   }
 
  private:
   class C10dTransfer : public Transfer {
    public:
     explicit C10dTransfer(c10::intrusive_ptr<c10d::Work> work) : work_(std::move(work)) {}
-    bool wait(std::chrono::milliseconds timeout) override { return work_->wait(timeout); }
-    bool done() override { return work_->isCompleted() && work_->isSuccess(); }
+    bool wait(std::chrono::milliseconds timeout) override {
+      const bool ok = work_->wait(timeout);
+      if (ok) completed_ = true;
+      return ok;
+    }
+    // Gloo marks a work completed (and successful) when its wait returns,
+    // even when an interrupt woke it: after one, only a wait that returned
+    // true proves the data moved.
+    bool done() override {
+      return completed_ || (!interrupted_ && work_->isCompleted() && work_->isSuccess());
+    }
+    void interrupt() {
+      interrupted_ = true;
+      work_->abort();
+    }
 
    private:
     c10::intrusive_ptr<c10d::Work> work_;
+    std::atomic<bool> completed_{false};
+    std::atomic<bool> interrupted_{false};
   };
+
+  // Remembers a transfer for interrupt() while anyone holds it.
+  std::shared_ptr<Transfer> track(std::shared_ptr<C10dTransfer> t) {
+    std::lock_guard<std::mutex> lk(mu_);
+    // Forget finished transfers each time the list doubled: amortized O(1),
+    // and never much longer than what is in flight.
+    if (live_.size() >= prune_at_) {
+      live_.erase(std::remove_if(live_.begin(), live_.end(), [](const auto& w) { return w.expired(); }),
+                  live_.end());
+      prune_at_ = std::max<size_t>(64, 2 * live_.size());
+    }
+    live_.push_back(t);
+    return t;
+  }
 
   static at::Tensor view(void* data, size_t bytes) {
     return at::from_blob(data, {static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte));
   }
 
   c10::intrusive_ptr<c10d::Backend> backend_;
+  std::mutex mu_;
+  std::vector<std::weak_ptr<C10dTransfer>> live_;
+  size_t prune_at_ = 64;
 };
 
 }  // namespace pycomm

@@ -45,9 +45,14 @@ void PgChannels::flush(double timeout_s) {
   }
 }
 
-void PgChannels::abort(const std::string& why) {
+void PgChannels::abort(const std::string& why, Blame blame) {
   std::lock_guard<std::mutex> lk(mu_);
-  if (!aborted_) aborted_ = why;
+  if (!aborted_) aborted_.emplace(why, blame);
+}
+
+void PgChannels::throw_if_peer_gone() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (aborted_ && aborted_->blame().gone()) throw *aborted_;
 }
 
 void PgChannels::check_broken() {
@@ -69,8 +74,17 @@ CommError PgChannels::unreachable(const OpContext& ctx, int peer, const char* er
 }
 
 void PgChannels::wait(TransferPtr work, int peer, const char* what, const OpContext& ctx) {
+  // As in PgTransport::wait: `work` is posted, so a later abort wakes it.
+  throw_if_peer_gone();
   const std::string error = wait_transfer(*work, ctx.deadline);
   if (error.empty()) return;
+  try {
+    throw_if_peer_gone();
+  } catch (const CommError&) {
+    std::lock_guard<std::mutex> lk(mu_);
+    abandoned_.push_back(std::move(work));
+    throw;
+  }
   std::ostringstream os;
   os << "pycomm." << collective_name(ctx.coll) << " #" << ctx.seq << " on rank " << rank_;
   if (std::chrono::steady_clock::now() >= ctx.deadline)
@@ -125,7 +139,7 @@ void PgChannels::read(int peer, void* data, size_t n, const OpContext& ctx) {
   check_broken();
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (aborted_) throw CommError(*aborted_);
+    if (aborted_) throw *aborted_;
   }
   std::unique_ptr<char[]> staged;
   void* into = data;

@@ -43,8 +43,10 @@ class PgChannels : public MessageChannels {
   // itself can reach the peers. A receive already waiting keeps waiting
   // until its data, the peer's own failure message, or its deadline:
   // cancelling a Gloo receive (Work::abort) closes the connection under
-  // the failure messages still in flight.
-  void abort(const std::string& why);
+  // the failure messages still in flight. Except when `blame` names a rank
+  // gone for good (Blame::gone): then every wait, in progress (the caller
+  // interrupts the link) or later, raises at once.
+  void abort(const std::string& why, Blame blame = {});
 
   // Waits (at most `timeout_s` in all) until every posted send was taken by
   // its receiver; gives up silently after that (the receiver then fails).
@@ -72,6 +74,8 @@ class PgChannels : public MessageChannels {
   // `keep` bytes are pending. Called under send_mu_.
   void reap(int peer, size_t keep, const OpContext& ctx);
   void wait(TransferPtr work, int peer, const char* what, const OpContext& ctx);
+  // Throws the abort that declared a peer gone, if there was one.
+  void throw_if_peer_gone();
 
   std::shared_ptr<PeerLink> link_;
   int rank_;
@@ -81,7 +85,7 @@ class PgChannels : public MessageChannels {
   std::map<int, size_t> pending_bytes_;
   std::mutex mu_;
   std::optional<CommError> broken_;
-  std::optional<std::string> aborted_;  // guarded by mu_
+  std::optional<CommError> aborted_;  // guarded by mu_
   // Transfers abandoned by a failed wait stay referenced (the backend may
   // still touch them), with the staging buffers of small reads.
   std::vector<TransferPtr> abandoned_;

@@ -140,13 +140,23 @@ CommError PgTransport::unreachable(int peer, const std::string& error) const {
                    Blame{FailureKind::kWaiting, name(peer)});
 }
 
+void PgTransport::throw_if_peer_gone() {
+  std::lock_guard<std::mutex> lk(broken_mu_);
+  if (broken_ && broken_->blame().gone()) throw *broken_;
+}
+
 void PgTransport::wait(TransferPtr& work, int peer, const char* what, const Ctx& ctx) {
   if (!work) return;
+  // Checked after `work` was posted and before waiting: an abort that comes
+  // later also interrupts the link (PeerLink::interrupt), which wakes this
+  // wait, and then says why.
+  throw_if_peer_gone();
   const std::string error = wait_transfer(*work, ctx.deadline);
   if (error.empty()) {
     work.reset();
     return;
   }
+  throw_if_peer_gone();
   std::ostringstream os;
   os << "pycomm: " << collective_name(ctx.desc->coll) << " #" << ctx.seq;
   if (std::chrono::steady_clock::now() >= ctx.deadline) {
