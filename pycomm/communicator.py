@@ -557,16 +557,24 @@ class Communicator:
 
     @property
     def heartbeat_timeout(self) -> float:
-        """Seconds without a heartbeat after which a waiting rank declares a peer on its host failed.
+        """Seconds without a heartbeat after which a peer is declared failed.
 
-        Every rank beats from a thread of its own every 0.1 s, so a peer that
-        computes for long is never declared failed, while one that is stopped
-        (SIGSTOP) or frozen is, within this bound instead of the collective
-        timeout: the waiting ranks raise CommError naming it (``failure ==
-        "silent"``), and :meth:`shrink` leaves it out. Default 5 s
-        (``PYCOMM_HEARTBEAT_S``); 0 stops judging peers. With
-        ``PYCOMM_HEARTBEAT_S=0`` at start a rank neither beats nor judges (and
-        is never judged). Between hosts the collective timeout still applies.
+        Every rank beats from a thread of its own (in shared memory every
+        0.1 s for the peers of its host; on the Store, a fifth of this bound
+        but at most every 0.5 s, for the peers of other hosts), so a peer
+        that computes for long is never declared failed, while one that is
+        stopped (SIGSTOP) or frozen, or whose machine stalled, is, within
+        this bound instead of the collective timeout: the waiting ranks raise
+        CommError naming it (``failure == "silent"``), and :meth:`shrink`
+        leaves it out. A frozen rank that wakes up reads that it was declared
+        and raises (it is out; its shrink says it was fenced out). Default
+        5 s (``PYCOMM_HEARTBEAT_S``); 0 stops judging peers. With
+        ``PYCOMM_HEARTBEAT_S=0`` at start a rank neither beats nor judges
+        (and is never judged). A shrunk or grown communicator keeps the bound.
+
+        Example::
+
+            comm.heartbeat_timeout = 2.0   # a frozen peer fails the survivors' call within ~2 s
         """
         return self._c.heartbeat_timeout
 

@@ -302,7 +302,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("wait_ready", &Communicator::wait_ready, py::call_guard<py::gil_scoped_release>())
       .def("reject", &Communicator::reject, py::arg("why"), py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Communicator::shutdown, py::call_guard<py::gil_scoped_release>())
-      .def("abort", &Communicator::abort, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "abort", [](Communicator& c, const std::string& why) { c.abort(why); }, py::arg("why"),
+          py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("world", &Communicator::world)
       .def_property_readonly("round_bytes", &Communicator::round_bytes)

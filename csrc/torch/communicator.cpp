@@ -46,9 +46,9 @@ const ShmAllocation* allocation_of(const at::Tensor& t) {
   return static_cast<const RegisteredStorage*>(p.get_context())->allocation.get();
 }
 
-TopologyConfig topology_of(const CommunicatorOptions& o) {
+TopologyConfig topology_of(const CommunicatorOptions& o, std::shared_ptr<PeerLink> link) {
   TopologyConfig t = o.topology;
-  if (o.backend) t.link = std::make_shared<C10dLink>(o.backend);
+  t.link = std::move(link);
   return t;
 }
 
@@ -70,12 +70,80 @@ class Communicator::StoreBoard : public FailureBoard {
   c10::intrusive_ptr<c10d::Store> store_;
 };
 
+// Heartbeat counters in the bootstrap store, one key per rank, over the
+// connection of the store object the communicator was given. Not one of
+// their own: opening a store connection took seconds at times, and held up
+// this process's other calls on the store meanwhile (the blame chain's). A
+// caller's blocking call on the same store object (a wait for a key that
+// does not come) holds the beats up; README says what to do about it.
+class Communicator::StoreBeats : public BeatBoard {
+ public:
+  explicit StoreBeats(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
+  void beat(int rank) override { store_->add(key(rank), 1); }
+  void mark(int rank, int64_t mark) override {
+    const std::string v = std::to_string(mark);
+    store_->set(key(rank), std::vector<uint8_t>(v.begin(), v.end()));
+  }
+  std::vector<int64_t> read(const std::vector<int>& ranks) override {
+    std::vector<std::string> keys;
+    for (int r : ranks) keys.push_back(key(r));
+    std::vector<int64_t> out(ranks.size(), 0);
+    // multiGet waits for keys that do not exist yet (a peer that did not
+    // beat yet): read only what is there.
+    if (store_->check(keys)) {
+      const auto values = store_->multiGet(keys);
+      for (size_t i = 0; i < values.size() && i < out.size(); ++i) out[i] = parse(values[i]);
+    } else {
+      for (size_t i = 0; i < keys.size(); ++i)
+        if (store_->check({keys[i]})) out[i] = parse(store_->get(keys[i]));
+    }
+    return out;
+  }
+
+ private:
+  static std::string key(int rank) { return "beat/" + std::to_string(rank); }
+  static int64_t parse(const std::vector<uint8_t>& v) {
+    try {
+      return std::stoll(std::string(v.begin(), v.end()));
+    } catch (const std::exception&) {
+      return 0;
+    }
+  }
+
+  c10::intrusive_ptr<c10d::Store> store_;
+};
+
 // ------------------------------------------------------------ lifecycle
 
 Communicator::Communicator(const CommunicatorOptions& o)
-    : rank_(o.topology.rank), world_(o.topology.world), transports_(topology_of(o)) {
+    : rank_(o.topology.rank),
+      world_(o.topology.world),
+      link_(o.backend ? std::make_shared<C10dLink>(o.backend) : nullptr),
+      transports_(topology_of(o, link_)) {
   if (o.backend && o.store) board_ = std::make_shared<StoreBoard>(o.store);
   progress_ = std::thread([this] { progress_loop(); });
+  // Heartbeats between hosts (this host's peers beat in shared memory).
+  std::vector<int> remote;
+  for (int r = 0; r < world_; ++r)
+    if (r != rank_ && transports_.local_rank_of(r) < 0) remote.push_back(r);
+  if (!board_ || remote.empty()) return;
+  auto beats = std::make_shared<StoreBeats>(o.store);
+  const double bound = heartbeat_setting();
+  if (bound <= 0) {
+    try {
+      beats->mark(rank_, BeatBoard::kOptedOut);
+    } catch (const std::exception&) {
+      // Peers never judge a rank that did not beat either.
+    }
+    return;
+  }
+  PeerWatchConfig w;
+  w.board = beats;
+  w.rank = rank_;
+  w.peers = std::move(remote);
+  w.bound_s = bound;
+  w.on_silent = [this](int peer, double silent_s) { declare_silent(peer, silent_s); };
+  watch_ = std::make_unique<PeerWatch>(std::move(w));
 }
 
 Communicator::~Communicator() {
@@ -100,16 +168,53 @@ void Communicator::shutdown() {
     lanes.swap(lanes_);
   }
   lanes.clear();  // each lane finishes its queue, then joins its thread
+  // Peers stop judging this rank before its process may exit.
+  if (watch_) watch_->stop(/*leave=*/true);
   transports_.shutdown();
 }
 
-void Communicator::abort(const std::string& why) {
-  transports_.top().abort(why);
+double Communicator::heartbeat_timeout() const {
+  if (transports_.local()) return transports_.local()->heartbeat_timeout();
+  return watch_ ? watch_->bound() : 0;
+}
+
+void Communicator::set_heartbeat_timeout(double seconds) {
+  if (transports_.local()) transports_.local()->set_heartbeat_timeout(seconds);
+  if (watch_) watch_->set_bound(seconds);
+}
+
+void Communicator::declare_silent(int peer, double silent_s) {
+  std::ostringstream os;
+  os.precision(3);
+  if (peer == rank_) {
+    os << "pycomm: rank " << rank_ << " was declared failed by its peers: its heartbeat stopped for longer than "
+       << watch_->bound() << " s (this process was stopped or frozen, or its machine stalled); they went on "
+       << "without it, and it may not take part in this communicator again";
+  } else {
+    os << "pycomm: rank " << peer << " stopped responding: no heartbeat on the Store for ";
+    if (silent_s > 0)
+      os << silent_s << " s";
+    else
+      os << "longer than the bound";
+    os << " (stopped, frozen, or its machine stalled; the bound is " << watch_->bound()
+       << " s); detected by rank " << rank_;
+  }
+  if (peer != rank_) {
+    std::lock_guard<std::mutex> lk(silent_mu_);
+    silent_.push_back(peer);
+  }
+  abort(os.str(), Blame{FailureKind::kSilent, peer});
+}
+
+void Communicator::abort(const std::string& why, Blame blame) {
+  transports_.top().abort(why, blame);
   // Ranks of other hosts that lose their connection to this one read why on
   // the failure board (blame.h), even if the messages below never reach them.
+  // A report already there stays: it is the cause (a failure, a peer found
+  // silent), and what follows it (the fence of a shrink) only a consequence.
   if (board_) {
     try {
-      board_->publish(rank_, encode_failure(CommError(why)));
+      if (!board_->lookup(rank_)) board_->publish(rank_, encode_failure(CommError(why, blame)));
     } catch (const std::exception&) {
       // The store is gone: the messages below are all that is left.
     }
@@ -136,7 +241,10 @@ void Communicator::abort(const std::string& why) {
     }
   }
   // Receives from other hosts stop waiting (this rank's own lanes).
-  remote->abort(why);
+  remote->abort(why, blame);
+  // A rank gone for good will not answer: wake the waits between hosts now
+  // (they raise `why`, see PgTransport::abort) rather than at their deadline.
+  if (blame.gone() && link_) link_->interrupt();
 }
 
 // ------------------------------------------------------ progress engine
@@ -301,10 +409,14 @@ std::vector<int> Communicator::gone_ranks() {
     out = shm->gone_ranks();
     const CommError e = shm->abort_error();
     const Blame b = e.blame();
-    if (b.gone() && b.rank >= 0 && std::find(out.begin(), out.end(), b.rank) == out.end())
-      out.push_back(b.rank);
+    if (b.gone() && b.rank >= 0) out.push_back(b.rank);
+  }
+  {
+    std::lock_guard<std::mutex> lk(silent_mu_);
+    out.insert(out.end(), silent_.begin(), silent_.end());
   }
   std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
 }
 

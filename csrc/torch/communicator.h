@@ -26,10 +26,13 @@
 #include "../core/codec.h"
 #include "../core/collective.h"
 #include "../transport/blame.h"
+#include "../transport/peer_watch.h"
 #include "../transport/setup.h"
 #include "work.h"
 
 namespace pycomm {
+
+class C10dLink;
 
 struct CommunicatorOptions {
   // Ranks, hosts, segment names and sizes (the link is filled in from
@@ -136,18 +139,21 @@ class Communicator {
 
   // Finishes queued ops, then tells peers this rank is gone. Idempotent.
   void shutdown();
-  void abort(const std::string& why);
+  // Makes the current and later operations fail with `why`. A `blame` that
+  // names a rank gone for good (Blame::gone) also ends the waits between
+  // hosts in progress at once, instead of at their deadline.
+  void abort(const std::string& why, Blame blame = {});
 
   int rank() const { return rank_; }
   int world() const { return world_; }
   double timeout() const { return transports_.timeout(); }
   void set_timeout(double seconds) { transports_.set_timeout(seconds); }
-  // The shared-memory transport's heartbeat bound (transport/shm.h); 0
-  // without shared memory.
-  double heartbeat_timeout() const { return transports_.local() ? transports_.local()->heartbeat_timeout() : 0; }
-  void set_heartbeat_timeout(double seconds) {
-    if (transports_.local()) transports_.local()->set_heartbeat_timeout(seconds);
-  }
+  // The heartbeat bound: peers of this host are judged by the shared-memory
+  // transport (transport/shm.h), peers of other hosts by a PeerWatch over
+  // the store (transport/peer_watch.h); both use the same bound. 0 without
+  // either.
+  double heartbeat_timeout() const;
+  void set_heartbeat_timeout(double seconds);
   size_t round_bytes() const { return transports_.local() ? transports_.local()->round_bytes() : 0; }
   // "shm", "process_group" or "shm+process_group": what carries the data.
   std::string transport_name() const { return transports_.name(); }
@@ -155,6 +161,7 @@ class Communicator {
  private:
   struct Lane;
   class StoreBoard;
+  class StoreBeats;
 
   std::shared_ptr<Work> submit(std::shared_ptr<Work> work, bool async_op);
   // Describes the call (count as in CollectiveDesc), resolves the algorithm
@@ -174,9 +181,13 @@ class Communicator {
   void recv_body(Work& work, MessageChannels& channels, int peer, uint32_t tag, bool allocate);
   // Sends `why` to `dst` as a failure message: its receive raises it.
   void send_failure(int dst, const std::string& why, bool async_op);
+  // The PeerWatch's verdict: `peer`, on another host, stopped beating.
+  void declare_silent(int peer, double silent_s);
 
   int rank_ = 0;
   int world_ = 1;
+  // Carries the traffic between hosts (null without a backend).
+  std::shared_ptr<C10dLink> link_;
   Transports transports_;
   Workspace workspace_;  // used by composite ops, which run one at a time
   // Where failing ranks publish their reasons (multi-host only; null else).
@@ -195,6 +206,13 @@ class Communicator {
 
   std::mutex lanes_mu_;
   std::map<std::pair<int, bool>, std::shared_ptr<Lane>> lanes_;  // (peer, incoming)
+
+  // Heartbeats between hosts (null on one host, without a store, or with
+  // PYCOMM_HEARTBEAT_S=0), and the peers it declared silent.
+  // (Declared last, so destroyed first: its verdicts use the members above.)
+  std::mutex silent_mu_;
+  std::vector<int> silent_;
+  std::unique_ptr<PeerWatch> watch_;
 };
 
 }  // namespace pycomm
