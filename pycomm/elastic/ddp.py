@@ -131,7 +131,8 @@ class FaultTolerantDDP(torch.nn.Module):
             ``gradient_as_bucket_view``, ``static_graph``, ...).
 
     Attributes: ``comm`` (the current communicator), ``steps_done``,
-    ``events`` (one dict per membership change: step, kind, world, seconds).
+    ``events`` (one dict per membership change: step, kind, world, seconds; a
+    shrink's ``cause`` is the first line of the failure that started it).
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: Any, comm: Communicator, *,
@@ -390,14 +391,14 @@ class FaultTolerantDDP(torch.nn.Module):
             except CommError as e:
                 logger.warning("pycomm.elastic: healing failed (%s); shrinking again", e)
                 continue
-            self._event("shrink", t0)
+            self._event("shrink", t0, cause=str(error).splitlines()[0][:300])
             return
         raise CommError(f"pycomm.elastic: could not recover after {self.max_recoveries} shrinks; first failure: "
                         f"{error}")
 
-    def _event(self, kind: str, t0: float) -> None:
+    def _event(self, kind: str, t0: float, cause: str = "") -> None:
         self.events.append(dict(kind=kind, step=self.steps_done, world=self.comm.world_size, epoch=self.comm.epoch,
-                                seconds=time.monotonic() - t0))
+                                seconds=time.monotonic() - t0, **(dict(cause=cause) if cause else {})))
         logger.info("pycomm.elastic: %s: world %d, epoch %d, step %d (%.3f s)", kind, self.comm.world_size,
                     self.comm.epoch, self.steps_done, time.monotonic() - t0)
 

@@ -75,12 +75,18 @@ class FencedOut(CommError):
     too late to check in): it can never take part in this job again."""
 
 
+def _kept(comm: "Communicator") -> Dict[str, float]:
+    """The settings a communicator's successor keeps (a user may have changed them since it was built)."""
+    return dict(timeout=comm.timeout, heartbeat_timeout=comm.heartbeat_timeout)
+
+
 class _Fenced:
     """What a shrunk communicator's compiled part is replaced by: every use
     raises why, except what another shrink of it reads (a retry)."""
 
-    def __init__(self, why: str, timeout: float, gone: List[int]) -> None:
-        self._why, self.timeout, self._gone = why, timeout, gone
+    def __init__(self, why: str, kept: Dict[str, float], gone: List[int]) -> None:
+        self._why, self._gone = why, gone
+        self.timeout, self.heartbeat_timeout = kept["timeout"], kept["heartbeat_timeout"]
 
     def __getattr__(self, name: str):
         if name in ("shutdown", "abort"):  # closing or aborting it again is harmless
@@ -93,7 +99,7 @@ class _Fenced:
 def _fence(comm: "Communicator", why: str, gone: List[int]) -> None:
     """Abort, close and drop ``comm``'s compiled part: every later call on it,
     by anyone, raises ``why``."""
-    timeout = comm.timeout
+    kept = _kept(comm)
     comm.abort(why, name_rank=False)
     comm.close()
     # Closing leaves the inter-host connections open until the compiled
@@ -105,7 +111,7 @@ def _fence(comm: "Communicator", why: str, gone: List[int]) -> None:
     backend, comm._own_inter_host = getattr(comm, "_own_inter_host", None), None
     if backend is not None:
         threading.Thread(target=_shutdown_quietly, args=(backend,), name="pycomm-fence", daemon=True).start()
-    comm._c = _Fenced(why, timeout, gone)
+    comm._c = _Fenced(why, kept, gone)
 
 
 def _shutdown_quietly(backend: Any) -> None:
@@ -115,12 +121,12 @@ def _shutdown_quietly(backend: Any) -> None:
         logger.debug("pycomm: shutting the fenced inter-host group down: %s", e)
 
 
-def _successor(comm: "Communicator", rank: int, world: int, name: str, timeout: float, keep_timeout: float,
+def _successor(comm: "Communicator", rank: int, world: int, name: str, timeout: float, kept: Dict[str, float],
                parent_ranks: List[int]) -> "Communicator":
     """The communicator of epoch ``comm.epoch + 1`` (fresh keys under
     ``name``, the same hosts, settings and job), rank ``rank`` of ``world``."""
     new = _build(comm._root_store, rank, world, name, timeout, comm._host_label, comm._settings)
-    _inherit(new, comm.job, comm.epoch + 1, keep_timeout, parent_ranks, comm._admitted_upto)
+    _inherit(new, comm.job, comm.epoch + 1, kept, parent_ranks, comm._admitted_upto)
     return new
 
 
@@ -167,9 +173,9 @@ def _build(root: "dist.Store", rank: int, world: int, name: str, timeout: float,
     return new
 
 
-def _inherit(new: "Communicator", job: str, epoch: int, timeout: float, parent_ranks: List[int],
+def _inherit(new: "Communicator", job: str, epoch: int, kept: Dict[str, float], parent_ranks: List[int],
              admitted_upto: int) -> None:
-    new.timeout = timeout
+    new.timeout, new.heartbeat_timeout = kept["timeout"], kept["heartbeat_timeout"]
     new.job, new.epoch, new.parent_ranks, new._admitted_upto = job, epoch, list(parent_ranks), admitted_upto
 
 
@@ -206,7 +212,7 @@ def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float 
         grace: seconds to wait for ranks not known to be gone to check in.
 
     Returns the new communicator: its ``epoch`` one more than ``comm``'s, its
-    timeout ``comm``'s, and ``parent_ranks`` the members' ranks in ``comm``
+    timeout and heartbeat bound ``comm``'s, and ``parent_ranks`` the members' ranks in ``comm``
     (its rank r was rank ``parent_ranks[r]`` of ``comm``). Raises CommError on a rank that is fenced out, on
     every member if one dies before the new communicator is built, and with a
     clear message if the Store cannot be reached.
@@ -222,7 +228,7 @@ def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float 
     store = _agreement_store(comm, attempt)
     t0 = time.monotonic()
     gone = set(comm.gone_ranks()) | excluded
-    old_timeout = comm.timeout
+    kept = _kept(comm)
     # 1. Fence the old communicator first, for everybody: a peer still
     #    blocked in one of its collectives (waiting on this rank, perhaps
     #    across hosts) raises now and comes to shrink too, instead of at its
@@ -255,7 +261,7 @@ def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float 
     # 4. The members' new communicator: the old hosts kept (simulated ones
     #    too), fresh keys, segment and inter-host group.
     try:
-        new = _successor(comm, members.index(me), len(members), f"{comm.name}@a{attempt}", timeout, old_timeout,
+        new = _successor(comm, members.index(me), len(members), f"{comm.name}@a{attempt}", timeout, kept,
                          members)
     except CommError as e:
         raise CommError(f"pycomm.shrink: building the communicator of ranks {members} failed ({e}); a member "
@@ -293,20 +299,20 @@ def admit(comm: "Communicator", *, timeout: float = 30.0) -> "Communicator":
         if me == 0:
             for i, t in enumerate(tickets):
                 js.set(f"admitted/{t}", json.dumps(dict(
-                    name=name, rank=comm.world_size + i, world=world, epoch=comm.epoch + 1, timeout=comm.timeout,
+                    name=name, rank=comm.world_size + i, world=world, epoch=comm.epoch + 1, kept=_kept(comm),
                     parent_ranks=parents, admitted_upto=tickets[-1], settings=comm._settings)))
     except CommError:
         raise
     except Exception as e:
         raise CommError(f"pycomm.admit: the Store cannot be reached ({type(e).__name__}: {e})") from e
     t0 = time.monotonic()
-    keep_timeout = comm.timeout
+    kept = _kept(comm)
     comm._admitted_upto = tickets[-1]
     _fence(comm, f"pycomm: communicator {comm.name!r} (epoch {comm.epoch}) was replaced by an admit; use the "
                  "communicator admit() returns", [])
     # 3. The communicator of epoch e+1, newcomers included.
     try:
-        new = _successor(comm, me, world, name, timeout, keep_timeout, parents)
+        new = _successor(comm, me, world, name, timeout, kept, parents)
     except CommError as e:
         raise CommError(f"pycomm.admit: building the communicator with newcomers {tickets} failed ({e}); a "
                         "newcomer or a member may have died meanwhile: shrink() the old communicator") from e
@@ -342,7 +348,7 @@ def join(store: "dist.Store", job: str, *, timeout: float = 300.0) -> "Communica
         comm = _build(store, rec["rank"], rec["world"], rec["name"], timeout, None, rec["settings"])
     except CommError as e:
         raise CommError(f"pycomm.join: building the communicator of {job!r} failed ({e}); join again") from e
-    _inherit(comm, job, rec["epoch"], rec["timeout"], rec["parent_ranks"], rec["admitted_upto"])
+    _inherit(comm, job, rec["epoch"], rec["kept"], rec["parent_ranks"], rec["admitted_upto"])
     comm.joined = True
     logger.info("pycomm: joined %r as rank %d of %d (epoch %d)", job, comm.rank, comm.world_size, comm.epoch)
     return comm
