@@ -140,10 +140,10 @@ def store_dies(world: int = 2) -> List[str]:
     return out
 
 
-def _frozen_rank(rank: int, world: int, port: int, conn, heartbeat: float) -> None:
+def _frozen_rank(rank: int, world: int, port: int, conn, heartbeat: float, comm_kwargs: Dict[str, Any]) -> None:
     import reliability_cases as rc
 
-    store, comm = rc._bootstrap(rank, world, port, "frozen", 60.0)
+    store, comm = rc._bootstrap(rank, world, port, "frozen", 60.0, **comm_kwargs)
     comm.heartbeat_timeout = heartbeat
     conn.send("ready")
     members = list(range(world))
@@ -163,18 +163,21 @@ def _frozen_rank(rank: int, world: int, port: int, conn, heartbeat: float) -> No
                               blamed=getattr(e, "blamed_rank", None), failure=getattr(e, "failure", None))
                 comm = comm.shrink()
                 members = [members[r] for r in comm.parent_ranks]
-        report.update(members=members, epoch=comm.epoch)
+        report.update(members=members, epoch=comm.epoch, heartbeat=comm.heartbeat_timeout)
     except pycomm.CommError as e:  # the frozen rank, once continued
         report["fenced"] = str(e)[:400]
     conn.send(report)
 
 
-def freeze_and_shrink(world: int = 3, heartbeat: float = 1.0) -> Dict[str, Any]:
+def freeze_and_shrink(world: int = 3, heartbeat: float = 1.0,
+                      comm_kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """SIGSTOP the last rank mid-stream: the others declare it failed within
-    the heartbeat bound, shrink and go on; SIGCONT it: it is fenced out."""
+    the heartbeat bound, shrink and go on; SIGCONT it: it is fenced out.
+    ``comm_kwargs=dict(local_size=2)`` puts it on the second of two
+    simulated hosts: ranks of the first host find it through the store."""
     import reliability_cases as rc
 
-    store_pid, pids, conns = rc.fork_ranks(world, _frozen_rank, heartbeat)
+    store_pid, pids, conns = rc.fork_ranks(world, _frozen_rank, heartbeat, comm_kwargs or {})
     for c in conns:
         if not c.poll(60) or c.recv() != "ready":
             rc.reap(pids + [store_pid], 0)

@@ -76,12 +76,14 @@ def digest(ft: FaultTolerantDDP, optimizer: bool = True) -> str:
 
 
 def train(comm: pycomm.Communicator, hook: str, steps: int, *, lr: float = 0.05, kill_at: Optional[tuple] = None,
-          on_step=None, bucket_cap_mb: float = 0.03, admit_every: int = 0, on_failure: str = "redo") -> Dict[str, Any]:
+          on_step=None, bucket_cap_mb: float = 0.03, admit_every: int = 0, on_failure: str = "redo",
+          freeze: bool = False) -> Dict[str, Any]:
     """Train the digits MLP for ``steps`` steps with FaultTolerantDDP; the
     global batch of step s is the same on every rank and split over the
     current world. ``kill_at=(step, phase)`` kills this process at that step:
     phase 0 before the forward, 1 inside the backward (before its buckets go
-    out), 2 after the backward (its peers may complete the step)."""
+    out), 2 after the backward (its peers may complete the step); with
+    ``freeze`` it stops there instead (SIGSTOP, until the test continues it)."""
     from hooks_cases import digits_mlp
 
     xtr, ytr, xte, yte = _digits()
@@ -96,10 +98,11 @@ def train(comm: pycomm.Communicator, hook: str, steps: int, *, lr: float = 0.05,
                           bucket_cap_mb=bucket_cap_mb, admit_every=admit_every, on_failure=on_failure)
     first = model[0].weight
     digests: Dict[int, str] = {}
+    sig = signal.SIGSTOP if freeze else signal.SIGKILL
 
     def kill_in_backward(grad):
         if kill_at is not None and ft.steps_done == kill_at[0] and kill_at[1] == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), sig)
         return grad
 
     first.register_hook(kill_in_backward)
@@ -109,13 +112,13 @@ def train(comm: pycomm.Communicator, hook: str, steps: int, *, lr: float = 0.05,
         if on_step is not None:
             on_step(ft, step)
         if kill_at is not None and step == kill_at[0] and kill_at[1] == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), sig)
         idx = torch.randint(0, len(xtr), (GLOBAL_BATCH,), generator=torch.Generator().manual_seed(1000 + step))
         mine = torch.tensor_split(idx, ft.world_size)[ft.rank]
         loss = torch.nn.functional.cross_entropy(ft(xtr[mine]), ytr[mine])
         loss.backward()
         if kill_at is not None and step == kill_at[0] and kill_at[1] == 2:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), sig)
         return loss.item()
 
     ft.train(steps, step_fn)
@@ -129,18 +132,24 @@ def train(comm: pycomm.Communicator, hook: str, steps: int, *, lr: float = 0.05,
                 epoch=ft.comm.epoch, events=ft.events, digests=digests, stats=state.stats())
 
 
-def _collect(procs: int, target, *args: Any, dead: tuple = ()) -> Dict[str, Any]:
+def _collect(procs: int, target, *args: Any, dead: tuple = (), frozen: tuple = ()) -> Dict[str, Any]:
     """Forks a store and ``procs`` ranks running ``target``; every report but
-    the dead ranks', the hung count and what stayed in /dev/shm."""
+    the dead ranks', the hung count and what stayed in /dev/shm. ``frozen``
+    ranks stop themselves: once the others reported, they are continued
+    (SIGCONT) and report too."""
     import reliability_cases as rc
 
     before = rc.shm_entries()
     store_pid, pids, conns = rc.fork_ranks(procs, target, *args)
     reports: Dict[int, Any] = {}
     deadline = time.monotonic() + 150
-    for r, c in enumerate(conns):
+    order = [r for r in range(procs) if r not in frozen] + list(frozen)
+    for r in order:
+        c = conns[r]
         if r in dead:
             continue
+        if r in frozen:
+            os.kill(pids[r], signal.SIGCONT)
         if c.poll(max(0.0, deadline - time.monotonic())):
             try:
                 reports[r] = c.recv()
@@ -167,7 +176,10 @@ def _ft_rank(rank: int, world: int, port: int, hook: str, steps: int, kills: Dic
              comm_kwargs: Dict[str, Any], train_kwargs: Dict[str, Any]) -> Dict[str, Any]:
     import reliability_cases as rc
 
+    heartbeat = train_kwargs.pop("heartbeat", None)
     _store, comm = rc._bootstrap(rank, world, port, "ft", 20.0, **comm_kwargs)
+    if heartbeat is not None:
+        comm.heartbeat_timeout = heartbeat
     return train(comm, hook, steps, kill_at=kills.get(rank), **train_kwargs)
 
 
@@ -180,8 +192,9 @@ def kill_during_training(hook: str, world: int, steps: int, seed: int, *, comm_k
     if victims is None:
         victims = rng.sample(range(world), deaths)
     kills = {v: (rng.randrange(10, steps - 10), rng.randrange(3)) for v in victims}
+    frozen = train_kwargs.get("freeze", False)
     res = _collect(world, _reporting(_ft_rank), hook, steps, kills, comm_kwargs or {}, train_kwargs,
-                   dead=tuple(kills))
+                   dead=() if frozen else tuple(kills), frozen=tuple(kills) if frozen else ())
     res.update(kills=kills)
     return res
 

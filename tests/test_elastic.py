@@ -69,17 +69,23 @@ def test_shrink_says_when_the_store_is_gone(zygote):
         assert msg.startswith("CommError") and "Store cannot be reached" in msg, out
 
 
-def test_frozen_rank_is_declared_failed_by_heartbeat_then_fenced(zygote):
+@pytest.mark.parametrize("layout", ["one host", "2x2"])
+def test_frozen_rank_is_declared_failed_by_heartbeat_then_fenced(zygote, layout):
     """SIGSTOP: detected within the heartbeat bound (1 s here), not at the
     60 s timeout; the survivors shrink and go on; SIGCONT: the frozen rank's
-    next call raises and its shrink says it was fenced out."""
-    res = zygote.run(ec.freeze_and_shrink, 3, 1.0, timeout=180)
+    next call raises and its shrink says it was fenced out. On 2 simulated
+    hosts the frozen rank is rank 3: rank 2 sees it stop beating in shared
+    memory, ranks 0 and 1 through the store (no shared memory between
+    hosts)."""
+    world, kwargs = (3, {}) if layout == "one host" else (4, dict(local_size=2))
+    res = zygote.run(ec.freeze_and_shrink, world, 1.0, kwargs, timeout=180)
     frozen = res["frozen"]
     assert res["hung"] == 0
-    for r in (0, 1):
+    for r in range(world - 1):
         rep = res["reports"][r]
-        assert rep and rep["wrong"] == 0 and rep["members"] == [0, 1] and rep["epoch"] == 1, rep
+        assert rep and rep["wrong"] == 0 and rep["members"] == list(range(world - 1)) and rep["epoch"] == 1, rep
         assert rep["blamed"] == frozen and rep["failure"] == "silent", rep
+        assert rep["heartbeat"] == 1.0, rep  # the shrunk communicator keeps the bound
         assert "no heartbeat" in rep["error"], rep
         # The bound plus a liveness period and a sleep slice.
         assert 0.9 <= rep["detected_after_s"] <= 3.0, rep

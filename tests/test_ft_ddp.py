@@ -2,8 +2,8 @@
 forked from a zygote: kill -9 of a random rank at a random step and moment
 with every pycomm hook (the survivors finish every step, bitwise identical,
 as accurate as without the death), on two simulated hosts with the victim on
-either, two deaths, the "drop" policy, and a replacement that joins and is
-healed."""
+either, a rank frozen on the other host, two deaths, the "drop" policy, and
+a replacement that joins and is healed."""
 import os
 
 import pytest
@@ -68,6 +68,23 @@ def test_victim_on_either_simulated_host(zygote, baselines, victim):
         where = f"{hook} on 2 x 2, killed {res['kills']}"
         check(res, where, 4, hook=hook)
         assert res["reports"][0 if victim else 1]["acc"] >= baselines[hook] - 1.0, where
+
+
+def test_frozen_rank_on_the_other_simulated_host(zygote, baselines):
+    """SIGSTOP rank 3, on the other host of 2 x 2: rank 2 sees its heartbeat
+    stop in shared memory, ranks 0 and 1 on the Store (the bound is 1 s, the
+    collective timeout 20 s); the survivors shrink and finish every step;
+    continued (SIGCONT), the frozen rank is fenced out."""
+    res = zygote.run(fc.kill_during_training, "allreduce", 4, STEPS, 50, victims=[3],
+                     comm_kwargs=dict(local_size=2), freeze=True, heartbeat=1.0, timeout=240)
+    where = f"frozen {res['kills']}"
+    frozen = res["reports"].pop(3)
+    assert "fenced out" in frozen.get("crash", ""), (where, frozen)
+    check(res, where, 4, hook="allreduce")
+    for r, rep in res["reports"].items():
+        shrink = next(e for e in rep["events"] if e["kind"] == "shrink")
+        assert "no heartbeat" in shrink["cause"] and "rank 3" in shrink["cause"], (where, r, shrink)
+        assert rep["acc"] >= baselines["allreduce"] - 1.0, (where, r, rep["acc"])
 
 
 def test_two_deaths_and_the_drop_policy(zygote, baselines):
