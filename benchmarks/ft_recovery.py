@@ -16,8 +16,14 @@ machine (network namespaces included).
   checkpoint every ``--ckpt-every`` steps. Recovery = kill to the slowest
   rank's first completed step after the restart; steps lost = the steps
   since the last checkpoint, redone at the measured step time.
-* ``--mode heartbeat``: the steady step time with pycomm's heartbeat thread
-  (default) and without (PYCOMM_HEARTBEAT_S=0), alternating launches.
+* ``--freeze`` (pycomm, testbed): the victim stops itself (SIGSTOP) instead
+  of dying: the survivors find it by its heartbeat (``--heartbeat``, the
+  bound in seconds); continued at the end, it must say that it is out.
+  Recovery = freeze to the slowest survivor's next completed step.
+* ``--mode heartbeat``: the steady step time with pycomm's heartbeats
+  (default, or a bound of ``--heartbeat`` s; with ``--local-size`` the ranks
+  of other hosts beat on the Store too) and without (PYCOMM_HEARTBEAT_S=0),
+  alternating launches.
 * ``--mode testbed``: run under benchmarks/multihost/testbed.py, one process
   per host (``--nproc-per-host 1``) that starts ``--local-ranks`` ranks and
   uses torchrun's agent store (it outlives every rank); host 0 prints.
@@ -26,6 +32,7 @@ Examples::
 
     python benchmarks/ft_recovery.py --mode pycomm --trials 20
     python benchmarks/ft_recovery.py --mode torchrun --trials 5 --ckpt-every 50
+    python benchmarks/ft_recovery.py --mode pycomm --trials 20 --local-size 2 --freeze --heartbeat 1
     python benchmarks/ft_recovery.py --mode heartbeat --trials 6
     python benchmarks/multihost/testbed.py --hosts 2 --nproc-per-host 1 -- \\
         benchmarks/ft_recovery.py --mode testbed --local-ranks 2 --trials 20
@@ -69,16 +76,18 @@ def batch(step: int, rank: int, world: int):
     return torch.tensor_split(x, world)[rank], torch.tensor_split(y, world)[rank]
 
 
-def _die(store: "dist.Store", key: str) -> None:
+def _die(store: "dist.Store", key: str, freeze: bool = False) -> None:
+    """kill -9 of this process, or with ``freeze`` SIGSTOP (until continued)."""
     store.set(key, repr(time.monotonic()))
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGSTOP if freeze else signal.SIGKILL)
 
 
 # -------------------------------------------------------------- pycomm
 
 
 def pycomm_rank(store: "dist.Store", rank: int, world: int, name: str, victim: int, kill_step: int, steps: int,
-                width: int, local_size: Optional[int] = None, heartbeat: bool = True) -> Dict[str, Any]:
+                width: int, local_size: Optional[int] = None, heartbeat: bool = True, freeze: bool = False,
+                bound: Optional[float] = None) -> Dict[str, Any]:
     import pycomm
     from pycomm import hooks
     from pycomm.elastic import FaultTolerantDDP
@@ -88,13 +97,15 @@ def pycomm_rank(store: "dist.Store", rank: int, world: int, name: str, victim: i
         os.environ["PYCOMM_HEARTBEAT_S"] = "0"
     comm = pycomm.Communicator(store=store, rank=rank, world_size=world, name=name, timeout=30,
                                local_size=local_size)
+    if bound is not None:
+        comm.heartbeat_timeout = bound
     model = make_model(width)
     ft = FaultTolerantDDP(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), comm,
                           hook=hooks.allreduce_hook, admit_every=0)
 
     def fn(step: int) -> None:
         if rank == victim and step == kill_step:
-            _die(store, f"{name}/t_kill")
+            _die(store, f"{name}/t_kill", freeze)
         x, y = batch(step, ft.rank, ft.world_size)
         torch.nn.functional.cross_entropy(ft(x), y).backward()
 
@@ -115,26 +126,38 @@ def _rank_main(conn, rank: int, store_addr: str, store_port: int, *args: Any, **
         conn.send(dict(error=f"{type(e).__name__}: {e}"))
 
 
-def launch_ranks(ranks: List[int], store_addr: str, store_port: int, *args: Any, **kwargs: Any) -> Dict[int, Any]:
+def launch_ranks(ranks: List[int], store_addr: str, store_port: int, *args: Any, frozen: Optional[int] = None,
+                 **kwargs: Any) -> Dict[int, Any]:
     """One fresh process per rank (spawned: a fork of a process that imported
     torch is not safe with every torch build) running pycomm_rank; their
-    reports (the killed rank's: None). Startup is not timed."""
+    reports (the killed rank's: None). Startup is not timed. Rank ``frozen``
+    stops itself: once the others reported it is continued, and must say
+    that it is out (its report: None)."""
     ctx = mp.get_context("spawn")
-    conns, procs = {}, []
+    conns, procs = {}, {}
     for r in ranks:
         parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_rank_main, args=(child, r, store_addr, store_port, *args), kwargs=kwargs)
+        p = ctx.Process(target=_rank_main, args=(child, r, store_addr, store_port, *args),
+                        kwargs=dict(kwargs, freeze=r == frozen))
         p.start()
         child.close()
         conns[r] = parent
-        procs.append(p)
+        procs[r] = p
     out = {}
-    for r, c in conns.items():
+    for r in sorted(conns, key=lambda r: r == frozen):
+        c = conns[r]
+        if r == frozen:
+            os.kill(procs[r].pid, signal.SIGCONT)
         try:
             out[r] = c.recv() if c.poll(300) else None
         except EOFError:
             out[r] = None
-    for p in procs:
+        if r == frozen:
+            said = (out[r] or {}).get("error", "")
+            if "fenced out" not in said and "declared failed" not in said:
+                raise RuntimeError(f"the frozen rank {r}, continued, did not say it is out: {out[r]}")
+            out[r] = None
+    for p in procs.values():
         p.join(10)
         if p.is_alive():
             p.kill()
@@ -186,22 +209,31 @@ def run_pycomm(args: argparse.Namespace) -> None:
             store = dist.TCPStore("127.0.0.1", port, args.world, is_master=False,
                                   timeout=datetime.timedelta(seconds=60))
             reports = launch_ranks(list(range(args.world)), "127.0.0.1", port, args.world, f"t{i}", victim,
-                                   kill_step, args.steps, args.width, args.local_size)
+                                   kill_step, args.steps, args.width, args.local_size, bound=args.heartbeat,
+                                   frozen=victim if args.freeze else None)
             errors = [rep["error"] for rep in reports.values() if rep and "error" in rep]
             if errors or not store.check([f"t{i}/t_kill"]):
                 raise RuntimeError(f"trial {i + 1}: the victim did not die as planned; ranks said: {errors}")
             t_kill = float(store.get(f"t{i}/t_kill").decode())
         r = recovery_of(reports, t_kill, args.world)
         rec.append(r)
-        print(f"trial {i + 1}: rank {victim} killed at step {kill_step}; next completed step "
-              f"{r['recovery_s'] * 1e3:.1f} ms after the kill (step {r['step_s'] * 1e3:.1f} ms)", flush=True)
+        print(f"trial {i + 1}: rank {victim} {failure(args)} at step {kill_step}; next completed step "
+              f"{r['recovery_s'] * 1e3:.1f} ms after it (step {r['step_s'] * 1e3:.1f} ms)", flush=True)
     summary("pycomm FaultTolerantDDP", args, rec)
+
+
+def failure(args: argparse.Namespace) -> str:
+    """What happens to the victim, as the reports say it."""
+    if not args.freeze:
+        return "killed"
+    return f"frozen (SIGSTOP; heartbeat bound {args.heartbeat if args.heartbeat is not None else 'default'} s)"
 
 
 def summary(what: str, args: argparse.Namespace, rec: List[Dict[str, float]], extra: str = "") -> None:
     t = sorted(r["recovery_s"] for r in rec)
     layout = f"{args.world} ranks" + (f", {args.world // args.local_size} simulated hosts" if args.local_size else "")
-    print(f"{what}, {layout}, width {args.width}, {len(t)} trials: kill to next completed step min "
+    event = "freeze" if getattr(args, "freeze", False) else "kill"
+    print(f"{what}, {layout}, width {args.width}, {len(t)} trials: {event} to next completed step min "
           f"{t[0] * 1e3:.1f} / median {statistics.median(t) * 1e3:.1f} / max {t[-1] * 1e3:.1f} ms; steady step "
           f"{statistics.median(r['step_s'] for r in rec) * 1e3:.1f} ms{extra}", flush=True)
 
@@ -290,7 +322,8 @@ def run_heartbeat(args: argparse.Namespace) -> None:
         for beat in ((True, False) if i % 2 == 0 else (False, True)):
             with store_server(args.world) as port:
                 reports = launch_ranks(list(range(args.world)), "127.0.0.1", port, args.world, f"h{i}{beat}", -1,
-                                       -1, args.steps, args.width, args.local_size, heartbeat=beat)
+                                       -1, args.steps, args.width, args.local_size, heartbeat=beat,
+                                       bound=args.heartbeat if beat else None)
             # Steady state: the second half of the run, slowest rank per step.
             per_rank = [[t for _, t, _ in rep["done"]] for rep in reports.values()]
             ends = [max(ts) for ts in zip(*per_rank)]
@@ -323,7 +356,7 @@ def run_testbed(args: argparse.Namespace) -> None:
         victim, kill_step = rng.randrange(world), rng.randrange(20, args.steps - 10)
         mine = [host * args.local_ranks + j for j in range(args.local_ranks)]
         reports = launch_ranks(mine, addr, port, world, f"ft-testbed/t{i}", victim, kill_step, args.steps,
-                               args.width)
+                               args.width, bound=args.heartbeat, frozen=victim if args.freeze else None)
         for r, rep in reports.items():
             store.set(f"ft-testbed/t{i}/report/{r}", json.dumps(rep))
         if host == 0:
@@ -333,8 +366,8 @@ def run_testbed(args: argparse.Namespace) -> None:
             t_kill = float(store.get(f"ft-testbed/t{i}/t_kill").decode())
             r = recovery_of(got, t_kill, world)
             rec.append(r)
-            print(f"trial {i + 1}: rank {victim} killed at step {kill_step}; next completed step "
-                  f"{r['recovery_s'] * 1e3:.1f} ms after the kill (step {r['step_s'] * 1e3:.1f} ms)", flush=True)
+            print(f"trial {i + 1}: rank {victim} {failure(args)} at step {kill_step}; next completed step "
+                  f"{r['recovery_s'] * 1e3:.1f} ms after it (step {r['step_s'] * 1e3:.1f} ms)", flush=True)
         store.add(f"ft-testbed/t{i}/done", 1)
         store.wait([f"ft-testbed/t{i}/go"] if host else [], datetime.timedelta(seconds=120))
         if host == 0:
@@ -357,6 +390,10 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--ckpt-every", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--freeze", action="store_true",
+                    help="pycomm/testbed: the victim stops (SIGSTOP) instead of dying; continued at the end, it "
+                         "must say it is out")
+    ap.add_argument("--heartbeat", type=float, default=None, help="pycomm/testbed: comm.heartbeat_timeout (s)")
     # torchrun's workers
     ap.add_argument("--torchrun-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
