@@ -197,6 +197,45 @@ def freeze_and_shrink(world: int = 3, heartbeat: float = 1.0,
     return dict(frozen=frozen, reports=reports, hung=len(hung))
 
 
+def _busy_rank(rank: int, world: int, port: int, conn, heartbeat: float, busy_s: float,
+               comm_kwargs: Dict[str, Any]) -> None:
+    import reliability_cases as rc
+
+    store, comm = rc._bootstrap(rank, world, port, "busy", 60.0, **comm_kwargs)
+    comm.heartbeat_timeout = heartbeat
+    report: Dict[str, Any] = dict(wrong=0)
+    try:
+        for step in range(3):
+            if rank == world - 1 and step == 1:
+                # Pure Python: holds the GIL all along, as a long forward pass
+                # in Python would. The heartbeats run in C++ threads.
+                t_end, x = time.monotonic() + busy_s, 0
+                while time.monotonic() < t_end:
+                    x += 1
+            t0 = time.monotonic()
+            if not _sum_check(comm, list(range(world))):
+                report["wrong"] += 1
+            report[f"wait{step}"] = time.monotonic() - t0
+        report["gone"] = comm.gone_ranks()
+    except pycomm.CommError as e:
+        report["error"] = str(e)[:400]
+    comm.close()
+    conn.send(report)
+
+
+def busy_rank_keeps_beating(world: int = 4, heartbeat: float = 0.5, busy_s: float = 3.0,
+                            comm_kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The last rank computes for ``busy_s`` (several heartbeat bounds) while
+    the others wait for it in an all-reduce: nobody may declare it failed."""
+    import reliability_cases as rc
+
+    store_pid, pids, conns = rc.fork_ranks(world, _busy_rank, heartbeat, busy_s, comm_kwargs or {})
+    reports = {r: (c.recv() if c.poll(90) else None) for r, c in enumerate(conns)}
+    hung = rc.reap(pids, time.monotonic() + 10)
+    rc.reap([store_pid], 0)
+    return dict(reports=reports, hung=len(hung))
+
+
 def _second_death_rank(rank: int, world: int, port: int, conn, first: int, second: int) -> None:
     import reliability_cases as rc
     from pycomm.elastic import membership as elastic

@@ -93,6 +93,18 @@ def test_frozen_rank_is_declared_failed_by_heartbeat_then_fenced(zygote, layout)
     assert rep and "fenced out" in rep.get("fenced", ""), rep
 
 
+def test_busy_rank_is_never_declared_failed(zygote):
+    """A rank that computes for 6 heartbeat bounds (holding the GIL), on the
+    other of 2 simulated hosts, while its peers wait for it: it keeps beating
+    (in shared memory and on the Store) and nobody declares it failed."""
+    res = zygote.run(ec.busy_rank_keeps_beating, 4, 0.5, 3.0, dict(local_size=2), timeout=120)
+    assert res["hung"] == 0
+    for r, rep in res["reports"].items():
+        assert rep and "error" not in rep and rep["wrong"] == 0 and rep["gone"] == [], (r, rep)
+        if r != 3:
+            assert rep["wait1"] >= 2.5, (r, rep)  # it did wait for the busy rank
+
+
 def test_second_death_during_a_shrink(zygote):
     res = zygote.run(ec.second_death_during_shrink, 4, timeout=180)
     assert res["hung"] == 0

@@ -142,7 +142,7 @@ Communicator::Communicator(const CommunicatorOptions& o)
   w.rank = rank_;
   w.peers = std::move(remote);
   w.bound_s = bound;
-  w.on_silent = [this](int peer, double silent_s) { declare_silent(peer, silent_s); };
+  w.on_silent = [this](int peer, double silent_s, double bound_s) { declare_silent(peer, silent_s, bound_s); };
   watch_ = std::make_unique<PeerWatch>(std::move(w));
 }
 
@@ -183,12 +183,12 @@ void Communicator::set_heartbeat_timeout(double seconds) {
   if (watch_) watch_->set_bound(seconds);
 }
 
-void Communicator::declare_silent(int peer, double silent_s) {
+void Communicator::declare_silent(int peer, double silent_s, double bound_s) {
   std::ostringstream os;
   os.precision(3);
   if (peer == rank_) {
     os << "pycomm: rank " << rank_ << " was declared failed by its peers: its heartbeat stopped for longer than "
-       << watch_->bound() << " s (this process was stopped or frozen, or its machine stalled); they went on "
+       << bound_s << " s (this process was stopped or frozen, or its machine stalled); they went on "
        << "without it, and it may not take part in this communicator again";
   } else {
     os << "pycomm: rank " << peer << " stopped responding: no heartbeat on the Store for ";
@@ -196,7 +196,7 @@ void Communicator::declare_silent(int peer, double silent_s) {
       os << silent_s << " s";
     else
       os << "longer than the bound";
-    os << " (stopped, frozen, or its machine stalled; the bound is " << watch_->bound()
+    os << " (stopped, frozen, or its machine stalled; the bound is " << bound_s
        << " s); detected by rank " << rank_;
   }
   if (peer != rank_) {

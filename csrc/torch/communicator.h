@@ -182,7 +182,7 @@ class Communicator {
   // Sends `why` to `dst` as a failure message: its receive raises it.
   void send_failure(int dst, const std::string& why, bool async_op);
   // The PeerWatch's verdict: `peer`, on another host, stopped beating.
-  void declare_silent(int peer, double silent_s);
+  void declare_silent(int peer, double silent_s, double bound_s);
 
   int rank_ = 0;
   int world_ = 1;

@@ -147,7 +147,7 @@ struct PeerWatch::State {
   bool deliver(int rank, double silent_s) {
     std::lock_guard<std::mutex> lk(verdict_mu);
     if (closed) return false;
-    if (c.on_silent) c.on_silent(rank, silent_s);
+    if (c.on_silent) c.on_silent(rank, silent_s, bound_s.load());
     return true;
   }
 };

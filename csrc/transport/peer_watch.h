@@ -69,10 +69,10 @@ struct PeerWatchConfig {
   std::vector<int> peers;  // the ranks this one judges
   double bound_s = kDefaultHeartbeatS;
   // Called once per silent peer, on the judge's thread, with how long its
-  // counter stood still (0: another rank declared it); once with this
-  // rank's own number when a peer declared this rank silent. Never called
-  // once stop() returned.
-  std::function<void(int peer, double silent_s)> on_silent;
+  // counter stood still (0: another rank declared it) and the bound; once
+  // with this rank's own number when a peer declared this rank silent.
+  // Never called once stop() returned.
+  std::function<void(int peer, double silent_s, double bound_s)> on_silent;
 };
 
 class PeerWatch {

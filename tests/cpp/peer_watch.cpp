@@ -93,8 +93,9 @@ struct Verdicts {
   std::vector<std::pair<int, int>> seen;  // (judge, peer)
   std::vector<double> after_s;            // since the test's reference time
   Clock::time_point since = Clock::now();
-  std::function<void(int, double)> for_judge(int judge) {
-    return [this, judge](int peer, double) {
+  std::function<void(int, double, double)> for_judge(int judge) {
+    return [this, judge](int peer, double, double bound) {
+      CHECK(bound > 0);
       std::lock_guard<std::mutex> lk(mu);
       seen.emplace_back(judge, peer);
       after_s.push_back(std::chrono::duration<double>(Clock::now() - since).count());
