@@ -232,7 +232,7 @@ def failure(args: argparse.Namespace) -> str:
 def summary(what: str, args: argparse.Namespace, rec: List[Dict[str, float]], extra: str = "") -> None:
     t = sorted(r["recovery_s"] for r in rec)
     layout = f"{args.world} ranks" + (f", {args.world // args.local_size} simulated hosts" if args.local_size else "")
-    event = "freeze" if getattr(args, "freeze", False) else "kill"
+    event = "freeze" if args.freeze else "kill"
     print(f"{what}, {layout}, width {args.width}, {len(t)} trials: {event} to next completed step min "
           f"{t[0] * 1e3:.1f} / median {statistics.median(t) * 1e3:.1f} / max {t[-1] * 1e3:.1f} ms; steady step "
           f"{statistics.median(r['step_s'] for r in rec) * 1e3:.1f} ms{extra}", flush=True)

@@ -198,8 +198,6 @@ void Communicator::declare_silent(int peer, double silent_s, double bound_s) {
       os << "longer than the bound";
     os << " (stopped, frozen, or its machine stalled; the bound is " << bound_s
        << " s); detected by rank " << rank_;
-  }
-  if (peer != rank_) {
     std::lock_guard<std::mutex> lk(silent_mu_);
     silent_.push_back(peer);
   }

@@ -50,9 +50,10 @@ void PgChannels::abort(const std::string& why, Blame blame) {
   if (!aborted_) aborted_.emplace(why, blame);
 }
 
-void PgChannels::throw_if_peer_gone() {
+std::optional<CommError> PgChannels::peer_gone() {
   std::lock_guard<std::mutex> lk(mu_);
-  if (aborted_ && aborted_->blame().gone()) throw *aborted_;
+  if (aborted_ && aborted_->blame().gone()) return aborted_;
+  return std::nullopt;
 }
 
 void PgChannels::check_broken() {
@@ -74,29 +75,32 @@ CommError PgChannels::unreachable(const OpContext& ctx, int peer, const char* er
 }
 
 void PgChannels::wait(TransferPtr work, int peer, const char* what, const OpContext& ctx) {
-  // As in PgTransport::wait: `work` is posted, so a later abort wakes it.
-  throw_if_peer_gone();
-  const std::string error = wait_transfer(*work, ctx.deadline);
-  if (error.empty()) return;
-  try {
-    throw_if_peer_gone();
-  } catch (const CommError&) {
-    std::lock_guard<std::mutex> lk(mu_);
-    abandoned_.push_back(std::move(work));
-    throw;
+  // As in PgTransport::wait: `work` is posted, so an abort after this check
+  // wakes it, and raises at the check after the wait.
+  std::optional<CommError> err = peer_gone();
+  std::string error;
+  if (!err) {
+    error = wait_transfer(*work, ctx.deadline);
+    if (error.empty()) return;
+    err = peer_gone();
   }
-  std::ostringstream os;
-  os << "pycomm." << collective_name(ctx.coll) << " #" << ctx.seq << " on rank " << rank_;
-  if (std::chrono::steady_clock::now() >= ctx.deadline)
-    os << ": " << timed_out_waiting(ctx.timeout_s) << " for rank " << peer << " (" << what << " between hosts)";
-  else
-    os << " failed while waiting for rank " << peer << " (" << what << " between hosts): " << error << "; rank "
-       << peer << " may have died or left";
-  CommError err(os.str(), Blame{FailureKind::kWaiting, peer});
+  if (!err) {
+    std::ostringstream os;
+    os << "pycomm." << collective_name(ctx.coll) << " #" << ctx.seq << " on rank " << rank_;
+    if (std::chrono::steady_clock::now() >= ctx.deadline)
+      os << ": " << timed_out_waiting(ctx.timeout_s) << " for rank " << peer << " (" << what << " between hosts)";
+    else
+      os << " failed while waiting for rank " << peer << " (" << what << " between hosts): " << error
+         << "; rank " << peer << " may have died or left";
+    err.emplace(os.str(), Blame{FailureKind::kWaiting, peer});
+  }
+  // The backend may still touch the transfer's buffer.
   std::lock_guard<std::mutex> lk(mu_);
   abandoned_.push_back(std::move(work));
-  if (!broken_) broken_.emplace(err);
-  throw err;
+  // After the abort that declared a peer gone, sends still go out (see
+  // abort()); any other failure leaves the channels unusable.
+  if (!err->blame().gone() && !broken_) broken_ = err;
+  throw *err;
 }
 
 void PgChannels::reap(int peer, size_t keep, const OpContext& ctx) {

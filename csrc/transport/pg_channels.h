@@ -74,8 +74,8 @@ class PgChannels : public MessageChannels {
   // `keep` bytes are pending. Called under send_mu_.
   void reap(int peer, size_t keep, const OpContext& ctx);
   void wait(TransferPtr work, int peer, const char* what, const OpContext& ctx);
-  // Throws the abort that declared a peer gone, if there was one.
-  void throw_if_peer_gone();
+  // The abort that declared a peer gone, if there was one.
+  std::optional<CommError> peer_gone();
 
   std::shared_ptr<PeerLink> link_;
   int rank_;

@@ -121,12 +121,13 @@ def _shutdown_quietly(backend: Any) -> None:
         logger.debug("pycomm: shutting the fenced inter-host group down: %s", e)
 
 
-def _successor(comm: "Communicator", rank: int, world: int, name: str, timeout: float, kept: Dict[str, float],
+def _successor(comm: "Communicator", rank: int, world: int, name: str, timeout: float,
                parent_ranks: List[int]) -> "Communicator":
     """The communicator of epoch ``comm.epoch + 1`` (fresh keys under
-    ``name``, the same hosts, settings and job), rank ``rank`` of ``world``."""
+    ``name``, the same hosts, settings and job), rank ``rank`` of ``world``;
+    ``comm`` is fenced (it kept what its successor inherits)."""
     new = _build(comm._root_store, rank, world, name, timeout, comm._host_label, comm._settings)
-    _inherit(new, comm.job, comm.epoch + 1, kept, parent_ranks, comm._admitted_upto)
+    _inherit(new, comm.job, comm.epoch + 1, _kept(comm), parent_ranks, comm._admitted_upto)
     return new
 
 
@@ -228,7 +229,6 @@ def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float 
     store = _agreement_store(comm, attempt)
     t0 = time.monotonic()
     gone = set(comm.gone_ranks()) | excluded
-    kept = _kept(comm)
     # 1. Fence the old communicator first, for everybody: a peer still
     #    blocked in one of its collectives (waiting on this rank, perhaps
     #    across hosts) raises now and comes to shrink too, instead of at its
@@ -261,7 +261,7 @@ def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float 
     # 4. The members' new communicator: the old hosts kept (simulated ones
     #    too), fresh keys, segment and inter-host group.
     try:
-        new = _successor(comm, members.index(me), len(members), f"{comm.name}@a{attempt}", timeout, kept,
+        new = _successor(comm, members.index(me), len(members), f"{comm.name}@a{attempt}", timeout,
                          members)
     except CommError as e:
         raise CommError(f"pycomm.shrink: building the communicator of ranks {members} failed ({e}); a member "
@@ -306,13 +306,12 @@ def admit(comm: "Communicator", *, timeout: float = 30.0) -> "Communicator":
     except Exception as e:
         raise CommError(f"pycomm.admit: the Store cannot be reached ({type(e).__name__}: {e})") from e
     t0 = time.monotonic()
-    kept = _kept(comm)
     comm._admitted_upto = tickets[-1]
     _fence(comm, f"pycomm: communicator {comm.name!r} (epoch {comm.epoch}) was replaced by an admit; use the "
                  "communicator admit() returns", [])
     # 3. The communicator of epoch e+1, newcomers included.
     try:
-        new = _successor(comm, me, world, name, timeout, kept, parents)
+        new = _successor(comm, me, world, name, timeout, parents)
     except CommError as e:
         raise CommError(f"pycomm.admit: building the communicator with newcomers {tickets} failed ({e}); a "
                         "newcomer or a member may have died meanwhile: shrink() the old communicator") from e
