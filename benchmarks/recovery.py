@@ -3,7 +3,7 @@ completed step on the shrunk communicator (pycomm.elastic.shrink).
 
 Each trial forks a Store process and `--world` ranks running a stream of
 checked 70001-element all-reduces; one random rank is killed at a random
-moment; the survivors catch the CommError, call ``comm.shrink()`` and go on.
+moment; the survivors catch the CommError, call ``pycomm.elastic.shrink(comm)`` and go on.
 Prints per trial the victim and the slowest survivor's time, then the median
 and max over the trials (every result is checked: #wrong must be 0)::
 

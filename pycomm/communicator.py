@@ -122,15 +122,15 @@ class Communicator:
             name = f"{group_name}/{index}"
         self.name: str = name
         #: Membership epoch: 0 for a communicator made by the constructor, e + 1
-        #: for one made by :meth:`shrink` or :meth:`admit` of a communicator of epoch e.
+        #: for one made by :func:`pycomm.elastic.shrink` or :func:`pycomm.elastic.admit` of a communicator of epoch e.
         self.epoch: int = 0
-        #: The name a process passes to :meth:`join` to join this job: the
+        #: The name a process passes to :func:`pycomm.elastic.join` to join this job: the
         #: epoch-0 communicator's name, kept by every shrink and admit.
         self.job: str = name
         #: Ranks of the communicator this one replaced (``parent_ranks[r]`` was
         #: rank r's rank there; -1 for a rank that joined); None at epoch 0.
         self.parent_ranks: Optional[List[int]] = None
-        #: True on a process whose communicator came from :meth:`join`.
+        #: True on a process whose communicator came from :func:`pycomm.elastic.join`.
         self.joined: bool = False
         self._admitted_upto = 0  # joiners' tickets up to this one were admitted (pycomm.elastic)
         store = bootstrap.key_space(store, name)
@@ -565,7 +565,7 @@ class Communicator:
         that computes for long is never declared failed, while one that is
         stopped (SIGSTOP) or frozen, or whose machine stalled, is, within
         this bound instead of the collective timeout: the waiting ranks raise
-        CommError naming it (``failure == "silent"``), and :meth:`shrink`
+        CommError naming it (``failure == "silent"``), and :func:`pycomm.elastic.shrink`
         leaves it out. A frozen rank that wakes up reads that it was declared
         and raises (it is out; its shrink says it was fenced out). Default
         5 s (``PYCOMM_HEARTBEAT_S``); 0 stops judging peers. With
@@ -598,56 +598,6 @@ class Communicator:
     def close(self) -> None:
         """Finish queued collectives and leave; later calls raise CommError."""
         self._c.shutdown()
-
-    def shrink(self, exclude: Sequence[int] = (), *, timeout: float = 30.0,
-               grace: float = 2.0) -> "Communicator":
-        """A new communicator of the surviving ranks, renumbered in rank order; this one is fenced.
-
-        Call it on every surviving rank after a collective raised
-        :class:`CommError` because a peer died, or with ``exclude=[ranks]`` on
-        purpose (a preempted host). See :func:`pycomm.elastic.shrink` for how the
-        survivors agree and what an excluded rank sees.
-
-        Example::
-
-            try:
-                comm.all_reduce(grad)
-            except pycomm.CommError:
-                comm = comm.shrink()          # the survivors, ranks 0..n-2
-                comm.all_reduce(grad)
-        """
-        from . import elastic
-
-        return elastic.shrink(self, exclude, timeout=timeout, grace=grace)
-
-    def admit(self, *, timeout: float = 30.0) -> "Communicator":
-        """This communicator grown by the processes waiting in :meth:`join`; itself if none wait.
-
-        Collective over the members, at a step boundary (every member calls it
-        at the same point). See :func:`pycomm.elastic.admit`.
-
-        Example::
-
-            comm = comm.admit()        # every member, e.g. every 10 steps
-        """
-        from . import elastic
-
-        return elastic.admit(self, timeout=timeout)
-
-    @staticmethod
-    def join(store: "dist.Store", job: str, *, timeout: float = 300.0) -> "Communicator":
-        """Join a running job as a new rank: waits until its members :meth:`admit` this process.
-
-        ``job`` is the members' :attr:`job` (the first communicator's name).
-        See :func:`pycomm.elastic.join`.
-
-        Example::
-
-            comm = pycomm.Communicator.join(store, "train")   # rank comm.rank of comm.world_size
-        """
-        from . import elastic
-
-        return elastic.join(store, job, timeout=timeout)
 
     def gone_ranks(self) -> List[int]:
         """Ranks known to be gone for good: dead or frozen on this host, or blamed as dead by a failure."""

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 import pycomm
+from pycomm import elastic
 from harness import make_comm
 
 
@@ -26,7 +27,7 @@ def exclude_on_purpose(rank: int, world: int, name: str, exclude: List[int]) -> 
     assert _sum_check(comm, list(range(world)))
     out: Dict[str, Any] = {}
     try:
-        new = comm.shrink(exclude=exclude)
+        new = elastic.shrink(comm, exclude=exclude)
     except pycomm.CommError as e:
         out["error"] = str(e)
     else:
@@ -63,7 +64,7 @@ def _victim_rank(rank: int, world: int, port: int, conn, steps_after: int, comm_
         except pycomm.CommError as e:
             t_fail = time.monotonic()
             report["error"] = str(e)[:300]
-            comm = comm.shrink()
+            comm = elastic.shrink(comm)
             members = [members[r] for r in comm.parent_ranks]
             report["shrinks"] += 1
     report.update(members=members, world=comm.world_size, epoch=comm.epoch)
@@ -118,7 +119,7 @@ def _store_dies_rank(rank: int, world: int, port: int, conn) -> None:
     conn.send("ready")
     conn.recv()  # the store is gone now
     try:
-        comm.shrink(exclude=[world - 1], grace=0.5)
+        elastic.shrink(comm, exclude=[world - 1], grace=0.5)
         conn.send("no error")
     except Exception as e:  # noqa: BLE001
         conn.send(f"{type(e).__name__}: {e}")
@@ -161,7 +162,7 @@ def _frozen_rank(rank: int, world: int, port: int, conn, heartbeat: float, comm_
             except pycomm.CommError as e:
                 report.update(error=str(e)[:400], failed_at=time.monotonic(),
                               blamed=getattr(e, "blamed_rank", None), failure=getattr(e, "failure", None))
-                comm = comm.shrink()
+                comm = elastic.shrink(comm)
                 members = [members[r] for r in comm.parent_ranks]
         report.update(members=members, epoch=comm.epoch, heartbeat=comm.heartbeat_timeout)
     except pycomm.CommError as e:  # the frozen rank, once continued
@@ -258,7 +259,7 @@ def _second_death_rank(rank: int, world: int, port: int, conn, first: int, secon
             for _ in range(5):
                 report["attempts"] += 1
                 try:
-                    comm = old.shrink(timeout=2.0)
+                    comm = elastic.shrink(old, timeout=2.0)
                     break
                 except pycomm.CommError as e:
                     report["retry_error"] = str(e)[:300]

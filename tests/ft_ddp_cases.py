@@ -211,7 +211,7 @@ def _join_rank(rank: int, procs: int, port: int, hook: str, steps: int, victim: 
     if rank == world:
         store.wait(["ft-join/go"], datetime.timedelta(seconds=120))
         t0 = time.monotonic()
-        comm = pycomm.Communicator.join(store, "ft-join", timeout=60)
+        comm = pycomm.elastic.join(store, "ft-join", timeout=60)
         joined_s = time.monotonic() - t0
     else:
         comm = pycomm.Communicator(store=store, rank=rank, world_size=world, name="ft-join", timeout=20)

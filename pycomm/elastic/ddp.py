@@ -11,7 +11,7 @@ communicator's is not.
 A step (:meth:`FaultTolerantDDP.step`):
 
 1. At a step boundary, every ``admit_every`` steps, newcomers waiting in
-   :meth:`pycomm.Communicator.join` are admitted and healed.
+   :func:`pycomm.elastic.join` are admitted and healed.
 2. The closure runs forward and backward; each bucket goes through the hook.
    A failed bucket is handed back to DDP untouched and remembered, so that
    DDP's own state stays whole.
@@ -40,7 +40,7 @@ Example (every rank; a replacement runs the same script with ``--join``)::
 
     store = dist.TCPStore(store_host, port, is_master=False)     # outlives every rank
     if joining:
-        comm = pycomm.Communicator.join(store, "train")
+        comm = pycomm.elastic.join(store, "train")
     else:
         comm = pycomm.Communicator(store=store, rank=rank, world_size=world, name="train")
     ft = pycomm.elastic.FaultTolerantDDP(model, opt, comm, hook=hooks.int8_hook,
@@ -70,7 +70,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import hooks as _hooks
 from .._loader import CommError
 from ..communicator import Communicator
-from .membership import FencedOut
+from .membership import FencedOut, admit, shrink
 
 logger = logging.getLogger("pycomm")
 
@@ -107,7 +107,7 @@ class FaultTolerantDDP(torch.nn.Module):
             tensors).
         optimizer: its optimizer (:class:`pycomm.hooks.LocalSGD` too).
         comm: a :class:`pycomm.Communicator` built on a Store that outlives
-            every rank, or one from :meth:`pycomm.Communicator.join`. Building
+            every rank, or one from :func:`pycomm.elastic.join`. Building
             the wrapper is collective: it sends rank 0's model and optimizer
             state to every rank (a joining process: the most advanced
             member's).
@@ -358,7 +358,7 @@ class FaultTolerantDDP(torch.nn.Module):
         self._admit_checked = self.steps_done
         t0 = time.monotonic()
         try:
-            new = self.comm.admit(timeout=self.shrink_timeout)
+            new = admit(self.comm, timeout=self.shrink_timeout)
         except CommError as e:
             self._recover(e)
             return
@@ -379,7 +379,7 @@ class FaultTolerantDDP(torch.nn.Module):
                        self.comm.world_size, self.steps_done, str(error).splitlines()[0][:200])
         for _ in range(self.max_recoveries):
             try:
-                new = self.comm.shrink(timeout=self.shrink_timeout, grace=self.grace)
+                new = shrink(self.comm, timeout=self.shrink_timeout, grace=self.grace)
             except FencedOut:
                 raise
             except CommError as e:

@@ -29,8 +29,8 @@ torchrun's agent store, or a TCPStore whose host is not a training rank):
    communicator (each attempt agrees under new keys).
 
 Growing (:func:`admit`, :func:`join`): a new process calls
-``Communicator.join(store, job)``, which takes a ticket in the Store and
-waits; the members call ``comm.admit()`` at a step boundary, agree with one
+``elastic.join(store, job)``, which takes a ticket in the Store and
+waits; the members call ``elastic.admit(comm)`` at a step boundary, agree with one
 compare-and-set on the tickets to take (every member reads the same list),
 and all of them, newcomers included, build the communicator of epoch e+1:
 the members keep their ranks, the newcomers come after them in ticket order.
@@ -45,7 +45,7 @@ them; its old communicator is aborted, so its next call raises. Example::
         try:
             comm.all_reduce(grad, op="avg")
         except pycomm.CommError:
-            comm = comm.shrink()        # survivors only; redo or drop this step
+            comm = elastic.shrink(comm)  # survivors only; redo or drop this step
 """
 from __future__ import annotations
 

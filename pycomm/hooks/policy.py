@@ -1,0 +1,201 @@
+"""Which path a bucket takes: the hooks' policy, decided once per kind of
+bucket and logged (INFO, logger ``pycomm``) with its reason.
+
+* CPU buckets: pycomm's :class:`~pycomm.Communicator` (shared memory within a
+  host, its inter-host transport between hosts).
+* CUDA buckets, compressed: :class:`~pycomm.GroupCommunicator`, pycomm's CUDA
+  kernels composed with the group's own collectives (NCCL), on the device.
+* CUDA buckets, plain: CUDA IPC when every rank is on one host, each on its
+  own GPU; otherwise the group's own all-reduce.
+
+``path=`` on a state (or ``PYCOMM_HOOK_PATH``) forces one of :data:`PATHS`.
+
+Example::
+
+    state = hooks.AllReduceState(path="group")   # CPU buckets then go over Gloo
+    ddp.register_comm_hook(state, hooks.allreduce_hook)
+    state.routes()                               # {"cpu/plain": "group"} after the first bucket
+"""
+import logging
+import os
+import socket
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from .. import communicator as _communicator
+from .. import default as _default
+from .. import group as _group
+from .._loader import CommError, load_core
+
+logger = logging.getLogger("pycomm")
+
+Group = Union[None, dist.ProcessGroup, _communicator.Communicator]
+#: What ``path=`` (or ``PYCOMM_HOOK_PATH``) may say.
+PATHS = ("auto", "communicator", "group", "ipc")
+
+
+def _given_communicator(process_group: Group, communicator: Optional["_communicator.Communicator"]
+                        ) -> Optional["_communicator.Communicator"]:
+    """The communicator the caller passed (as ``communicator`` or as
+    ``process_group``), or None; raises on a bad pair."""
+    if communicator is not None and process_group is not None:
+        raise ValueError("pycomm.hooks: pass process_group or communicator, not both")
+    if isinstance(process_group, _communicator.Communicator):
+        return process_group
+    if communicator is not None and not isinstance(communicator, _communicator.Communicator):
+        raise TypeError(f"pycomm.hooks: communicator must be a pycomm.Communicator, got {type(communicator)}")
+    return communicator
+
+
+def _resolve_communicator(process_group: Group, communicator: Optional["_communicator.Communicator"]):
+    """The communicator a state uses: the one given, the default one (ranks of
+    the default group), or a new one over ``process_group``'s ranks. Creating
+    one is collective: build states on every rank, in the same order."""
+    given = _given_communicator(process_group, communicator)
+    if given is not None:
+        return given
+    if process_group is None or process_group is dist.group.WORLD:
+        return _default.get_default()
+    return _communicator.Communicator(process_group)
+
+
+def completed(value: torch.Tensor) -> torch.futures.Future:
+    """A future that already holds ``value``: what a hook returns for a bucket
+    it does not send."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+def ipc_refusal(ranks: List[Tuple[str, str, bool]]) -> Optional[str]:
+    """Why CUDA IPC cannot carry plain buckets among ``ranks`` (each rank's
+    (host, GPU id, build has CUDA)), or None if it can."""
+    if not all(r[2] for r in ranks):
+        return "this pycomm build has no CUDA IPC on some rank"
+    if len({r[0] for r in ranks}) > 1:
+        return "the ranks span several hosts"
+    if len({r[1] for r in ranks}) < len(ranks):
+        return ("ranks share a GPU, so an IPC kernel waits for its peers' time slices (measured ~4.5 ms per "
+                "call with 2 ranks on one H100)")
+    if len(ranks) > 8:
+        return "CUDA IPC groups have at most 8 ranks"
+    return None
+
+
+class Router:
+    """Where a hook state's buckets go: the communicator (CPU), the group path
+    or CUDA IPC (CUDA), set up at the first bucket that needs each,
+    collectively. :class:`~pycomm.hooks.HookState` is one.
+
+    Args:
+        process_group: the ranks DDP averages over (or a Communicator).
+        communicator: an existing communicator to share.
+        path: ``"auto"``, ``"group"``, ``"ipc"`` or ``"communicator"``;
+            default: ``PYCOMM_HOOK_PATH`` or ``"auto"``.
+    """
+
+    def __init__(self, process_group: Group = None, *,
+                 communicator: Optional["_communicator.Communicator"] = None, path: Optional[str] = None) -> None:
+        self._comm_arg = _given_communicator(process_group, communicator)
+        path = path or os.environ.get("PYCOMM_HOOK_PATH") or "auto"
+        if path not in PATHS:
+            raise ValueError(f"pycomm.hooks: path={path!r}; use one of {', '.join(PATHS)}")
+        self.path = path
+        self.process_group: Optional[dist.ProcessGroup] = (
+            process_group if isinstance(process_group, dist.ProcessGroup) else None)
+        self._communicator: Optional["_communicator.Communicator"] = self._comm_arg
+        self._group_comm: Optional[_group.GroupCommunicator] = None
+        self._ipc: Dict[torch.device, Any] = {}
+        self._routes: Dict[Tuple[str, bool], str] = {}
+
+    @property
+    def communicator(self) -> "_communicator.Communicator":
+        """pycomm's communicator for CPU buckets (created on first use, collectively)."""
+        if self._communicator is None:
+            self._communicator = _resolve_communicator(self.process_group, None)
+        return self._communicator
+
+    @property
+    def world_size(self) -> int:
+        if self._comm_arg is not None:
+            return self._comm_arg.world_size
+        return dist.get_world_size(self.process_group) if dist.is_initialized() else self.communicator.world_size
+
+    def routes(self) -> Dict[str, str]:
+        """The path each kind of bucket took so far, e.g. ``{"cuda/compressed": "group"}``."""
+        return {f"{dev}/{'compressed' if c else 'plain'}": r for (dev, c), r in self._routes.items()}
+
+
+    def _route(self, buf: torch.Tensor, compressed: bool) -> str:
+        """The path of a bucket like ``buf``: decided once per device type and
+        kind (collectively where it asks the peers), logged with its reason."""
+        key = (buf.device.type, compressed)
+        route = self._routes.get(key)
+        if route is None:
+            route, why = self._decide(buf, compressed)
+            self._routes[key] = route
+            logger.info("pycomm.hooks: %s %s buckets take the %s path: %s", buf.device.type,
+                        "compressed" if compressed else "plain", route, why)
+        return route
+
+    def _decide(self, buf: torch.Tensor, compressed: bool) -> Tuple[str, str]:
+        forced = f"path={self.path!r} was asked for"
+        if buf.device.type == "cpu":
+            if self.path == "ipc":
+                raise CommError("pycomm.hooks: path='ipc' takes CUDA buckets; this bucket is on the CPU")
+            if self.path == "group":
+                return "group", forced + " (Gloo)"
+            return "communicator", "CPU tensors go through pycomm's communicator (shared memory within a host)"
+        if buf.device.type != "cuda":
+            raise CommError(f"pycomm.hooks: buckets on {buf.device} are not supported (CPU and CUDA are)")
+        if self.path == "communicator" or self._comm_arg is not None:
+            raise CommError("pycomm.hooks: pycomm's communicator takes CPU tensors only; for CUDA buckets build "
+                            "the state with the DDP process group (or none), not a communicator, and path='auto'")
+        backend = _group.device_backend(self.process_group, buf.device)
+        if compressed:
+            return "group", (forced if self.path == "group" else "compressed CUDA buckets are composed from "
+                             f"pycomm's CUDA kernels and the group's own collectives ({backend}), on the device")
+        if self.path in ("group", "ipc"):
+            return self.path, forced
+        why_not = self._ipc_refusal(buf.device)
+        if why_not is None:
+            return "ipc", "every rank is on this host, each on its own GPU: CUDA IPC (one kernel per call)"
+        return "group", f"the group's own all-reduce ({backend}): {why_not}"
+
+    def _ipc_refusal(self, device: torch.device) -> Optional[str]:
+        """Why CUDA IPC cannot carry this group's plain buckets, or None if it
+        can; the same answer on every rank (it asks them all)."""
+        props = torch.cuda.get_device_properties(device)
+        gpu = str(props.uuid) if hasattr(props, "uuid") else f"{socket.gethostname()}/{device}"
+        mine = (socket.gethostname(), gpu, bool(getattr(load_core(), "has_cuda", False)))
+        everyone: List[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.process_group)
+        return ipc_refusal(everyone)
+
+    def _group_communicator(self) -> _group.GroupCommunicator:
+        if self._group_comm is None:
+            pg = self.process_group
+            if self._comm_arg is not None:
+                raise CommError("pycomm.hooks: path='group' needs the DDP process group; build the state with "
+                                "process_group=, not communicator=")
+            self._group_comm = _group.GroupCommunicator(pg)
+        return self._group_comm
+
+    def _ipc_group(self, device: torch.device):
+        ipc = self._ipc.get(device)
+        if ipc is None:
+            from .. import cuda_ipc
+
+            pg = self.process_group if self.process_group is not None else dist.group.WORLD
+            store = dist.distributed_c10d._get_default_store()
+            ranks = "-".join(map(str, dist.get_process_group_ranks(pg)))
+            world = dist.get_world_size(pg)
+            # The n-th IPC group of these ranks: every rank counts itself in;
+            # none counts for the next group before all counted for this one,
+            # since building a group waits for every rank's handles.
+            n = (store.add(f"pycomm.hooks.ipc/{ranks}/count", 1) - 1) // world
+            ipc = self._ipc[device] = cuda_ipc.IpcAllReduce(store, dist.get_rank(pg), world, device=device,
+                                                            prefix=f"pycomm.hooks.ipc/{ranks}/{n}")
+        return ipc
