@@ -10,6 +10,7 @@ import datetime
 import logging
 import os
 import threading
+import weakref
 from typing import Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -32,7 +33,11 @@ def _check_tag(tag: int) -> int:
     return tag
 
 
-_instances_per_group: Dict[str, int] = {}
+# Communicators made so far per Store object and group name: the index that
+# names the next one. Keyed by the Store too, so that a job which destroys its
+# default group and starts a new one (a new Store) counts from 0 again on every
+# rank, whatever each process built before.
+_instances: "weakref.WeakKeyDictionary[dist.Store, Dict[str, int]]" = weakref.WeakKeyDictionary()
 _instances_lock = threading.Lock()
 
 
@@ -63,8 +68,8 @@ class Communicator:
         round_bytes: shared-memory staging size per phase (default 1 MiB or
             ``PYCOMM_SHM_ROUND_BYTES``).
         name: the communicator's key space in the Store. By default the n-th
-            communicator created on a group is named after the group and n;
-            pass distinct names to build several on one explicit store.
+            communicator created on a group (since its Store was made) is
+            named after the group and n; pass distinct names to build several on one explicit store.
         transport: ``"auto"`` (default, or ``PYCOMM_TRANSPORT``): shared memory
             inside a host, a process group between hosts; ``"pg"``: every
             transfer through the process group, even on one host;
@@ -117,8 +122,9 @@ class Communicator:
             # Like torch's new_group: the n-th communicator of a group is the
             # n-th on every rank, provided ranks create them in the same order.
             with _instances_lock:
-                index = _instances_per_group.get(group_name, 0)
-                _instances_per_group[group_name] = index + 1
+                counts = _instances.setdefault(store, {})
+                index = counts.get(group_name, 0)
+                counts[group_name] = index + 1
             name = f"{group_name}/{index}"
         self.name: str = name
         #: Membership epoch: 0 for a communicator made by the constructor, e + 1

@@ -147,3 +147,24 @@ def coalesced(rank: int, world: int, name: str) -> dict:
         out[label] = ok
     comm.close()
     return out
+
+
+def regrouped(rank: int, world: int, name: str) -> bool:
+    """Ranks that took part in an earlier job on this process (a default
+    group of the first world - 1 ranks, since destroyed) and a rank that did
+    not agree on the names of the next group's communicators: the count of
+    unnamed communicators starts again with each group's Store."""
+    for round_, size in ((0, world - 1), (1, world)):
+        if rank >= size:
+            continue
+        store = dist.PrefixStore(f"{name}/{round_}", worker_store())
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=60))
+        try:
+            with pycomm.Communicator(timeout=20) as comm:
+                t = torch.ones(4)
+                comm.all_reduce(t)
+                assert t.tolist() == [float(size)] * 4
+        finally:
+            dist.destroy_process_group()
+    return True

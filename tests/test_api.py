@@ -2,7 +2,7 @@
 dist.ReduceOp, world size 1, bootstrap from torch.distributed, PYCOMM_ALGO."""
 import pytest
 
-from api_cases import async_and_futures, coalesced, default_group, env_algorithm, world_of_one
+from api_cases import async_and_futures, coalesced, default_group, env_algorithm, regrouped, world_of_one
 from harness import RankPool
 
 WORLD = 3
@@ -30,6 +30,10 @@ def test_bootstrap_from_default_group(pool):
     for rank, res in enumerate(pool.run(default_group, WORLD, pool.new_name())):
         assert res.pop("rank") == rank and res.pop("world") == WORLD
         assert all(res.values()), res
+
+
+def test_unnamed_communicators_agree_after_a_new_default_group(pool):
+    assert pool.run(regrouped, WORLD, pool.new_name(), timeout=120) == [True] * WORLD
 
 
 def test_env_algorithm_is_a_preference(pool):
