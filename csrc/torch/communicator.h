@@ -7,7 +7,7 @@
 // nothing is queued or running, directly on the caller's thread (which
 // saves two thread hand-offs on small messages and changes no ordering).
 // Point-to-point messages run on lanes of their own, one per peer and
-// direction (see Lane in communicator.cpp).
+// direction (see Lane in communicator_p2p.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -160,8 +160,6 @@ class Communicator {
 
  private:
   struct Lane;
-  class StoreBoard;
-  class StoreBeats;
 
   std::shared_ptr<Work> submit(std::shared_ptr<Work> work, bool async_op);
   // Describes the call (count as in CollectiveDesc), resolves the algorithm
