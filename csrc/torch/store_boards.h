@@ -35,7 +35,7 @@ class StoreBoard : public FailureBoard {
 // their own: opening a store connection took seconds at times, and held up
 // this process's other calls on the store meanwhile (the blame chain's). A
 // caller's blocking call on the same store object (a wait for a key that
-// does not come) holds the beats up; README says what to do about it.
+// does not come) holds the beats up; docs/fault_tolerance.md says what to do about it.
 class StoreBeats : public BeatBoard {
  public:
   explicit StoreBeats(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
