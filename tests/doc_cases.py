@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from typing import Dict, Iterator
 
 SETUPS: Dict[str, str] = {
@@ -98,18 +97,19 @@ def _cleanup(namespace: dict) -> None:
         dist.destroy_process_group()
 
 
-def _all_done(world: int, key: str, timeout_s: float = 30.0) -> None:
+def _all_done(rank: int, world: int, key: str, timeout_s: float = 30.0) -> None:
     """Waits (bounded) until every rank of the example finished it, through
     the harness's own Store: a rank that tears its process group down while a
     peer still receives the last collective's data leaves that peer waiting
     (a script that exits has the same race; its processes rarely outlive it)."""
+    import datetime
+
     from harness import worker_store
 
     store = worker_store()
-    store.add(key, 1)
-    deadline = time.monotonic() + timeout_s
-    while int(store.add(key, 0)) < world and time.monotonic() < deadline:
-        time.sleep(0.01)
+    store.set(f"{key}/{rank}", "1")
+    with contextlib.suppress(Exception):  # a peer that failed: its own error is the report
+        store.wait([f"{key}/{r}" for r in range(world)], datetime.timedelta(seconds=timeout_s))
 
 
 def run_example(rank: int, world: int, code: str, setup: str, env: Dict[str, str], port: int, where: str) -> str:
@@ -120,6 +120,6 @@ def run_example(rank: int, world: int, code: str, setup: str, env: Dict[str, str
         try:
             exec(compile(program, where, "exec"), namespace)  # noqa: S102 - the docs' own examples
         finally:
-            _all_done(world, f"doc-example/{port}/done")
+            _all_done(rank, world, f"doc-example/{port}/done")
             _cleanup(namespace)
     return "ok"

@@ -7,10 +7,15 @@ under a fresh name, so cases never share keys or segments.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import itertools
 import multiprocessing as mp
 import os
+import shutil
+import signal
 import socket
+import subprocess
+import sys
 import traceback
 from typing import Any, Callable, List, Optional
 
@@ -31,6 +36,8 @@ class RankError(AssertionError):
 
 
 def _worker_main(rank: int, port: int, conn) -> None:
+    # A rank that hangs is asked for every thread's stack (RankPool.stacks).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     import torch
 
     # Up to 8 ranks share 2 cores: torch's own intra-op thread pool (whose
@@ -108,6 +115,20 @@ class RankPool:
                 else:
                     os.environ[k] = v
 
+    def stacks(self, rank: int) -> str:
+        """Where rank ``rank`` is: its native stacks when py-spy is installed;
+        its Python stacks (faulthandler, on the worker's stderr) otherwise."""
+        pid = self.procs[rank].pid
+        if shutil.which("py-spy"):
+            try:
+                return subprocess.run(["py-spy", "dump", "--native", "--pid", str(pid)], capture_output=True,
+                                      text=True, timeout=60).stdout
+            except (OSError, subprocess.SubprocessError) as e:
+                return f"py-spy failed: {e}"
+        os.kill(pid, signal.SIGUSR1)
+        sys.stderr.flush()
+        return f"(rank {rank}'s Python stacks are on its stderr)"
+
     def new_name(self, prefix: str = "case") -> str:
         return f"{prefix}{next(_names)}"
 
@@ -124,15 +145,23 @@ class RankPool:
         return [value for _, value in out]
 
     def run_expect(self, fn: Callable, *args: Any, world: Optional[int] = None, timeout: float = 300,
-                   **kwargs: Any) -> List[tuple]:
-        """(status, value) per rank: ("ok", result), ("err", traceback) or ("dead", None)."""
+                   report_hangs: bool = False, **kwargs: Any) -> List[tuple]:
+        """(status, value) per rank: ("ok", result), ("err", traceback) or ("dead", None).
+
+        A rank that does not answer within ``timeout`` raises RankError, or
+        with ``report_hangs`` is reported as ("hung", None) beside what the
+        others said (a rank that hangs often waits for one that raised); the
+        pool is then unusable until that rank answers."""
         world = self.nprocs if world is None else world
         for r in range(world):
             self.conns[r].send((fn, args, kwargs))
         out = []
         for r in range(world):
             if not self.conns[r].poll(timeout):
-                raise RankError(f"rank {r} did not answer within {timeout} s (hang?)")
+                if report_hangs:
+                    out.append(("hung", self.stacks(r)))
+                    continue
+                raise RankError(f"rank {r} did not answer within {timeout} s (hang?)\n{self.stacks(r)}")
             try:
                 out.append(self.conns[r].recv())
             except EOFError:

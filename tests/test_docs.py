@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 import pytest
 
@@ -56,9 +56,9 @@ def parse_directive(text: str) -> Dict[str, str]:
     return out
 
 
-def examples_of(page: Path) -> List[Example]:
+def examples_of(page: Path, root: Path = ROOT) -> List[Example]:
     lines = page.read_text().splitlines()
-    rel = page.relative_to(ROOT)
+    rel = page.relative_to(root)
     found: List[Example] = []
     i = 0
     while i < len(lines):
@@ -108,15 +108,12 @@ def test_pages_have_examples():
             assert name in SETUPS, f"{ex.where}: unknown setup {name!r}"
 
 
-def test_directive_parsing():
-    page = ROOT / "tests" / "_doc_sample.md"
+def test_directive_parsing(tmp_path):
+    page = tmp_path / "sample.md"
     page.write_text("<!-- example: ranks=2 setup=comm env=A:1,B:x -->\n```python\nx = 1\n```\n\n"
                     "<!-- example: continues -->\n```python\ny = x\n```\n\n```bash\nls\n```\n\n"
                     "```python\nz = 2\n```\n")
-    try:
-        exs = examples_of(page)
-    finally:
-        page.unlink()
+    exs = examples_of(page, root=tmp_path)
     assert [(e.ranks, e.setup, e.env, e.code) for e in exs] == [
         (2, "comm", {"A": "1", "B": "x"}, "x = 1\ny = x\n"), (1, "", {}, "z = 2\n")]
 
@@ -129,24 +126,12 @@ class Pool:
         self.pool = RankPool(MAX_RANKS)
 
     def run(self, example: "Example") -> List[str]:
-        """Each rank's result; on a failure, what every rank said (a rank that
-        hangs is often waiting for one that raised)."""
-        pool, n = self.pool, example.ranks
-        args = (n, example.code, example.setup, example.env, free_port(), example.where)
-        for r in range(n):
-            pool.conns[r].send((run_example, args, {}))
-        out, hung = [], []
-        for r in range(n):
-            if pool.conns[r].poll(180):
-                try:
-                    out.append(pool.conns[r].recv())
-                except EOFError:
-                    out.append(("dead", None))
-            else:
-                out.append(("hung", None))
-                hung.append(r)
-        if hung or any(status == "dead" for status, _ in out):
-            for p in pool.procs:
+        """Each rank's result; on a failure, what every rank said."""
+        out = self.pool.run_expect(run_example, example.ranks, example.code, example.setup, example.env,
+                                   free_port(), example.where, world=example.ranks, timeout=180,
+                                   report_hangs=True)
+        if any(status in ("hung", "dead") for status, _ in out):
+            for p in self.pool.procs:
                 p.kill()
             self.pool = RankPool(MAX_RANKS)
         if any(status != "ok" for status, _ in out):
@@ -164,7 +149,7 @@ def doc_pool():
     pool.close()
 
 
-def _params() -> List[Tuple[str, Example]]:
+def _params() -> list:
     return [pytest.param(ex, id=ex.where, marks=[pytest.mark.cuda] if ex.cuda else []) for ex in ALL]
 
 
