@@ -1,8 +1,11 @@
 """The Python face of the communicator: collectives, compressed all-reduce and
 point-to-point messages among the ranks of a ``torch.distributed`` group.
 
-How a communicator comes up (rendezvous through the Store, hosts, shared
-memory, the process group between hosts) is in :mod:`pycomm.bootstrap`.
+Point-to-point messages (``_point_to_point.py``) and registered memory
+(``_registered.py``) are methods of :class:`Communicator` kept in files of their
+own, as on the C++ side. How a communicator comes up (rendezvous through the
+Store, hosts, shared memory, the process group between hosts) is in
+:mod:`pycomm.bootstrap`.
 """
 from __future__ import annotations
 
@@ -19,18 +22,14 @@ import torch.distributed as dist
 from . import bootstrap
 from . import compression as _compression
 from ._loader import CommError, Work, load_core
+from ._point_to_point import PointToPoint
+from ._registered import RegisteredMemory
 from ._tables import ALGORITHMS, REDUCE_OPS, Op, collective_id, reduce_op_id
 
 logger = logging.getLogger("pycomm")
 
 # The collectives whose algorithm a caller (or PYCOMM_ALGO) may choose.
 _TUNABLE = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-
-
-def _check_tag(tag: int) -> int:
-    if type(tag) is not int or not 0 <= tag < 2 ** 32:
-        raise CommError(f"pycomm: tag must be an int in [0, 2**32), got {tag!r}")
-    return tag
 
 
 # Communicators made so far per Store object and group name: the index that
@@ -41,7 +40,7 @@ _instances: "weakref.WeakKeyDictionary[dist.Store, Dict[str, int]]" = weakref.We
 _instances_lock = threading.Lock()
 
 
-class Communicator:
+class Communicator(PointToPoint, RegisteredMemory):
     """Collectives among the ranks of a torch.distributed group.
 
     Every call returns ``None`` (``async_op=False``, the default: the result is
@@ -409,141 +408,6 @@ class Communicator:
         """Return once every rank has called barrier (or a Work that completes then)."""
         work = self._c.barrier(async_op)
         return work if async_op else None
-
-    # --------------------------------------------------------- point-to-point
-
-    def send(
-        self,
-        tensor: Union[torch.Tensor, Sequence[torch.Tensor]],
-        dst: int,
-        *,
-        tag: int = 0,
-        async_op: bool = False,
-    ) -> Optional[Work]:
-        """Send a tensor (or a list of tensors, as one message) to rank ``dst`` of this host.
-
-        Messages between two ranks arrive in the order they were sent; the
-        receiver needs no shapes: each tensor travels with its dtype and shape.
-        Returns once the data is in the channel (the receiver may not have it
-        yet), or a Work that completes then. Only the two ranks take part:
-        unlike collectives, other ranks need not call anything. Between hosts
-        use ``torch.distributed.send``.
-
-        ``tag`` is checked, not matched: a ``recv`` whose tag differs from the
-        next message's raises :class:`pycomm.CommError` on both ranks.
-
-        Example::
-
-            if comm.rank == 0:
-                comm.send(torch.randn(4, 8), dst=1)
-            else:
-                x = comm.recv(src=0)          # a float32 tensor of shape (4, 8)
-        """
-        tensors = [tensor] if isinstance(tensor, torch.Tensor) else list(tensor)
-        work = self._c.send(tensors, int(dst), _check_tag(tag), async_op)
-        return work if async_op else None
-
-    def recv(
-        self,
-        src: int,
-        *,
-        out: Optional[Union[torch.Tensor, Sequence[torch.Tensor]]] = None,
-        tag: int = 0,
-        async_op: bool = False,
-    ) -> Union[torch.Tensor, List[torch.Tensor], Work]:
-        """Receive the next message from rank ``src``: its tensor, or its list of tensors.
-
-        With ``out`` (tensors of the dtypes and shapes sent) the data lands
-        there; otherwise new tensors are allocated from the message. With
-        ``async_op=True`` returns a Work whose ``result()`` (and future) holds
-        the list of tensors.
-
-        Example::
-
-            x = comm.recv(src=0)
-            work = comm.recv(src=0, async_op=True); work.wait(); x, = work.result()
-        """
-        outs = [] if out is None else ([out] if isinstance(out, torch.Tensor) else list(out))
-        work = self._c.recv(outs, int(src), _check_tag(tag), async_op)
-        if async_op:
-            return work
-        result = work.result()
-        return result[0] if len(result) == 1 else result
-
-    # ------------------------------------------------------- registered memory
-
-    def empty(self, *size: Union[int, Sequence[int]], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A CPU tensor in registered (symmetric) shared memory: collectives on it copy less.
-
-        Every local rank maps every rank's registered buffer, so a collective
-        whose tensors were all made by ``empty`` of this communicator reads
-        peers' data where it lies: an all-reduce reduces its part straight
-        from every rank's buffer and writes the result straight into every
-        rank's output, with no copy into and out of the staging mailboxes (what
-        NCCL's buffer registration and ``torch.distributed._symmetric_memory``
-        do on GPUs). Results are bitwise identical to the unregistered call
-        with the same algorithm.
-
-        A collective: every local rank calls it with the same shape and dtype,
-        in the same order as its other calls (like ``symm_mem.empty``). The
-        tensor is contiguous and cannot grow (``resize_`` beyond it raises);
-        its memory stays valid while any tensor uses it, even after the
-        communicator is closed, and nothing stays in ``/dev/shm`` after the job,
-        killed or not. Passing it to another communicator raises CommError.
-        Without shared memory (one rank per host) it is an ordinary tensor.
-
-        In place: the two-shot all-reduce (what ``"auto"`` and ``"direct"``
-        pick above 32 KiB; the output must be registered, the input may be
-        either), reduce-scatter, all-gather and all-to-all (registered input),
-        and broadcast (registered tensor). An explicit ``"ring"``/``"tree"``, a
-        one-shot all-reduce, or any rank's buffer outside registered memory
-        runs the staged path, on every rank alike.
-
-        Example::
-
-            buf = comm.empty(1 << 24)            # 16M float32, registered
-            buf.copy_(grads)
-            comm.all_reduce(buf, op="avg")       # no staging copies
-        """
-        shape = tuple(size[0]) if len(size) == 1 and not isinstance(size[0], int) else tuple(size)
-        if not all(type(s) is int for s in shape):
-            raise CommError(f"pycomm: comm.empty: sizes must be ints, got {shape!r}")
-        return self._c.empty(list(shape), torch.empty(0, dtype=dtype))
-
-    def register(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Move ``tensor``'s data into registered memory, in place; returns ``tensor``.
-
-        CPU memory a process allocated on its own cannot be read by its peers,
-        so registering copies it once into a buffer from :meth:`empty` and
-        points ``tensor`` (the same Python object: a parameter, a flat
-        gradient buffer) at it. A collective like :meth:`empty`: every local
-        rank registers a tensor of the same shape and dtype. Already
-        registered with this communicator: returned as is. Views of the old
-        storage keep the old memory.
-
-        Example::
-
-            flat = comm.register(torch.zeros(n))   # flat now lives in shared memory
-            comm.all_reduce(flat)
-        """
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu" or tensor.layout != torch.strided:
-            raise CommError("pycomm: comm.register: takes a dense CPU tensor")
-        if self.is_registered(tensor):
-            return tensor
-        buf = self.empty(tuple(tensor.shape), dtype=tensor.dtype)
-        buf.copy_(tensor)
-        with torch.no_grad():
-            tensor.set_(buf)
-        return tensor
-
-    def is_registered(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor``'s storage came from this communicator's :meth:`empty`."""
-        return self._c.registered_by(tensor) == 1
-
-    @property
-    def in_place_calls(self) -> int:
-        """Collectives so far that ran in place on registered memory (to check that a buffer is used as meant)."""
-        return self._c.in_place_calls
 
     # ------------------------------------------------------------------- misc
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import itertools
 import logging
 import os
 import random

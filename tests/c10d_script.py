@@ -4,7 +4,6 @@
     python c10d_script.py host-leaves-first 3     # rank 0 hosts the store and exits first
 """
 import datetime
-import os
 import subprocess
 import sys
 import time

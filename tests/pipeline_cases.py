@@ -12,7 +12,7 @@ from torch import nn
 
 import pycomm
 from harness import join_default_group, make_comm
-from pycomm.pipeline import Pipeline, StageModule, grid, stage_layers
+from pycomm.pipeline import Pipeline, StageModule, grid
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
           torch.uint8, torch.bool, torch.complex64]

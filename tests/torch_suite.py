@@ -33,7 +33,7 @@ import sys
 import time
 import traceback
 import unittest
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional
 
 #: Tests that torch itself runs only on Gloo: ``dist.monitored_barrier``
 #: raises for any other backend before a backend sees the call.

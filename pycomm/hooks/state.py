@@ -27,7 +27,7 @@ class HookState(Router):
             communicator). A :class:`pycomm.Communicator` is accepted too.
         communicator: an existing communicator to share (instead of
             ``process_group``).
-        path: ``"auto"`` (the policy in :mod:`pycomm.hooks`), ``"group"``,
+        path: ``"auto"`` (the policy in :mod:`pycomm.hooks.policy`), ``"group"``,
             ``"ipc"`` or ``"communicator"``; default: ``PYCOMM_HOOK_PATH`` or
             ``"auto"``.
 

@@ -11,7 +11,9 @@ Example::
 from .gpipe import gpipe
 from .interleaved import interleaved_1f1b
 from .one_f_one_b import one_f_one_b
-from .runner import SCHEDULES, Pipeline, get_schedule, grid, stages_of
+from .catalog import SCHEDULES, get_schedule, stages_of
+from .grid import grid
+from .runner import Pipeline
 from .schedule import (Action, Simulation, bubble_theory, list_schedule, placement, plans, simulate, validate,
                        zero_bubble_theory)
 from .stage import StageModule, partition, stage_layers

@@ -10,7 +10,6 @@ while the last one travels.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -22,187 +21,14 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from .._loader import CommError
 from ..communicator import Communicator
-from .gpipe import gpipe
-from .interleaved import interleaved_1f1b
-from .one_f_one_b import one_f_one_b
+from .autograd import MemoryTracker, SplitState, as_list, cut_forward, needs_grad
+from .catalog import get_schedule, stage_placement
 from .schedule import Schedule, placement, plans, split_backward, validate
 from .stage import Layer, stage_layers
-from .zero_bubble import interleaved_zero_bubble, zb_h1, zbv
 
 logger = logging.getLogger("pycomm.pipeline")
 
-# name -> (schedule, chunks per rank it takes: None for any v >= 1, else the only value)
-SCHEDULES: Dict[str, Tuple[Callable[..., List[Any]], Optional[int]]] = {
-    "gpipe": (gpipe, 1),
-    "1f1b": (one_f_one_b, 1),
-    "interleaved-1f1b": (interleaved_1f1b, None),
-    "zb-h1": (zb_h1, 1),
-    "interleaved-zb": (interleaved_zero_bubble, None),
-    "zbv": (zbv, 2),
-}
-
-
-def get_schedule(schedule: Union[str, Schedule], virtual_stages: Optional[int] = None) -> Schedule:
-    """The schedule function for a name of :data:`SCHEDULES` (with
-    ``virtual_stages`` chunks per rank where the schedule takes it), or
-    ``schedule`` itself when it is already a function.
-
-    Example::
-
-        get_schedule("interleaved-1f1b", virtual_stages=2)(4, 8, 0)   # rank 0's actions
-    """
-    if not isinstance(schedule, str):
-        if virtual_stages not in (None, 1):
-            raise ValueError("virtual_stages goes with a schedule name; a schedule function places its own stages")
-        return schedule
-    name = schedule.lower()
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)} or a function")
-    fn, only = SCHEDULES[name]
-    if only is not None:
-        if virtual_stages not in (None, only):
-            raise ValueError(f"schedule {name!r} runs {only} stage(s) per rank, not virtual_stages={virtual_stages}")
-        return fn
-    v = 2 if virtual_stages is None else virtual_stages
-    if type(v) is not int or v < 1:
-        raise ValueError(f"virtual_stages must be an int >= 1, got {virtual_stages!r}")
-    return functools.partial(fn, virtual_stages=v)
-
-
-def stages_of(schedule: Schedule, num_ranks: int, rank: int) -> List[int]:
-    """The global stages ``rank`` holds under ``schedule`` (ascending).
-
-    Example::
-
-        stages_of(get_schedule("zbv"), 4, 0)   # [0, 7]: the V's two ends
-    """
-    return [s for s, r in enumerate(_placement(schedule, num_ranks)) if r == rank]
-
-
-def _placement(schedule: Schedule, num_ranks: int) -> List[int]:
-    # Where the stages are does not depend on the number of micro-batches.
-    return placement(plans(schedule, num_ranks, 1))
-
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
-
-
-def _as_list(x: Any) -> List[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in x):
-        return list(x)
-    raise TypeError(f"a pipeline stage must take and return a tensor or a tuple of tensors, got {type(x).__name__}")
-
-
-def _needs_grad(t: torch.Tensor) -> bool:
-    # Both sides of a link apply the same rule, so the gradients sent back
-    # line up with the activations sent forward.
-    return t.is_floating_point() or t.is_complex()
-
-
-class _MemoryTracker:
-    """Bytes autograd saves for backward (parameters excluded), plus what a
-    split backward keeps for W: the activation memory a schedule keeps
-    alive. Accounts per key (a micro-batch of a stage, or one layer of it);
-    a tensor held under several keys counts once, until the last lets go."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        self.live = 0
-        self.peak = 0
-        self.per_mb: Dict[Any, List[Any]] = {}
-        self._refs: Dict[Any, int] = {}
-        self._sizes: Dict[Any, int] = {}
-
-    def _hold(self, key: Any, what: Any, nbytes: int) -> None:
-        held = self.per_mb.setdefault(key, [])
-        if what in held:
-            return
-        held.append(what)
-        self._refs[what] = self._refs.get(what, 0) + 1
-        if self._refs[what] == 1:
-            self._sizes[what] = nbytes
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-
-    def hooks(self, mb: Any):
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            ptr = t.untyped_storage().data_ptr()
-            # A view counts its own bytes (a micro-batch of the inputs is a
-            # view of the whole batch).
-            if ptr not in self.param_storages:
-                self._hold(mb, (ptr, t.storage_offset(), tuple(t.shape)), t.numel() * t.element_size())
-            return t
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-
-    def add(self, mb: Any, nbytes: int) -> None:
-        """Counts bytes kept for ``mb`` besides saved tensors."""
-        self._hold(mb, object(), nbytes)
-
-    def release(self, mb: Any) -> None:
-        for what in self.per_mb.pop(mb, []):
-            self._refs[what] -= 1
-            if self._refs[what] == 0:
-                del self._refs[what]
-                self.live -= self._sizes.pop(what)
-
-    def release_all(self, stage: int, mb: int) -> None:
-        """Releases ``(stage, mb)`` and every per-layer key ``(stage, mb, layer)``."""
-        for key in [key for key in self.per_mb if key[:2] == (stage, mb)]:
-            self.release(key)
-
-
-class _Segment:
-    """One layer of a stage whose backward is split: its inputs that need a
-    gradient, its outputs, and its trainable parameters."""
-
-    __slots__ = ("ins", "outs", "leaves", "params")
-
-    def __init__(self, ins: List[torch.Tensor], outs: List[torch.Tensor], params: List[torch.Tensor]) -> None:
-        self.ins, self.outs, self.params = ins, outs, params
-        # The new leaves the next layer took in place of ``outs`` (None where no gradient flows).
-        self.leaves: List[Optional[torch.Tensor]] = [o.detach().requires_grad_() if o.requires_grad else None
-                                                     for o in outs]
-
-
-def _cut_forward(module: nn.Module, xs: Sequence[torch.Tensor],
-                 hooks: Optional[Callable[[int], Any]] = None) -> Tuple[Any, List[_Segment]]:
-    """Runs ``module`` layer by layer, cutting autograd's graph between
-    layers (each layer's floating outputs become new leaves), so that a
-    backward can be split per layer: B walks the layers from the last,
-    computing only input gradients; W then computes each layer's weight
-    gradients from the output gradient B left at it (for a Linear, B is
-    g @ W and W is g^T @ x: nothing is computed twice)."""
-    layers = list(module) if isinstance(module, nn.Sequential) else [module]
-    args: Tuple[Any, ...] = tuple(xs)
-    segments: List[_Segment] = []
-    out: Any = None
-    for i, layer in enumerate(layers):
-        ins = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-        if hooks is None:
-            out = layer(*args)
-        else:  # memory accounting per layer: B frees what parameter-free layers saved
-            with hooks(i):
-                out = layer(*args)
-        outs = _as_list(out)
-        params = [p for p in layer.parameters() if p.requires_grad]
-        seg = _Segment(ins, outs, params)
-        segments.append(seg)
-        args = tuple(o if leaf is None else leaf for o, leaf in zip(outs, seg.leaves))
-        out = args if isinstance(out, tuple) else args[0]
-    return out, segments
-
-
-class _Split:
-    """The state a split backward keeps from F through B to W."""
-
-    __slots__ = ("xs", "rng", "segments", "stash")
-
-    def __init__(self, xs: List[torch.Tensor], rng: Optional[torch.Tensor]) -> None:
-        self.xs, self.rng = xs, rng
-        self.segments: List[_Segment] = []
-        self.stash: List[Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]] = []
 
 
 class Pipeline:
@@ -317,7 +143,7 @@ class Pipeline:
         for src, plan in enumerate(all_plans):
             if src != rank:
                 self._inbox[src] = [msg[1] for a in plan for msg in [self._message(a)] if msg and msg[0] == rank]
-        self._memory = _MemoryTracker(self.module) if track_memory else None
+        self._memory = MemoryTracker(self.module) if track_memory else None
         self._stats: Dict[str, float] = {"steps": 0}
 
     def _message(self, a: Any) -> Optional[Tuple[int, Tuple[int, int, int]]]:
@@ -345,7 +171,7 @@ class Pipeline:
             pipe = Pipeline.from_layers(layers, comm, num_microbatches=8, loss_fn=F.cross_entropy)
         """
         fn = get_schedule(schedule, virtual_stages)
-        owner = _placement(fn, comm.world_size)
+        owner = stage_placement(fn, comm.world_size)
         modules = [stage_layers(layers, s, len(owner), balance) for s, r in enumerate(owner) if r == comm.rank]
         return cls(modules if len(modules) > 1 else modules[0], comm, schedule=fn, **kwargs)
 
@@ -397,7 +223,7 @@ class Pipeline:
                     pass
 
     def _split_batch(self, x: Tensors, what: str) -> List[List[torch.Tensor]]:
-        tensors = _as_list(x)
+        tensors = as_list(x)
         m = self.num_microbatches
         for t in tensors:
             if t.dim() == 0 or t.shape[0] < m:
@@ -462,7 +288,7 @@ class Pipeline:
                 if s == 0:
                     xs = in_chunks[k]
                 else:
-                    xs = [t.detach().requires_grad_() if _needs_grad(t) else t for t in take((0, s, k))]
+                    xs = [t.detach().requires_grad_() if needs_grad(t) else t for t in take((0, s, k))]
                 t0 = time.perf_counter()
                 out, state = self._forward(s, xs, k, split)
                 if s == last:
@@ -473,7 +299,7 @@ class Pipeline:
                     losses.append(loss.detach())
                     outs = [loss]
                 else:
-                    outs = _as_list(out)
+                    outs = as_list(out)
                     deliver((0, s + 1, k), [o.detach() for o in outs])
                 saved[(s, k)] = (xs, outs, state)
                 compute += time.perf_counter() - t0
@@ -488,14 +314,14 @@ class Pipeline:
                     if s == last:
                         outs[0].backward()
                     else:
-                        pairs = [(o, g) for o, g in zip([o for o in outs if _needs_grad(o)], grads)
+                        pairs = [(o, g) for o, g in zip([o for o in outs if needs_grad(o)], grads)
                                  if o.requires_grad]
                         if pairs:
                             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                     # The first stage sends nothing back (its inputs may be the
                     # caller's views, whose .grad autograd leaves unset).
                     back = [x.grad if x.grad is not None else torch.zeros_like(x) for x in xs
-                            if _needs_grad(x)] if s > 0 else []
+                            if needs_grad(x)] if s > 0 else []
                     if self._memory is not None:
                         self._memory.release((s, k))
                 if s > 0 and back:
@@ -523,36 +349,36 @@ class Pipeline:
                            bubble=max(0.0, 1.0 - compute / step) if step > 0 else 0.0)
         return torch.stack(losses).sum() if self.is_last else None
 
-    def _forward(self, s: int, xs: List[torch.Tensor], k: int, split: bool) -> Tuple[Any, Optional[_Split]]:
+    def _forward(self, s: int, xs: List[torch.Tensor], k: int, split: bool) -> Tuple[Any, Optional[SplitState]]:
         module = self._modules[s]
         if not split:
             if self._memory is None:
                 return self._call(module, xs), None
             with self._memory.hooks((s, k)):
                 return self._call(module, xs), None
-        state = _Split(xs, torch.get_rng_state() if self.checkpoint else None)
+        state = SplitState(xs, torch.get_rng_state() if self.checkpoint else None)
         if self.checkpoint and torch.is_grad_enabled():
             # Keep only the inputs (and the RNG state, for dropout); B recomputes.
             with torch.no_grad():
                 return module(*xs), state
         hooks = None if self._memory is None else (lambda i: self._memory.hooks((s, k, i)))
-        out, state.segments = _cut_forward(module, xs, hooks)
+        out, state.segments = cut_forward(module, xs, hooks)
         return out, state
 
     def _input_backward(self, s: int, k: int, outs: List[torch.Tensor], grads: Optional[List[torch.Tensor]],
-                        state: _Split, target: Any, weight: float) -> List[torch.Tensor]:
+                        state: SplitState, target: Any, weight: float) -> List[torch.Tensor]:
         """B of a split backward: input gradients, layer by layer from the last,
         leaving each layer's (outputs, output gradients, parameters) for W."""
         last = s == self.num_stages - 1
         if state.rng is not None:  # checkpointed: recompute the forward, autograd on
             with torch.random.fork_rng(devices=[]), torch.enable_grad():
                 torch.set_rng_state(state.rng)
-                out, state.segments = _cut_forward(self._modules[s], state.xs)
+                out, state.segments = cut_forward(self._modules[s], state.xs)
                 if last:
                     loss = out if self.loss_fn is None else self.loss_fn(out, target)
                     outs = [loss.reshape(()) * weight]
                 else:
-                    outs = _as_list(out)
+                    outs = as_list(out)
         segments = state.segments
         final = [t for t in segments[-1].leaves if t is not None] if segments else []
         if last:
@@ -560,7 +386,7 @@ class Pipeline:
             got = torch.autograd.grad(outs, final, allow_unused=True) if final else []
             current = {id(t): g for t, g in zip(final, got)}
         else:
-            needs = [o for o in outs if _needs_grad(o)]
+            needs = [o for o in outs if needs_grad(o)]
             current = {id(o): g for o, g in zip(needs, grads) if o.requires_grad}
         for index in range(len(segments) - 1, -1, -1):
             seg = segments[index]
@@ -582,7 +408,7 @@ class Pipeline:
         state.segments = []
         back = []
         for x in state.xs:
-            if _needs_grad(x):
+            if needs_grad(x):
                 g = current.get(id(x))
                 back.append(g if g is not None else torch.zeros_like(x))
         return back
@@ -599,41 +425,3 @@ class Pipeline:
                 p.grad = torch.zeros_like(p)
         # One flat all-reduce per dtype: a few large messages, not one per tensor.
         self.dp_comm.all_reduce_coalesced([p.grad for p in params], op="avg")
-
-
-def grid(num_stages: int, group: Optional["dist.ProcessGroup"] = None,
-         **kwargs: Any) -> Tuple[Communicator, Optional[Communicator]]:
-    """Communicators for pipeline x data parallelism over a torch.distributed group.
-
-    Ranks ``r * num_stages .. (r + 1) * num_stages - 1`` form replica ``r``'s
-    pipeline (consecutive ranks: one host, for shared memory); the ranks that
-    run the same stage form its data-parallel group. Returns
-    ``(pipeline_comm, dp_comm)`` for this rank (``dp_comm`` is None with one
-    replica). Every rank of ``group`` must call it. ``kwargs`` go to each
-    :class:`pycomm.Communicator`.
-
-    Example::
-
-        pipe_comm, dp_comm = grid(num_stages=2)       # 4 ranks: 2 stages x 2 replicas
-        pipe = Pipeline(stage_layers(layers, pipe_comm.rank, 2), pipe_comm, dp_comm=dp_comm, ...)
-    """
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    if num_stages < 1 or world % num_stages:
-        raise ValueError(f"{world} ranks cannot form pipelines of {num_stages} stages")
-    replicas = world // num_stages
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
-    pipe_comm = dp_comm = None
-    # torch.distributed wants every rank to create every group, in one order.
-    for r in range(replicas):
-        members = [ranks[r * num_stages + s] for s in range(num_stages)]
-        g = dist.new_group(members)
-        if rank // num_stages == r:
-            pipe_comm = Communicator(g, **kwargs)
-    if replicas > 1:
-        for s in range(num_stages):
-            members = [ranks[r * num_stages + s] for r in range(replicas)]
-            g = dist.new_group(members)
-            if rank % num_stages == s:
-                dp_comm = Communicator(g, **kwargs)
-    return pipe_comm, dp_comm
