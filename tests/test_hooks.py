@@ -1,7 +1,13 @@
 """DDP comm hooks: allreduce_hook equals DDP without a hook, every hook
 composes with DDP's options, futures complete on the progress thread,
 profiler ranges, statistics, residuals across the bucket rebuild, local SGD,
-bad states, and convergence parity on scikit-learn's digits."""
+bad states, convergence parity on scikit-learn's digits, and a teardown
+right after a backward that cannot deadlock."""
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -276,3 +282,28 @@ def test_hook_signatures_are_what_ddp_checks():
         sig = inspect.signature(hook)
         assert sig.parameters["bucket"].annotation is torch.distributed.GradBucket, hook
         assert sig.return_annotation == torch.futures.Future[torch.Tensor], hook
+
+
+def test_teardown_right_after_backward_does_not_deadlock():
+    """20 times: DDP with the group path over Gloo, one backward, then the
+    group destroyed and the model dropped at once, with a GIL switch interval
+    that keeps the main thread on the GIL. Before the hooks completed such
+    futures from a thread of their own, this hung in every run of 20 (a Gloo
+    thread waiting for the GIL to release a callback while the main thread
+    joined it); torch's own allreduce_hook still does, now and then."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = os.path.join(here, "teardown_script.py")
+    path = os.pathsep.join(filter(None, [os.path.dirname(here), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.Popen([sys.executable, script, "pycomm", "20"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1",
+                                     TORCH_CPP_LOG_LEVEL="ERROR"))
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"a teardown right after backward hung:\n{out}")
+    assert proc.returncode == 0, out
+    assert sorted(line for line in out.splitlines() if "teardowns" in line) == [
+        "rank 0: 20 teardowns", "rank 1: 20 teardowns"], out

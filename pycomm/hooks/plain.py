@@ -103,6 +103,8 @@ def _average(state: HookState, bucket: dist.GradBucket, wire_dtype: Optional[tor
         return result
 
     state._end_bucket(bucket)
+    if route == "group":
+        return state._group_future(work, done, buf.device)
     return work.get_future().then(done)
 
 

@@ -28,6 +28,7 @@ from .. import communicator as _communicator
 from .. import default as _default
 from .. import group as _group
 from .._loader import CommError, load_core
+from .futures import Done, GroupFutures
 
 logger = logging.getLogger("pycomm")
 
@@ -109,6 +110,7 @@ class Router:
         self._group_comm: Optional[_group.GroupCommunicator] = None
         self._ipc: Dict[torch.device, Any] = {}
         self._routes: Dict[Tuple[str, bool], str] = {}
+        self._futures: Optional[GroupFutures] = None
 
     @property
     def communicator(self) -> "_communicator.Communicator":
@@ -173,6 +175,17 @@ class Router:
         everyone: List[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self.process_group)
         return ipc_refusal(everyone)
+
+    def _group_future(self, work: Any, done: Done, device: torch.device) -> torch.futures.Future:
+        """The hook's future of ``done`` over a work of the process group's
+        own: NCCL's through ``then`` (it completes on the caller's thread),
+        any other backend's from a thread of pycomm's (:mod:`.futures` says
+        which deadlock that avoids)."""
+        if _group.device_backend(self.process_group, device) == "nccl":
+            return work.get_future().then(done)
+        if self._futures is None:
+            self._futures = GroupFutures()
+        return self._futures.complete(work, done)
 
     def _group_communicator(self) -> _group.GroupCommunicator:
         if self._group_comm is None:
