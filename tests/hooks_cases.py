@@ -73,12 +73,15 @@ def _state(hook: str, comm, path: str = "auto", group=None, device: str = "cpu",
                                     registered=hook == "allreduce_reg", **where)
     if hook == "local_sgd":
         return hooks.LocalSGDState(**where, **kw)
+    if hook == "powersgd":
+        return hooks.PowerSGDState(rank=2, start_iter=kw.get("start_iter", 2), **where)
     codec = {"int8": pycomm.Int8(), "int4": pycomm.Int4(), "topk": pycomm.TopK(0.25)}[hook]
     return hooks.CompressionState(codec=codec, start_iter=kw.get("start_iter", 0), **where)
 
 
 HOOKS = {"allreduce": hooks.allreduce_hook, "bf16": hooks.allreduce_hook, "allreduce_reg": hooks.allreduce_hook, "int8": hooks.int8_hook,
-         "int4": hooks.int4_hook, "topk": hooks.topk_hook, "local_sgd": hooks.local_sgd_hook}
+         "int4": hooks.int4_hook, "topk": hooks.topk_hook, "local_sgd": hooks.local_sgd_hook,
+         "powersgd": hooks.powersgd_hook}
 
 
 def _counting(hook, seen: list):
@@ -319,9 +322,15 @@ def digits_accuracy(rank: int, world: int, hook: Optional[str], steps: int, star
     elif hook == "topk":
         m.register_comm_hook(hooks.CompressionState(codec=pycomm.TopK(ratio, exact=exact), start_iter=start_iter,
                                                     **where), hooks.topk_hook)
+    elif hook is not None and hook.startswith("powersgd"):  # e.g. "powersgd4", "powersgd4-int8"
+        r, _, wire = hook[len("powersgd"):].partition("-")
+        m.register_comm_hook(hooks.PowerSGDState(rank=int(r), start_iter=max(start_iter, 2),
+                                                 wire=pycomm.Int8() if wire == "int8" else None, **where),
+                             hooks.powersgd_hook)
     elif hook is not None and hook.startswith("stale"):  # e.g. "stale1", "stale1-int8"
         s, _, wire = hook[len("stale"):].partition("-")
-        stale = hooks.StaleState(staleness=int(s), wire=pycomm.Int8() if wire == "int8" else None, **where)
+        wires = {"int8": pycomm.Int8(), "powersgd4": hooks.PowerSGD(4), "": None}
+        stale = hooks.StaleState(staleness=int(s), wire=wires[wire], **where)
         m.register_comm_hook(stale, hooks.stale_hook)
     opt = torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)

@@ -102,6 +102,19 @@ def test_reduce_matches_cpu(dtype):
     assert same_bits(OPS.reduce([x[1:] for x in xs], "sum"), OPS.reduce([x.cuda()[1:] for x in xs], "sum"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("shape", [(1, 7, 1), (5, 3000, 4), (64, 96, 32), (2, 100000, 2)])
+def test_orthogonalize_matches_cpu(dtype, shape):
+    """Same order of operations, double sums: equal to the CPU's within the
+    rounding of the block-wise sums' order."""
+    m = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape))).to(dtype)
+    cpu, gpu = m.clone(), m.cuda()
+    OPS.orthogonalize_(cpu, 0.0)
+    OPS.orthogonalize_(gpu, 0.0)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert (gpu.cpu() - cpu).abs().max().item() <= tol * shape[2]
+
+
 def test_mixed_devices_are_refused():
     with pytest.raises(RuntimeError, match="is on cpu but the input is on cuda"):
         OPS.reduce([torch.randn(8).cuda(), torch.randn(8)], "sum")
@@ -189,12 +202,12 @@ def test_group_path_on_cuda_returns_before_the_gpu_is_done(ddp_pool):
         assert torch.allclose(res["y"], torch.full((1 << 16,), 4.0), atol=0.02), res["y"][:4]
 
 
-CUDA_BOUNDS = {"allreduce": 1e-6, "bf16": 1e-2, "int8": 2e-2, "int4": 0.25, "topk": 0.8}
+CUDA_BOUNDS = {"allreduce": 1e-6, "bf16": 1e-2, "int8": 2e-2, "int4": 0.25, "topk": 0.8, "powersgd": 0.6}
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("option", ["bucket_view", "static_graph", "no_sync"])
-@pytest.mark.parametrize("hook", ["allreduce", "bf16", "int8", "int4", "topk", "local_sgd"])
+@pytest.mark.parametrize("hook", ["allreduce", "bf16", "int8", "int4", "topk", "local_sgd", "powersgd"])
 def test_every_hook_on_cuda_buckets(ddp_pool, hook, option, world):
     """DDP on CUDA models (every rank on GPU 0) with each hook under each DDP
     option, against DDP without a hook; the policy's paths: compressed

@@ -278,7 +278,7 @@ def test_hook_signatures_are_what_ddp_checks():
     import inspect
 
     for hook in (hooks.allreduce_hook, hooks.bf16_hook, hooks.int8_hook, hooks.int4_hook, hooks.topk_hook,
-                 hooks.compression_hook, hooks.local_sgd_hook):
+                 hooks.compression_hook, hooks.local_sgd_hook, hooks.powersgd_hook, hooks.stale_hook):
         sig = inspect.signature(hook)
         assert sig.parameters["bucket"].annotation is torch.distributed.GradBucket, hook
         assert sig.return_annotation == torch.futures.Future[torch.Tensor], hook

@@ -102,5 +102,13 @@ size_t topk_cpu(const TopK& spec, DType dtype, const void* x, float* residual, s
 void scatter_add_cpu(DType val_dtype, const void* values, const int32_t* indices, size_t count, DType dense_dtype,
                      void* dense, size_t n);
 
+// ---------------------------------------------------------------- PowerSGD
+
+// The columns of each of `batch` row-major rows x cols matrices (float32 or
+// float64, contiguous) made orthonormal in place by modified Gram-Schmidt:
+// column i /= (|column i| + epsilon), then removed from every later column.
+// A zero column stays zero. cols <= rows.
+void orthogonalize_cpu(DType dtype, void* data, size_t batch, size_t rows, size_t cols, double epsilon);
+
 }  // namespace kernels
 }  // namespace pycomm

@@ -38,5 +38,9 @@ size_t topk_cuda(const TopK& spec, DType dtype, const void* x, float* residual, 
 void scatter_add_cuda(DType val_dtype, const void* values, const int32_t* indices, size_t count, DType dense_dtype,
                       void* dense, size_t n, int* bad, cudaStream_t stream);
 
+// Like orthogonalize_cpu: one block per matrix.
+void orthogonalize_cuda(DType dtype, void* data, size_t batch, size_t rows, size_t cols, double epsilon,
+                        cudaStream_t stream);
+
 }  // namespace kernels
 }  // namespace pycomm

@@ -80,6 +80,7 @@ const DeviceKernels kCpu{
       kernels::reduce_cpu(dt, op, out, nullptr, srcs, nsrc, count);
     },
     &kernels::divide_cpu,
+    &kernels::orthogonalize_cpu,
 };
 
 // The kernels of `t`'s device; the caller holds a DeviceGuard for it.
@@ -285,6 +286,24 @@ at::Tensor reduce(at::TensorList srcs, c10::string_view op_name) {
   return out;
 }
 
+void orthogonalize_(const at::Tensor& m, double epsilon) {
+  const char* op = "orthogonalize_";
+  TORCH_CHECK(m.dim() == 2 || m.dim() == 3, "pycomm.orthogonalize_: takes a matrix or a batch of matrices "
+              "(2 or 3 dimensions), got ", m.dim());
+  TORCH_CHECK(m.scalar_type() == at::kFloat || m.scalar_type() == at::kDouble,
+              "pycomm.orthogonalize_: takes float32 or float64, got ", m.scalar_type());
+  check_dense(m, m.device(), op, "the matrices");
+  TORCH_CHECK(epsilon >= 0, "pycomm.orthogonalize_: epsilon must be >= 0, got ", epsilon);
+  const int64_t rows = m.size(-2), cols = m.size(-1);
+  TORCH_CHECK(cols <= rows, "pycomm.orthogonalize_: ", cols, " columns cannot be orthonormal in ", rows,
+              " dimensions (columns must not outnumber rows)");
+  const int64_t batch = m.dim() == 3 ? m.size(0) : 1;
+  const c10::DeviceGuard guard(m.device());
+  const DeviceKernels& k = kernels_for(m, op);
+  const DType dt = m.scalar_type() == at::kFloat ? DType::kFloat32 : DType::kFloat64;
+  guarded([&] { k.orthogonalize(dt, m.data_ptr(), batch, rows, cols, epsilon); });
+}
+
 }  // namespace ops
 }  // namespace pycomm
 
@@ -320,6 +339,9 @@ TORCH_LIBRARY(pycomm, m) {
   // The transports' reduction kernel, element-wise over same-shaped tensors
   // in list order (the bits every rank computes): for tests and benchmarks.
   m.def("reduce(Tensor[] srcs, str op='sum') -> Tensor");
+  // PowerSGD's orthogonalization, in place: the columns of each matrix of a
+  // (batch, rows, cols) or (rows, cols) tensor by modified Gram-Schmidt.
+  m.def("orthogonalize_(Tensor(a!) m, float epsilon=0) -> ()");
 }
 
 namespace pycomm {
@@ -336,6 +358,7 @@ void register_impls(torch::Library& m) {
   m.impl("topk", &topk);
   m.impl("scatter_add", &scatter_add);
   m.impl("reduce", &reduce);
+  m.impl("orthogonalize_", &orthogonalize_);
 }
 
 }  // namespace ops

@@ -31,6 +31,7 @@ struct DeviceKernels {
                       void* dense, size_t n, const at::Tensor& like);
   void (*reduce)(DType dtype, RedOp op, void* out, const void* const* srcs, int nsrc, size_t count);
   void (*divide)(DType dtype, void* data, size_t count, double divisor);
+  void (*orthogonalize)(DType dtype, void* data, size_t batch, size_t rows, size_t cols, double epsilon);
 };
 
 #ifdef PYCOMM_WITH_CUDA
@@ -55,6 +56,7 @@ std::tuple<at::Tensor, int64_t, int64_t> topk(const at::Tensor& x, int64_t k, bo
                                               const c10::optional<at::Tensor>& residual);
 void scatter_add(const at::Tensor& dense, const at::Tensor& values, const at::Tensor& indices);
 at::Tensor reduce(at::TensorList srcs, c10::string_view op);
+void orthogonalize_(const at::Tensor& m, double epsilon);
 
 // Registers the bodies above as one dispatch key's implementations.
 void register_impls(torch::Library& m);

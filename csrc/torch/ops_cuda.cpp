@@ -44,6 +44,9 @@ const DeviceKernels kCuda{
     [](DType dt, void* data, size_t count, double divisor) {
       kernels::divide_cuda(dt, data, count, divisor, current());
     },
+    [](DType dt, void* data, size_t batch, size_t rows, size_t cols, double epsilon) {
+      kernels::orthogonalize_cuda(dt, data, batch, rows, cols, epsilon, current());
+    },
 };
 
 }  // namespace

@@ -11,6 +11,7 @@ backend (gloo, nccl, pycomm)::
     ddp.register_comm_hook(hooks.AllReduceState(wire_dtype=torch.bfloat16), hooks.allreduce_hook)
     ddp.register_comm_hook(hooks.CompressionState(start_iter=10), hooks.int8_hook)  # or int4_hook
     ddp.register_comm_hook(hooks.CompressionState(codec=pycomm.TopK(0.01)), hooks.topk_hook)
+    ddp.register_comm_hook(hooks.PowerSGDState(rank=4), hooks.powersgd_hook)    # low-rank factors
 
 Every hook has torch's signature ``hook(state, bucket) -> Future[Tensor]``:
 it hands the bucket to pycomm's progress engine and returns at once; the
@@ -59,6 +60,7 @@ from .compressed import CompressionState, compression_hook, int4_hook, int8_hook
 from .local_sgd import LocalSGD, LocalSGDState, local_sgd_hook
 from .plain import AllReduceState, allreduce_hook, bf16_hook
 from .policy import PATHS, Router, completed, ipc_refusal
+from .powersgd import PowerSGD, PowerSGDState, orthogonalize_, powersgd_hook
 from .stale import StaleState, stale_hook
 from .state import HookState
 
@@ -69,6 +71,8 @@ __all__ = [
     "LocalSGD",
     "LocalSGDState",
     "PATHS",
+    "PowerSGD",
+    "PowerSGDState",
     "Router",
     "StaleState",
     "allreduce_hook",
@@ -79,6 +83,8 @@ __all__ = [
     "int8_hook",
     "ipc_refusal",
     "local_sgd_hook",
+    "orthogonalize_",
+    "powersgd_hook",
     "stale_hook",
     "topk_hook",
 ]

@@ -18,6 +18,7 @@ from .. import compression as _compression
 from .compressed import CompressionState, compression_hook
 from .plain import _WIRE_DTYPES, AllReduceState, allreduce_hook
 from .policy import Group, completed
+from .powersgd import PowerSGD, powersgd_hook
 from .state import HookState
 
 
@@ -41,6 +42,13 @@ class _Snapshot:
 
     def parameters(self) -> List[torch.Tensor]:
         return self._params
+
+    def gradients(self) -> List[torch.Tensor]:
+        out, off = [], 0
+        for p in self._params:
+            out.append(self._buf[off:off + p.numel()].view_as(p))
+            off += p.numel()
+        return out
 
 
 class _InFlight:
@@ -97,7 +105,8 @@ class StaleState(HookState):
         wire: how buckets travel: ``None`` (their own dtype), ``torch.bfloat16``
             or ``torch.float16``, or a codec (:class:`pycomm.Int8`,
             :class:`pycomm.Int4`, :class:`pycomm.TopK`), compressed from the
-            first step with error feedback.
+            first step with error feedback, or :class:`pycomm.hooks.PowerSGD`
+            (low-rank factors from the third step, after DDP's bucket rebuild).
         process_group, communicator, path: see :class:`HookState`.
 
     Example::
@@ -119,7 +128,10 @@ class StaleState(HookState):
         # The state that sends the buckets, built first: this state's
         # statistics are its (HookState's constructor resets them).
         where: Dict[str, Any] = dict(communicator=communicator, path=path)
-        if _compression.is_codec(wire):
+        if isinstance(wire, PowerSGD):
+            self.inner = wire.state(process_group, **where)
+            self._inner_hook = powersgd_hook
+        elif _compression.is_codec(wire):
             self.inner: HookState = CompressionState(process_group, wire, start_iter=0, **where)
             self._inner_hook: Callable = compression_hook
         elif wire in _WIRE_DTYPES:
@@ -127,7 +139,7 @@ class StaleState(HookState):
             self._inner_hook = allreduce_hook
         else:
             raise ValueError(f"pycomm.hooks.StaleState: wire={wire!r}; use None, torch.bfloat16, torch.float16, "
-                             "pycomm.Int8(), pycomm.Int4() or pycomm.TopK(ratio)")
+                             "pycomm.Int8(), pycomm.Int4(), pycomm.TopK(ratio) or pycomm.hooks.PowerSGD(rank)")
         super().__init__(process_group, communicator=communicator, path=path)
         self.staleness = staleness
         self.wire = wire
