@@ -22,6 +22,7 @@ from ._loader import CommError, Work, load_core
 from ._tables import ALGORITHMS
 from .compression import ErrorFeedback, Int4, Int8, TopK
 from .communicator import Communicator
+from .diloco import DiLoCo
 from .group import GroupCommunicator
 from .straggler import DeadlineAverager, Straggler
 from .default import (
@@ -47,6 +48,7 @@ __all__ = [
     "CommError",
     "Communicator",
     "DeadlineAverager",
+    "DiLoCo",
     "ErrorFeedback",
     "GroupCommunicator",
     "Int4",

@@ -1,0 +1,214 @@
+"""DiLoCo (Douillard et al., 2023): ranks train on their own for H inner
+steps, then average their pseudo-gradients (how far each moved from the last
+global parameters) and take one outer Nesterov step on the global parameters;
+about H times less communication than averaging every step. Streaming DiLoCo
+(Douillard et al., 2025) syncs the model fragment by fragment on a staggered
+schedule, so each sync moves 1/F of the model, and can overlap a fragment's
+all-reduce with the next inner step.
+
+The pseudo-gradients travel through pycomm (the communicator for CPU
+parameters, the group path for CUDA ones) in any wire format: plain,
+``torch.bfloat16``, or int8 / int4 codes with error feedback.
+
+Example::
+
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = pycomm.DiLoCo(model.parameters(), inner, sync_every=64, wire=pycomm.Int8())
+    for x, y in data:
+        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+    opt.sync()                       # the last partial round, at the end
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Iterable, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from . import compression as _compression
+from .hooks.policy import Group, Router
+
+logger = logging.getLogger("pycomm")
+
+Wire = Union[None, torch.dtype, _compression.Codec]
+
+
+class _Fragment:
+    """A slice of the model that syncs together, and its sync in flight."""
+
+    def __init__(self, index: int, local: List[torch.Tensor], glob: List[torch.Tensor], offset: int) -> None:
+        self.index, self.local, self.glob, self.offset = index, local, glob, offset
+        self.work: Any = None
+        self.flat: Optional[torch.Tensor] = None
+        self.at_sync: Optional[List[torch.Tensor]] = None
+
+
+class DiLoCo:
+    """An optimizer wrapper: ``sync_every`` (H) steps of ``inner``, then the
+    outer step.
+
+    With :math:`\\theta` the global parameters, :math:`\\theta_i` rank i's
+    after H inner steps from :math:`\\theta`, and :math:`A` the wire's average::
+
+        delta = A(theta - theta_0, ..., theta - theta_{n-1})
+        theta = OuterSGD(theta, grad=delta, lr=outer_lr, momentum=outer_momentum, nesterov)
+        theta_i = theta                                    (every rank)
+
+    Args:
+        params: the parameters ``inner`` optimizes (a module's parameters).
+        inner: any optimizer over them.
+        sync_every: inner steps per outer step (H).
+        outer_lr, outer_momentum, nesterov: the outer SGD (0.7, 0.9, True as
+            in the paper).
+        wire: how pseudo-gradients travel: ``None``, ``torch.bfloat16`` /
+            ``torch.float16``, :class:`pycomm.Int8` or :class:`pycomm.Int4`
+            (with error feedback, per fragment).
+        fragments: F > 1 is Streaming DiLoCo: the parameters are cut into F
+            fragments of about equal size (in order), fragment f syncs at the
+            steps ``t`` with ``t % H == f * H // F``.
+        overlap: start a fragment's all-reduce at its sync step and apply it
+            after the next inner step, keeping that step's local progress on
+            top of the new global parameters (the all-reduce travels while the
+            step computes).
+        process_group, communicator, path: where pseudo-gradients go, as for
+            the hooks (:class:`pycomm.hooks.HookState`).
+
+    Example::
+
+        opt = pycomm.DiLoCo(model.parameters(), torch.optim.SGD(model.parameters(), lr=0.1),
+                            sync_every=16, fragments=4, overlap=True)
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor], inner: torch.optim.Optimizer, *, sync_every: int = 64,
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True, wire: Wire = None,
+                 fragments: int = 1, overlap: bool = False, process_group: Group = None,
+                 communicator: Any = None, path: Optional[str] = None) -> None:
+        params = [p for p in params if p.requires_grad]
+        if not params:
+            raise ValueError("pycomm.DiLoCo: no parameters that require grad")
+        if type(sync_every) is not int or sync_every < 1:
+            raise ValueError(f"pycomm.DiLoCo: sync_every must be an int >= 1, got {sync_every!r}")
+        if type(fragments) is not int or not 1 <= fragments <= min(len(params), sync_every):
+            raise ValueError(f"pycomm.DiLoCo: fragments must be an int in [1, min(parameters, sync_every)] = "
+                             f"[1, {min(len(params), sync_every)}], got {fragments!r}")
+        if not (wire is None or wire in (torch.bfloat16, torch.float16) or _compression.is_quantizer(wire)):
+            raise ValueError(f"pycomm.DiLoCo: wire={wire!r}; use None, torch.bfloat16, torch.float16, "
+                             "pycomm.Int8() or pycomm.Int4()")
+        if len({p.device for p in params}) > 1 or len({p.dtype for p in params}) > 1:
+            raise ValueError("pycomm.DiLoCo: every parameter must share one device and dtype")
+        self.inner, self.sync_every, self.wire, self.overlap = inner, sync_every, wire, overlap
+        self._router = Router(process_group, communicator=communicator, path=path)
+        self._error_feedback = _compression.ErrorFeedback() if _compression.is_quantizer(wire) else None
+        glob = [p.detach().clone() for p in params]
+        # Fragments of about equal numel, in parameter order.
+        total, bounds, acc = sum(p.numel() for p in params), [0], 0
+        for i, p in enumerate(params):
+            acc += p.numel()
+            if len(bounds) < fragments and acc >= total * len(bounds) / fragments and len(params) - i - 1 >= fragments - len(bounds):
+                bounds.append(i + 1)
+        bounds.append(len(params))
+        self._fragments = [_Fragment(f, params[a:b], glob[a:b], f * sync_every // fragments)
+                           for f, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        self.outer = torch.optim.SGD([{"params": fr.glob} for fr in self._fragments], lr=outer_lr,
+                                     momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0)
+        #: Inner steps taken.
+        self.local_step = 0
+        #: Fragment syncs applied.
+        self.outer_steps = 0
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        return self.inner.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Any = None) -> Any:
+        """One inner step; then the syncs this step is due for."""
+        loss = self.inner.step(closure)
+        self.local_step += 1
+        for fr in self._fragments:
+            if fr.work is not None:  # started at the last step: travelled behind this one
+                self._finish(fr)
+        for fr in self._fragments:
+            if self.local_step % self.sync_every == fr.offset % self.sync_every:
+                self._start(fr)
+                if not self.overlap:
+                    self._finish(fr)
+        return loss
+
+    def sync(self) -> None:
+        """Sync every fragment now (collectively), e.g. at the end of training."""
+        for fr in self._fragments:
+            if fr.work is None:
+                self._start(fr)
+            self._finish(fr)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Inner and outer optimizers, the global parameters and the step
+        (call between steps; a sync in flight is finished first)."""
+        for fr in self._fragments:
+            if fr.work is not None:
+                self._finish(fr)
+        return {"inner": self.inner.state_dict(), "outer": self.outer.state_dict(), "local_step": self.local_step,
+                "outer_steps": self.outer_steps,
+                "global": [t.detach().clone() for fr in self._fragments for t in fr.glob]}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.inner.load_state_dict(state["inner"])
+        self.outer.load_state_dict(state["outer"])
+        self.local_step, self.outer_steps = int(state["local_step"]), int(state["outer_steps"])
+        saved = iter(state["global"])
+        with torch.no_grad():
+            for fr in self._fragments:
+                for g in fr.glob:
+                    g.copy_(next(saved))
+
+    # ------------------------------------------------------------- internals
+
+    def _start(self, fr: _Fragment) -> None:
+        """The fragment's pseudo-gradient, averaged on its way."""
+        with torch.no_grad():
+            flat = torch.cat([(g - p.detach()).reshape(-1) for g, p in zip(fr.glob, fr.local)])
+            fr.at_sync = [p.detach().clone() for p in fr.local] if self.overlap else None
+            route = self._router._route(flat, compressed=self.wire is not None)
+            if isinstance(self.wire, torch.dtype):
+                fr.flat = flat.to(self.wire)
+            else:
+                fr.flat = flat
+            codec = self.wire if _compression.is_quantizer(self.wire) else None
+            if route == "communicator":
+                fr.work = self._router.communicator.all_reduce(
+                    fr.flat, op="avg", compression=codec, error_feedback=self._error_feedback,
+                    key=("diloco", fr.index) if codec is not None else None, async_op=True)
+            elif codec is not None:
+                fr.work = self._router._group_communicator().all_reduce(
+                    fr.flat, op="avg", compression=codec, error_feedback=self._error_feedback,
+                    key=("diloco", fr.index), async_op=True)
+            else:
+                fr.flat.div_(self._router.world_size)
+                fr.work = dist.all_reduce(fr.flat, group=self._router.process_group, async_op=True)
+
+    def _finish(self, fr: _Fragment) -> None:
+        """The outer step of the fragment, and its ranks back to the global parameters."""
+        fr.work.wait()
+        fr.work = None
+        avg = fr.flat.to(fr.glob[0].dtype)
+        with torch.no_grad():
+            off = 0
+            for other in self._fragments:
+                for g in other.glob:
+                    g.grad = None
+            for g in fr.glob:
+                g.grad = avg[off:off + g.numel()].view_as(g).clone()
+                off += g.numel()
+            self.outer.step()
+            for i, (g, p) in enumerate(zip(fr.glob, fr.local)):
+                if fr.at_sync is not None:  # keep the local progress of the overlapped step
+                    p.copy_(g + (p - fr.at_sync[i]))
+                else:
+                    p.copy_(g)
+                g.grad = None
+        fr.flat = fr.at_sync = None
+        self.outer_steps += 1

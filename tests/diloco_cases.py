@@ -1,0 +1,160 @@
+"""Worker-side cases for pycomm.DiLoCo (tests/test_diloco.py): a quadratic
+whose every rank's path is known in float64, checkpoints and digits."""
+from __future__ import annotations
+
+import io
+from typing import Dict, List, Optional
+
+import torch
+
+import pycomm
+from hooks_cases import _digits, _group, digits_mlp, init_default  # noqa: F401 (init_default: the pool's set-up)
+
+SHAPES = [(20, 30), (600,), (7, 5, 3)]
+WIRES = {"plain": None, "bf16": torch.bfloat16, "int8": pycomm.Int8(), "int4": pycomm.Int4()}
+
+
+def _targets(world: int) -> List[List[torch.Tensor]]:
+    """Rank r's quadratic 1/2 |theta - c_r|^2, c_r drawn from r's seed (every rank can draw them all)."""
+    return [[torch.randn(*s, generator=torch.Generator().manual_seed(100 * r + i), dtype=torch.float64)
+             for i, s in enumerate(SHAPES)] for r in range(world)]
+
+
+def _simulate(world: int, steps: int, lr: float, h: int, fragments: List[int], offsets: List[int],
+              overlap: bool, outer_lr: float, mu: float) -> List[List[torch.Tensor]]:
+    """Every rank's parameters after each step, in float64: inner SGD on each
+    rank's quadratic, fragment f's outer Nesterov step at its sync steps
+    (torch's SGD: buf = g first, then mu * buf + g; update g + mu * buf)."""
+    cs = _targets(world)
+    theta = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+    xs = [[t.clone() for t in theta] for _ in range(world)]
+    bufs: Dict[int, List[torch.Tensor]] = {}
+    pending: Dict[int, tuple] = {}
+    history = []
+    nfrag = max(fragments) + 1
+
+    def outer(f, delta):
+        members = [i for i, fr in enumerate(fragments) if fr == f]
+        if f not in bufs:
+            bufs[f] = [delta[i].clone() for i in members]
+        else:
+            for k, i in enumerate(members):
+                bufs[f][k] = mu * bufs[f][k] + delta[i]
+        for k, i in enumerate(members):
+            theta[i] = theta[i] - outer_lr * (delta[i] + mu * bufs[f][k])
+
+    for t in range(1, steps + 1):
+        for r in range(world):
+            xs[r] = [x - lr * (x - c) for x, c in zip(xs[r], cs[r])]
+        for f, (delta, at_sync) in list(pending.items()):
+            outer(f, delta)
+            for r in range(world):
+                for i, fr in enumerate(fragments):
+                    if fr == f:
+                        xs[r][i] = theta[i] + (xs[r][i] - at_sync[r][i])
+            del pending[f]
+        for f in range(nfrag):
+            if t % h == offsets[f] % h:
+                delta = {i: sum(theta[i] - xs[r][i] for r in range(world)) / world
+                         for i, fr in enumerate(fragments) if fr == f}
+                if overlap:
+                    pending[f] = (delta, [[x.clone() for x in xs[r]] for r in range(world)])
+                else:
+                    outer(f, delta)
+                    for r in range(world):
+                        for i in delta:
+                            xs[r][i] = theta[i].clone()
+        history.append([[x.clone() for x in xs[r]] for r in range(world)])
+    return history
+
+
+def quadratic(rank: int, world: int, wire: str, fragments: int, overlap: bool, steps: int = 20,
+              h: int = 4) -> Dict[str, object]:
+    """pycomm.DiLoCo on the quadratic against the float64 simulation: the
+    largest difference over every step, relative to the targets' scale."""
+    _, comm = _group(world)
+    if rank >= world:
+        return {}
+    params = [torch.zeros(s, requires_grad=True) for s in SHAPES]
+    inner = torch.optim.SGD(params, lr=0.1)
+    opt = pycomm.DiLoCo(params, inner, sync_every=h, fragments=fragments, overlap=overlap, wire=WIRES[wire],
+                        communicator=comm)
+    which = [next(f for f, fr in enumerate(opt._fragments) if any(p is q for q in fr.local)) for p in params]
+    offsets = [fr.offset for fr in opt._fragments]
+    want = _simulate(world, steps, 0.1, h, which, offsets, overlap, 0.7, 0.9)
+    cs = [c.float() for c in _targets(world)[rank]]
+    worst = 0.0
+    for t in range(steps):
+        opt.zero_grad()
+        sum(0.5 * ((p - c) ** 2).sum() for p, c in zip(params, cs)).backward()
+        opt.step()
+        worst = max(worst, max((p.detach().double() - w).abs().max().item() for p, w in zip(params, want[t][rank])))
+    opt.sync()
+    final = torch.cat([p.detach().reshape(-1) for p in params])
+    return {"worst": worst, "final": final, "outer_steps": opt.outer_steps, "fragments": len(opt._fragments)}
+
+
+def checkpoint(rank: int, world: int) -> Dict[str, object]:
+    """12 steps (H = 4, 2 fragments); at step 6 save the wrapper's state
+    through torch.save, resume a fresh one, run to 12: the same parameters."""
+    _, comm = _group(world)
+    if rank >= world:
+        return {}
+    cs = [c.float() for c in _targets(world)[rank]]
+
+    def fresh():
+        params = [torch.zeros(s, requires_grad=True) for s in SHAPES]
+        return params, pycomm.DiLoCo(params, torch.optim.SGD(params, lr=0.1, momentum=0.5), sync_every=4,
+                                     fragments=2, communicator=comm)
+
+    def run(params, opt, n):
+        for _ in range(n):
+            opt.zero_grad()
+            sum(0.5 * ((p - c) ** 2).sum() for p, c in zip(params, cs)).backward()
+            opt.step()
+
+    params, opt = fresh()
+    run(params, opt, 6)
+    buf = io.BytesIO()
+    torch.save({"params": [p.detach().clone() for p in params], "opt": opt.state_dict()}, buf)
+    run(params, opt, 6)
+    ckpt = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    params2, opt2 = fresh()
+    with torch.no_grad():
+        for p, q in zip(params2, ckpt["params"]):
+            p.copy_(q)
+    opt2.load_state_dict(ckpt["opt"])
+    run(params2, opt2, 6)
+    return {"same": all(torch.equal(a, b) for a, b in zip(params, params2)), "outer_steps": opt2.outer_steps}
+
+
+def digits(rank: int, world: int, h: Optional[int], steps: int = 500, fragments: int = 1, overlap: bool = False,
+           wire: str = "plain", seed: int = 0, outer_lr: float = 0.7, outer_momentum: float = 0.9) -> float:
+    """The digits MLP (tests/hooks_cases.py's recipe: SGD with momentum 0.9,
+    lr 0.1, cosine decay, global batch 64) under DiLoCo with H = ``h`` inner
+    steps, or synchronous averaging of every step's gradients (``h`` None)."""
+    _, comm = _group(world)
+    if rank >= world:
+        return 0.0
+    xtr, ytr, xte, yte = _digits()
+    torch.manual_seed(seed)
+    model = digits_mlp()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(inner, steps)
+    opt = (pycomm.DiLoCo(model.parameters(), inner, sync_every=h, fragments=fragments, overlap=overlap,
+                         wire=WIRES[wire], communicator=comm, outer_lr=outer_lr, outer_momentum=outer_momentum)
+           if h else inner)
+    gen = torch.Generator().manual_seed(7 + seed)
+    per_rank = 64 // world
+    for _ in range(steps):
+        idx = torch.randint(0, len(xtr), (64,), generator=gen)[rank * per_rank:(rank + 1) * per_rank]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+        if h is None:
+            comm.all_reduce_coalesced([p.grad for p in model.parameters()], op="avg")
+        opt.step()
+        sched.step()
+    if h:
+        opt.sync()
+    with torch.no_grad():
+        return (model(xte).argmax(1) == yte).float().mean().item() * 100

@@ -1,0 +1,75 @@
+"""pycomm.DiLoCo: a quadratic whose path every rank knows in float64 (every
+wire, fragments, overlap), checkpoints, digits convergence, bad arguments."""
+import pytest
+import torch
+
+import diloco_cases
+import hooks_cases
+import pycomm
+from harness import RankPool
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = RankPool(4)
+    assert pool.run(hooks_cases.init_default, 4, pool.new_name("diloco")) == ["gloo"] * 4
+    yield pool
+    pool.close()
+
+
+# Relative to targets of scale ~3: float32 rounding; bf16 rounding of each
+# pseudo-gradient; int8/int4 codes with error feedback.
+BOUNDS = {"plain": 1e-5, "bf16": 3e-2, "int8": 5e-2, "int4": 0.5}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("wire", ["plain", "bf16", "int8", "int4"])
+def test_quadratic_follows_the_closed_form(pool, world, wire):
+    res = pool.run(diloco_cases.quadratic, world, wire, 1, False)[:world]
+    for r in res:
+        assert r["worst"] <= BOUNDS[wire], (wire, r["worst"])
+        assert r["outer_steps"] == 20 // 4 + 1  # five rounds and the final sync
+    assert all(torch.equal(r["final"], res[0]["final"]) for r in res), "ranks end on different parameters"
+
+
+@pytest.mark.parametrize("fragments,overlap", [(3, False), (3, True), (1, True)])
+def test_streaming_fragments_and_overlap_follow_the_closed_form(pool, fragments, overlap):
+    res = pool.run(diloco_cases.quadratic, 4, "plain", fragments, overlap)
+    for r in res:
+        assert r["fragments"] == fragments
+        assert r["worst"] <= BOUNDS["plain"], r["worst"]
+    assert all(torch.equal(r["final"], res[0]["final"]) for r in res)
+
+
+def test_checkpoint_resumes_bit_for_bit(pool):
+    for r in pool.run(diloco_cases.checkpoint, 2)[:2]:
+        assert r["same"], r
+
+
+def test_digits_within_a_point_of_synchronous_training(pool):
+    """4 ranks, 500 steps on scikit-learn's digits: DiLoCo with H = 16 (plain
+    and int8 pseudo-gradients) and streaming DiLoCo (4 fragments, overlap)
+    within 1 accuracy point of averaging every step's gradients. The outer
+    momentum is 0.5: with the paper's 0.9 on top of the inner SGD's momentum
+    0.9, this small model ends 1.8-2 points lower (measured over two seeds:
+    outer (lr, momentum) (0.7, 0.9) 96.0 / 96.4, (0.7, 0.5) 98.2 / 98.4,
+    (1.0, 0) 98.2 / 98.4, (0.5, 0.9) 97.6 / 96.2; synchronous 98.0 / 98.2)."""
+    base = pool.run(diloco_cases.digits, 4, None)
+    assert len(set(base)) == 1 and base[0] > 95, base
+    for kw in (dict(h=16), dict(h=16, wire="int8"), dict(h=16, fragments=4, overlap=True)):
+        accs = pool.run(diloco_cases.digits, 4, kw.pop("h"), outer_momentum=0.5, **kw)
+        assert len(set(accs)) == 1, accs
+        assert base[0] - accs[0] <= 1.0, (kw, base[0], accs[0])
+
+
+def test_bad_arguments_say_what_to_do():
+    p = [torch.zeros(4, requires_grad=True), torch.zeros(3, requires_grad=True)]
+    inner = torch.optim.SGD(p, lr=0.1)
+    with pytest.raises(ValueError, match="sync_every must be an int >= 1"):
+        pycomm.DiLoCo(p, inner, sync_every=0)
+    with pytest.raises(ValueError, match="fragments must be an int"):
+        pycomm.DiLoCo(p, inner, sync_every=8, fragments=3)
+    with pytest.raises(ValueError, match="wire="):
+        pycomm.DiLoCo(p, inner, wire=pycomm.TopK(0.01))
+    with pytest.raises(ValueError, match="no parameters"):
+        pycomm.DiLoCo([torch.zeros(2)], inner)
