@@ -47,7 +47,8 @@ def rank_main(rank: int, world: int, port: int, hook: str, trials: int) -> None:
         store.wait([f"trial{t}/grad{r}" for r in range(world)])
         sums = {store.get(f"trial{t}/grad{r}") for r in range(world)}
         assert len(sums) == 1, f"trial {t}: ranks disagree on the averaged gradient: {sums}"
-    print(f"rank {rank}: {trials} teardowns", flush=True)
+    sys.stdout.write(f"rank {rank}: {trials} teardowns\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

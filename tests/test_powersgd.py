@@ -2,6 +2,8 @@
 hook against torch's powerSGD_hook on the same buckets and against a float64
 reference of the algorithm, DDP's options, checkpoints, digits convergence
 and bad arguments."""
+import os
+
 import pytest
 import torch
 
@@ -9,6 +11,9 @@ import hooks_cases
 import powersgd_cases
 from harness import RankPool
 from pycomm import hooks
+
+
+LONG = os.environ.get("PYCOMM_LONG") == "1"
 
 
 @pytest.fixture(scope="module")
@@ -116,10 +121,11 @@ def test_checkpoint_resumes_the_same_training(pool, wire):
 
 
 def test_digits_within_a_point_of_synchronous_training(pool):
-    """4 ranks, 500 steps on scikit-learn's digits: PowerSGD rank 4 (plain
-    and with int8 factors) within 1 accuracy point of DDP without a hook."""
+    """4 ranks, 500 steps on scikit-learn's digits: PowerSGD rank 4 (plain;
+    and with int8 factors under PYCOMM_LONG=1) within 1 accuracy point of DDP
+    without a hook."""
     base = pool.run(hooks_cases.digits_accuracy, 4, None, 500)
-    for hook in ("powersgd4", "powersgd4-int8"):
+    for hook in ("powersgd4", "powersgd4-int8") if LONG else ("powersgd4",):
         accs = pool.run(hooks_cases.digits_accuracy, 4, hook, 500, 10)
         assert len(set(accs)) == 1, accs
         assert base[0] - accs[0] <= 1.0, (hook, base[0], accs[0])
