@@ -300,16 +300,24 @@ class _Bucket:
         self.layout, self.grads = layout, grads
         state.numel_before += layout.numel_before
         state.numel_after += layout.numel_after
-        # Each group's matrices as one (count, n, m) tensor: a view of the
-        # bucket when alone, a stacked copy (written back at the end) when
-        # batched; torch's hook keeps them one by one unless asked to batch.
         self.mats: List[List[torch.Tensor]] = []
-        for (n, m), members, _, _, _ in layout.groups:
-            views = [grads[i].view(n, m) for i in members]
-            if state.batch_same_shape and len(views) > 1:
-                self.mats.append([torch.stack(views)])
+
+    def matrices(self, source: torch.Tensor) -> None:
+        """Each group's matrices, read from ``source`` (laid out as the
+        bucket), as (count, n, m) tensors: views when alone, a stacked copy
+        when batched (torch's hook keeps them one by one unless asked to)."""
+        views, off = [], 0
+        for n in self.layout.numels:
+            views.append(source[off:off + n])
+            off += n
+        self.mats = []
+        for (n, m), members, _, _, _ in self.layout.groups:
+            group = [views[i].view(n, m) for i in members]
+            if self.state.batch_same_shape and len(group) > 1:
+                self.mats.append([torch.stack(group)])
             else:
-                self.mats.append([v.unsqueeze(0) for v in views])
+                self.mats.append([v.unsqueeze(0) for v in group])
+        self.plain = [views[i] for i in self.layout.plain]
 
     def factors(self, memory: torch.Tensor, which: str) -> List[List[torch.Tensor]]:
         """The P (or Q) of each matrix batch, as views of the bucket's memory."""
@@ -357,8 +365,15 @@ def _p_phase(state: PowerSGDState, b: _Bucket) -> None:
                 if saved is not None and saved.numel() == n:
                     err[off:off + n].copy_(saved)
                 off += n
-        buf.add_(err)
-        b.input_copy = buf.detach().clone()
+        # The residual's buffer becomes M = gradient + residual, what the
+        # factors are computed from; after the output is written into the
+        # bucket, M - output is the next residual. No copy of the bucket and
+        # no fresh bucket-sized memory per step (torch's hook makes two, and
+        # the first touch of fresh pages costs as much as the arithmetic).
+        err.add_(buf)
+        b.matrices(err)
+    else:
+        b.matrices(buf)
     fresh = (not state.warm_start or idx not in state.p_memory_dict
              or state.p_memory_dict[idx].numel() != layout.p_numel)
     if fresh:
@@ -392,7 +407,7 @@ def _p_phase(state: PowerSGDState, b: _Bucket) -> None:
         for mat, p, q in zip(mats, ps, qs):
             torch.bmm(mat, q, out=p)
     p_mem = state.p_memory_dict[idx]
-    plain = [b.grads[i].reshape(-1) for i in layout.plain]
+    plain = b.plain
     if state.wire is None:
         # One message: P, then the plain tensors (summed; divided after).
         b.p_message = torch.cat([p_mem] + plain) if plain else p_mem
@@ -440,15 +455,17 @@ def _q_phase(state: PowerSGDState, b: _Bucket) -> None:
 
     def done(_: Any) -> None:
         try:
-            for mats, ps, qs in zip(b.mats, b.ps, b.qs):
-                for mat, p, q in zip(mats, ps, qs):
-                    torch.bmm(p, q.transpose(1, 2), out=mat)
-            for ((n, m), members, _, _, _), mats in zip(layout.groups, b.mats):
-                if len(mats) == 1 and mats[0].shape[0] > 1:  # a stacked batch: back into the bucket
-                    for k, i in enumerate(members):
-                        b.grads[i].view(n, m).copy_(mats[0][k])
+            for ((n, m), members, _, _, _), ps, qs in zip(layout.groups, b.ps, b.qs):
+                outs = [b.grads[i].view(1, n, m) for i in members]  # the bucket's own memory
+                if len(ps) == 1 and len(outs) > 1:  # a batch: one product, then into the bucket
+                    approx = torch.bmm(ps[0], qs[0].transpose(1, 2))
+                    for k, out in enumerate(outs):
+                        out.copy_(approx[k:k + 1])
+                else:
+                    for p, q, out in zip(ps, qs, outs):
+                        torch.bmm(p, q.transpose(1, 2), out=out)
             if state.error_feedback:
-                state.error_dict[idx] = b.input_copy - b.buf
+                state.error_dict[idx].sub_(b.buf)  # M - output
             if not state.warm_start:
                 state.p_memory_dict.pop(idx, None)
                 state.q_memory_dict.pop(idx, None)
@@ -456,7 +473,7 @@ def _q_phase(state: PowerSGDState, b: _Bucket) -> None:
                           state._plain_bytes(b.buf.numel(), 4 if b.buf.is_floating_point() else b.buf.element_size()),
                           compressed=True)
             # What only this call needed goes now; the future stays (for the next step's wait).
-            b.input_copy = b.mats = b.ps = b.qs = b.grads = b.p_message = None
+            b.mats = b.ps = b.qs = b.grads = b.plain = b.p_message = None
             b.future.set_result(b.buf)
         except BaseException as e:  # noqa: BLE001 - DDP raises it from the bucket's future
             b.future.set_exception(e)
