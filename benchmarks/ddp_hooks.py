@@ -28,7 +28,9 @@ workers) side by side: time per global step and held-out accuracy.
 
 e2e: a ~25M-parameter MLP trained for a fixed number of steps with DDP's
 default (gloo), PyTorch's bf16_compress_hook (and powerSGD_hook, rank 4:
-``torch-powersgd``), and pycomm's allreduce_hook, int8_hook and
+``torch-powersgd``), pycomm's powersgd_hook (rank 4: ``powersgd``,
+``powersgd-1b`` with one bucket as torch's, ``powersgd-int8`` with int8
+factors), and pycomm's allreduce_hook, int8_hook and
 topk_hook (1 %), each compressed hook also through the device-generic group
 path (``int8-group``, ``topk-group``), allreduce_hook with registered bucket
 copies (``allreduce-reg``), and staleness 1 with int8 on the
@@ -195,7 +197,9 @@ def e2e(args):
         # callback thread; over Gloo that races with the next bucket's first
         # all-reduce (ranks issue them in different orders: a size mismatch),
         # so it gets one bucket.
-        one_bucket = dict(bucket_cap_mb=1 << 16) if name == "torch-powersgd" else {}
+        # pycomm's PowerSGD issues every collective from the hook's thread: any
+        # buckets ("powersgd-1b": one bucket too, for a like-for-like row).
+        one_bucket = dict(bucket_cap_mb=1 << 16) if name in ("torch-powersgd", "powersgd-1b") else {}
         model = DDP(mlp(sizes, seed=1), gradient_as_bucket_view=True, **one_bucket)
         state = None
         if name == "none":  # no communication at all: the compute floor
@@ -207,6 +211,10 @@ def e2e(args):
 
             model.register_comm_hook(psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4,
                                                         start_powerSGD_iter=args.start_iter), psgd.powerSGD_hook)
+        elif name in ("powersgd", "powersgd-1b", "powersgd-int8"):  # rank 4, as torch-powersgd
+            state = hooks.PowerSGDState(rank=4, start_iter=args.start_iter, communicator=comm,
+                                        wire=pycomm.Int8() if name == "powersgd-int8" else None)
+            model.register_comm_hook(state, hooks.powersgd_hook)
         elif name == "stale1-int8":
             state = hooks.StaleState(staleness=1, wire=pycomm.Int8(), communicator=comm)
             model.register_comm_hook(state, hooks.stale_hook)
