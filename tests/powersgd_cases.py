@@ -160,3 +160,29 @@ def checkpoint(rank: int, world: int, wire: str) -> Dict[str, object]:
         results[name + "_diff"] = max((a - b).abs().max().item() for a, b in zip(m.parameters(), m2.parameters()))
     results["iteration"] = st.iteration
     return results
+
+
+def stale_equals_delayed(rank: int, world: int, steps: int = 6) -> Dict[str, object]:
+    """StaleState(staleness=1, wire=PowerSGD(4)) and powersgd_hook side by
+    side on the same data and parameters (no optimizer step): what the stale
+    hook hands DDP at step t is, bit for bit, what the direct hook handed it
+    at step t - 1 (zeros at step 0)."""
+    g, comm = _group(world)
+    if rank >= world:
+        return {}
+    direct, stale = DDP(make_model("mlp"), process_group=g), DDP(make_model("mlp"), process_group=g)
+    direct.register_comm_hook(hooks.PowerSGDState(rank=4, start_iter=2, communicator=comm), hooks.powersgd_hook)
+    state = hooks.StaleState(staleness=1, wire=hooks.PowerSGD(4), communicator=comm)
+    stale.register_comm_hook(state, hooks.stale_hook)
+    gen = torch.Generator().manual_seed(8000 + rank)
+    got, want = [], []
+    for _ in range(steps):
+        x, y = make_batch("mlp", gen)
+        for m in (direct, stale):
+            for p in m.parameters():
+                p.grad = None
+            torch.nn.functional.mse_loss(m(x), y).backward()
+        want.append(_grads(direct.module))
+        got.append(_grads(stale.module))
+    same = [torch.equal(got[t], want[t - 1]) for t in range(1, steps)]
+    return {"same": same, "first_zero": bool((got[0] == 0).all()), "routes": state.routes()}

@@ -131,7 +131,13 @@ def test_digits_within_a_point_of_synchronous_training(pool):
         assert base[0] - accs[0] <= 1.0, (hook, base[0], accs[0])
 
 
-def test_composes_with_staleness(pool):
+def test_staleness_hands_back_last_steps_average(pool):
+    for r in pool.run(powersgd_cases.stale_equals_delayed, 2)[:2]:
+        assert r["first_zero"] and all(r["same"]), r
+
+
+@pytest.mark.skipif(not LONG, reason="PYCOMM_LONG=1: two more digits trainings")
+def test_composes_with_staleness_on_digits(pool):
     """StaleState(wire=PowerSGD(4)): 4 ranks on digits at lr 0.05 (the
     staleness-1 recipe), within 1 point of synchronous training at that rate."""
     base = pool.run(hooks_cases.digits_accuracy, 4, None, 500, lr=0.05)
