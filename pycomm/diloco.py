@@ -24,7 +24,6 @@ import logging
 from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
-import torch.distributed as dist
 
 from . import compression as _compression
 from .hooks.policy import Group, Router
@@ -178,17 +177,8 @@ class DiLoCo:
             else:
                 fr.flat = flat
             codec = self.wire if _compression.is_quantizer(self.wire) else None
-            if route == "communicator":
-                fr.work = self._router.communicator.all_reduce(
-                    fr.flat, op="avg", compression=codec, error_feedback=self._error_feedback,
-                    key=("diloco", fr.index) if codec is not None else None, async_op=True)
-            elif codec is not None:
-                fr.work = self._router._group_communicator().all_reduce(
-                    fr.flat, op="avg", compression=codec, error_feedback=self._error_feedback,
-                    key=("diloco", fr.index), async_op=True)
-            else:
-                fr.flat.div_(self._router.world_size)
-                fr.work = dist.all_reduce(fr.flat, group=self._router.process_group, async_op=True)
+            fr.work = self._router._start_all_reduce(route, fr.flat, "avg", codec, self._error_feedback,
+                                                     key=("diloco", fr.index) if codec is not None else None)
 
     def _finish(self, fr: _Fragment) -> None:
         """The outer step of the fragment, and its ranks back to the global parameters."""

@@ -62,12 +62,6 @@ class CompressionState(HookState):
         self._homes: Dict[int, Tuple[Hashable, int, int]] = {}
         self._next_homes: Dict[int, Tuple[Hashable, int, int]] = {}
         self._used_keys: set = set()
-        # Parameters in the order of the first iteration this state saw (DDP's
-        # initial bucket layout, the same in every fresh process): how a
-        # checkpoint names them.
-        self._order: List[int] = []
-        self._position: Dict[int, int] = {}
-        self._order_done = False
         # From load_state_dict: worker residuals per parameter position, and
         # server residuals per (bucket index, parameter sizes).
         self._pending_params: List[Optional[torch.Tensor]] = []
@@ -112,15 +106,6 @@ class CompressionState(HookState):
         self._homes, self._next_homes, self._used_keys = {}, {}, set()
         self._pending_params = list(state.get("worker_residuals", []))
         self._pending_server = {(int(k[0]), tuple(k[1])): v for k, v in state.get("server_residuals", {}).items()}
-
-    def _observe(self, bucket: dist.GradBucket) -> None:
-        if self._order_done:
-            return
-        for p in bucket.parameters():
-            if id(p) not in self._position:
-                self._position[id(p)] = len(self._order)
-                self._order.append(id(p))
-        self._order_done = bucket.is_last()
 
     def _codec(self, want: Optional[type], default: Callable[[], _compression.Codec],
                hook: str) -> _compression.Codec:

@@ -79,13 +79,10 @@ def _average(state: HookState, bucket: dist.GradBucket, wire_dtype: Optional[tor
         registered = route == "communicator" and getattr(state, "registered", False) and wire.device.type == "cpu"
         if registered:
             wire = state._registered_copy(bucket.index(), wire)
-        if route == "communicator":
-            work = state.communicator.all_reduce(wire, op="avg", async_op=True)
-        elif route == "ipc":
+        if route == "ipc":
             work = state._ipc_group(buf.device).all_reduce(wire, op="avg", async_op=True)
-        else:  # the group's own all-reduce; Gloo has no AVG, so divide first (as torch's allreduce_hook)
-            wire.div_(state.world_size)
-            work = dist.all_reduce(wire, group=state.process_group, async_op=True)
+        else:
+            work = state._start_all_reduce(route, wire, "avg")
     uncompressed = state._plain_bytes(buf.numel(), 4 if buf.is_floating_point() else buf.element_size())
     sent = state._plain_bytes(wire.numel(), wire.element_size())
 

@@ -176,6 +176,22 @@ class Router:
         dist.all_gather_object(everyone, mine, group=self.process_group)
         return ipc_refusal(everyone)
 
+    def _start_all_reduce(self, route: str, tensor: torch.Tensor, op: str, codec: Any = None,
+                          error_feedback: Any = None, key: Any = None) -> Any:
+        """Starts ``tensor``'s all-reduce on ``route`` ("communicator" or
+        "group"), compressed with ``codec`` (and its error feedback under
+        ``key``) when given; returns the work. The group's own all-reduce has
+        no average (Gloo): ``"avg"`` divides first, as torch's hooks do."""
+        if route == "communicator":
+            return self.communicator.all_reduce(tensor, op=op, compression=codec, error_feedback=error_feedback,
+                                                key=key, async_op=True)
+        if codec is not None:
+            return self._group_communicator().all_reduce(tensor, op=op, compression=codec,
+                                                         error_feedback=error_feedback, key=key, async_op=True)
+        if op == "avg":
+            tensor.div_(self.world_size)
+        return dist.all_reduce(tensor, group=self.process_group, async_op=True)
+
     def _group_future(self, work: Any, done: Done, device: torch.device) -> torch.futures.Future:
         """The hook's future of ``done`` over a work of the process group's
         own: NCCL's through ``then`` (it completes on the caller's thread),

@@ -116,7 +116,6 @@ class _Layout:
             p_off += len(members) * n * r
             q_off += len(members) * m * r
         self.p_numel, self.q_numel = p_off, q_off
-        self.plain_numel = sum(grads[i].numel() for i in self.plain)
         self.numels = [g.numel() for g in grads]
         self.key = tuple(tuple(g.shape) for g in grads)
 
@@ -182,11 +181,8 @@ class PowerSGDState(HookState):
         # Per bucket index, the bucket last sent, until its future is waited
         # for: the next step's P phase of that index needs its Q and residual.
         self._inflight: Dict[int, "_Bucket"] = {}
-        # Parameters by position in the first iteration seen (checkpoints name
-        # them so), each bucket's parameters, and what a loaded checkpoint
-        # still has to put back, per position.
-        self._position: Dict[int, int] = {}
-        self._order_done = False
+        # Each bucket's parameters, and what a loaded checkpoint still has to
+        # put back, per parameter position (HookState._observe numbers them).
         self._bucket_params: Dict[int, List[int]] = {}
         self._pending: Dict[str, Dict[int, torch.Tensor]] = {"error": {}, "p": {}, "q": {}}
         self.numel_before = self.numel_after = 0
@@ -252,15 +248,6 @@ class PowerSGDState(HookState):
         if "rng" in state:
             self._rng.set_state(state["rng"])
         self._layouts, self._bucket_params = {}, {}
-
-    def _observe(self, bucket: dist.GradBucket) -> None:
-        """Numbers the parameters in the order of the first iteration seen."""
-        if self._order_done:
-            return
-        for p in bucket.parameters():
-            if id(p) not in self._position:
-                self._position[id(p)] = len(self._position)
-        self._order_done = bucket.is_last()
 
     def _settle(self) -> None:
         """Waits for the buckets still on their way (a staleness wrapper
@@ -334,20 +321,10 @@ class _Bucket:
 
 
 def _all_reduce(state: PowerSGDState, b: _Bucket, tensor: torch.Tensor, op: str, codec) -> Any:
-    """Starts ``tensor``'s all-reduce on the bucket's path; returns its work."""
-    if b.route == "communicator":
-        work = state.communicator.all_reduce(tensor, op=op, compression=codec, async_op=True)
-        b.sent += work.bytes_sent if codec is not None else state._plain_bytes(tensor.numel(),
-                                                                               tensor.element_size())
-        return work
-    if codec is not None:
-        work = state._group_communicator().all_reduce(tensor, op=op, compression=codec, async_op=True)
-        b.sent += work.bytes_sent
-        return work
-    if op == "avg":
-        tensor.div_(state.world_size)
-    b.sent += state._plain_bytes(tensor.numel(), tensor.element_size())
-    return dist.all_reduce(tensor, group=state.process_group, async_op=True)
+    """Starts ``tensor``'s all-reduce on the bucket's path, counting what it sends; returns its work."""
+    work = state._start_all_reduce(b.route, tensor, op, codec)
+    b.sent += work.bytes_sent if codec is not None else state._plain_bytes(tensor.numel(), tensor.element_size())
+    return work
 
 
 def _p_phase(state: PowerSGDState, b: _Bucket) -> None:

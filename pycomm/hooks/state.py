@@ -8,7 +8,7 @@ Example::
     state.stats()["bytes_sent"]
 """
 import threading
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch.distributed as dist
 
@@ -48,6 +48,12 @@ class HookState(Router):
         super().__init__(process_group, communicator=communicator, path=path)
         # Iterations DDP synchronized (no_sync() steps are not counted).
         self.iteration = 0
+        # Parameters in the order of the first iteration this state saw (DDP's
+        # initial bucket layout, the same in every fresh process): how a
+        # checkpoint names them (ids of the parameters, and each id's position).
+        self._order: List[int] = []
+        self._position: Dict[int, int] = {}
+        self._order_done = False
         self._lock = threading.Lock()
         self.reset_stats()
 
@@ -99,6 +105,16 @@ class HookState(Router):
 
     def _plain_bytes(self, numel: int, element_size: int) -> int:
         return _compression.plain_allreduce_bytes(numel, element_size, self.world_size)
+
+    def _observe(self, bucket: dist.GradBucket) -> None:
+        """Numbers the bucket's parameters, during the first iteration seen."""
+        if self._order_done:
+            return
+        for p in bucket.parameters():
+            if id(p) not in self._position:
+                self._position[id(p)] = len(self._order)
+                self._order.append(id(p))
+        self._order_done = bucket.is_last()
 
     def _end_bucket(self, bucket: dist.GradBucket) -> None:
         if bucket.is_last():
