@@ -92,6 +92,13 @@ def _counting(hook, seen: list):
     return spy
 
 
+def train_step(m: torch.nn.Module, opt: torch.optim.Optimizer, batch) -> None:
+    """One step of mean squared error on ``batch`` (x, y)."""
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(m(batch[0]), batch[1]).backward()
+    opt.step()
+
+
 def _grads(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
@@ -431,30 +438,25 @@ def checkpoint_resume(rank: int, world: int, hook: str, path: str = "auto", mode
         m.register_comm_hook(st, HOOKS[hook])
         return m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), st
 
-    def step(m, opt, batch):
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(m(batch[0]), batch[1]).backward()
-        opt.step()
-
     gen = torch.Generator().manual_seed(3000 + rank)
     batches = [make_batch("mlp", gen) for _ in range(4)]
     m, opt, st = fresh()
     for b in batches[:2]:
-        step(m, opt, b)
+        train_step(m, opt, b)
     ckpt = {"model": {k: v.clone() for k, v in m.state_dict().items()}, "opt": opt.state_dict(),
             "hook": st.state_dict()}
     import io
     buf = io.BytesIO()
     torch.save(ckpt, buf)  # a real round trip through serialization
     for b in batches[2:]:
-        step(m, opt, b)
+        train_step(m, opt, b)
     m2, opt2, st2 = fresh()
     ckpt = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
     m2.load_state_dict(ckpt["model"])
     opt2.load_state_dict(ckpt["opt"])
     st2.load_state_dict(ckpt["hook"])
     for b in batches[2:]:
-        step(m2, opt2, b)
+        train_step(m2, opt2, b)
     def dist_to(other):
         return max((a - b).abs().max().item() for a, b in zip(m.parameters(), other.parameters()))
 
@@ -465,6 +467,6 @@ def checkpoint_resume(rank: int, world: int, hook: str, path: str = "auto", mode
     opt3.load_state_dict(ckpt["opt"])
     st3.load_state_dict({"iteration": ckpt["hook"]["iteration"]})
     for b in batches[2:]:
-        step(m3, opt3, b)
+        train_step(m3, opt3, b)
     return {"same": same, "with": dist_to(m2), "without": dist_to(m3), "iteration": st2.iteration,
             "saved": sum(t is not None for t in ckpt["hook"].get("worker_residuals", []))}

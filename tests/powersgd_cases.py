@@ -11,8 +11,16 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hooks_cases import _grads, _group, init_default, make_batch, make_model  # noqa: F401 (init_default: the pool's set-up)
+from hooks_cases import _grads, _group, init_default, make_batch, make_model, train_step  # noqa: F401 (init_default: the pool's set-up)
 from pycomm import hooks
+
+
+def _backward_each(models, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Fresh gradients of each model on the same batch."""
+    for m in models:
+        for p in m.parameters():
+            p.grad = None
+        torch.nn.functional.mse_loss(m(x), y).backward()
 
 
 def torch_parity(rank: int, world: int, matrix_rank: int, batch: bool, path: str = "auto",
@@ -38,11 +46,7 @@ def torch_parity(rank: int, world: int, matrix_rank: int, batch: bool, path: str
     gen = torch.Generator().manual_seed(4000 + rank)
     rel: List[float] = []
     for _ in range(steps):
-        x, y = make_batch("mlp", gen)
-        for m in (theirs, ours):
-            for p in m.parameters():
-                p.grad = None
-            torch.nn.functional.mse_loss(m(x), y).backward()
+        _backward_each((theirs, ours), *make_batch("mlp", gen))
         a, b = _grads(theirs.module), _grads(ours.module)
         rel.append(((a - b).abs().max() / a.abs().max()).item())
     return {"rel": rel, "ratio": state.compression_stats()[0], "routes": state.routes(), "grads": _grads(ours.module)}
@@ -133,20 +137,15 @@ def checkpoint(rank: int, world: int, wire: str) -> Dict[str, object]:
         m.register_comm_hook(st, hooks.powersgd_hook)
         return m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), st
 
-    def step(m, opt, batch):
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(m(batch[0]), batch[1]).backward()
-        opt.step()
-
     gen = torch.Generator().manual_seed(7000 + rank)
     batches = [make_batch("mlp", gen) for _ in range(6)]
     m, opt, st = fresh()
     for b in batches[:4]:
-        step(m, opt, b)
+        train_step(m, opt, b)
     buf = io.BytesIO()
     torch.save({"model": m.state_dict(), "opt": opt.state_dict(), "hook": st.state_dict()}, buf)
     for b in batches[4:]:
-        step(m, opt, b)
+        train_step(m, opt, b)
     results = {}
     for name, keep_hook in (("with", True), ("without", False)):
         ckpt = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
@@ -155,7 +154,7 @@ def checkpoint(rank: int, world: int, wire: str) -> Dict[str, object]:
         opt2.load_state_dict(ckpt["opt"])
         st2.load_state_dict(ckpt["hook"] if keep_hook else {"iteration": ckpt["hook"]["iteration"]})
         for b in batches[4:]:
-            step(m2, opt2, b)
+            train_step(m2, opt2, b)
         results[name] = all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
         results[name + "_diff"] = max((a - b).abs().max().item() for a, b in zip(m.parameters(), m2.parameters()))
     results["iteration"] = st.iteration
@@ -177,11 +176,7 @@ def stale_equals_delayed(rank: int, world: int, steps: int = 6) -> Dict[str, obj
     gen = torch.Generator().manual_seed(8000 + rank)
     got, want = [], []
     for _ in range(steps):
-        x, y = make_batch("mlp", gen)
-        for m in (direct, stale):
-            for p in m.parameters():
-                p.grad = None
-            torch.nn.functional.mse_loss(m(x), y).backward()
+        _backward_each((direct, stale), *make_batch("mlp", gen))
         want.append(_grads(direct.module))
         got.append(_grads(stale.module))
     same = [torch.equal(got[t], want[t - 1]) for t in range(1, steps)]
