@@ -8,6 +8,12 @@ figure, so that slow launches show. Every point's #wrong must be 0::
 
     python benchmarks/launch_spread.py --launches 8 -- -b 1K -e 64M -f 4 --no-baseline
 
+With ``--deepspeed`` it also prints, per size and pycomm algorithm, DeepSpeed's
+time over pycomm's in the same launch (above 1: pycomm faster), so that the
+worst launch is judged against DeepSpeed in the same processes::
+
+    python benchmarks/launch_spread.py --launches 12 -- -b 1K -e 64M -f 4 -a auto --no-baseline --deepspeed
+
 With ``--registered`` rows it also prints, per size and algorithm, the
 registered call's speed-up over the unregistered one measured in the same
 launch (min / median / max over launches: the worst launch included).
@@ -38,12 +44,18 @@ def main() -> int:
     us: Dict[Tuple[int, str, str], List[float]] = {}
     wrong = 0
     ratios: Dict[Tuple[int, str], List[float]] = {}
+    vs_ds: Dict[Tuple[int, str], List[float]] = {}
     for i in range(args.launches):
         rows = launch(args.checkout, bench_args)
         times = {(r["size_bytes"], r["label"]): r["time_us"] for r in rows if r["backend"] == "pycomm"}
         for (size, label), t in times.items():
             if label.endswith("+reg") and (size, label[:-4]) in times:
                 ratios.setdefault((size, label[:-4]), []).append(times[(size, label[:-4])] / t)
+        for row in rows:
+            if row["backend"] == "deepspeed":
+                for (size, label), t in times.items():
+                    if size == row["size_bytes"]:
+                        vs_ds.setdefault((size, label), []).append(row["time_us"] / t)
         for row in rows:
             key = (row["size_bytes"], row["backend"], row["label"])
             wrong += row["wrong"]
@@ -63,6 +75,13 @@ def main() -> int:
         print("| size | algorithm | registered speed-up, same launch: min / median / max | per launch |")
         print("| ---: | --- | ---: | --- |")
         for (size, label), r in sorted(ratios.items()):
+            print(f"| {format_size(size)} | {label} | {min(r):.2f} / {statistics.median(r):.2f} / {max(r):.2f} | "
+                  f"{' '.join(f'{x:.2f}' for x in r)} |")
+    if vs_ds:
+        print()
+        print("| size | algorithm | DeepSpeed time / pycomm time, same launch: min / median / max | per launch |")
+        print("| ---: | --- | ---: | --- |")
+        for (size, label), r in sorted(vs_ds.items()):
             print(f"| {format_size(size)} | {label} | {min(r):.2f} / {statistics.median(r):.2f} / {max(r):.2f} | "
                   f"{' '.join(f'{x:.2f}' for x in r)} |")
     print(f"#wrong over every launch: {wrong}")

@@ -57,6 +57,7 @@ def test_other_collectives_under_torchrun(collective, tmp_path):
     (["-a", "ring,butterfly"], "unknown algorithm"),
     (["-d", "complex64"], "unknown dtype"),
     (["-b", "12Q"], "bad size"),
+    (["--deepspeed", "-o", "max"], "op sum on float32, bfloat16 or float16 only"),
 ])
 def test_bad_options(args, words):
     r = bench(*args)

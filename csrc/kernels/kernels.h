@@ -21,6 +21,20 @@ void reduce_cpu(DType dtype, RedOp op, void* out0, void* out1, const void* const
 // partially; out0 == src is a no-op.
 void copy_cpu(void* out0, void* out1, const void* src, size_t bytes);
 
+// dst = src with non-temporal (streaming) stores on x86-64: the written lines
+// go to memory instead of staying dirty in this core's cache, so that another
+// core reading them soon after fetches them from memory rather than from this
+// core's cache. Ends with a store fence: a flag stored after it is seen only
+// after the data. Elsewhere a plain copy.
+void copy_cpu_streaming(void* dst, const void* src, size_t bytes);
+
+// reduce_cpu whose results go to `stream_out` with streaming stores (see
+// copy_cpu_streaming), and to `out0` as well when it is non-null (cached).
+// Computed block by block, each block written once to out0 (or a scratch
+// block in L1) and streamed from there: the same bits as reduce_cpu.
+void reduce_cpu_streaming(DType dtype, RedOp op, void* out0, void* stream_out, const void* const* srcs, int nsrc,
+                          size_t count);
+
 // data[i] /= divisor, computed in float32 for 16-bit types (floating dtypes only).
 void divide_cpu(DType dtype, void* data, size_t count, double divisor);
 

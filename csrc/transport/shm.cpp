@@ -71,6 +71,16 @@ uint64_t pid_namespace_id() {
   return static_cast<uint64_t>(st.st_ino);
 }
 
+// PYCOMM_SHM_STORES: auto (default), cached or streaming.
+StoreTuner::Policy store_policy() {
+  const char* env = std::getenv("PYCOMM_SHM_STORES");
+  const std::string v = env ? env : "auto";
+  if (v == "auto" || v.empty()) return StoreTuner::Policy::kAuto;
+  if (v == "cached") return StoreTuner::Policy::kCached;
+  if (v == "streaming") return StoreTuner::Policy::kStreaming;
+  throw CommError("pycomm: PYCOMM_SHM_STORES must be auto, cached or streaming, not '" + v + "'");
+}
+
 int usable_cpus() {
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
@@ -87,6 +97,7 @@ ShmTransport::ShmTransport(const ShmConfig& config)
       timeout_s_(config.timeout_s),
       names_(config.global_ranks),
       plans_(config.rank),
+      stores_(store_policy()),
       token_(config.token) {
   if (world_ < 1 || rank_ < 0 || rank_ >= world_)
     throw CommError("pycomm: invalid shared-memory rank " + std::to_string(rank_) + " of " + std::to_string(world_));
@@ -470,6 +481,11 @@ void ShmTransport::execute(const CollectiveDesc& d, const OpContext& ctx, std::v
     std::vector<char*> chunk_out;
     std::vector<size_t> chunk_len;
     std::vector<const void*> srcs;
+    // How this call writes the mailboxes, timed for the tuner (store_tuner.h).
+    const size_t call_bytes = (layout.sharded ? d.count * world_ : layout.out_count) * es;
+    const StoreMode stores = stores_.choose(call_bytes);
+    const bool streaming = stores == StoreMode::kStreaming;
+    std::chrono::steady_clock::time_point arrived{};  // when the first wait on a peer returned
     for (uint64_t j = 0; j < rounds; ++j) {
       const uint64_t R = round_base_ + j;
       // 1. Lay out this round's chunks in the caller's buffers.
@@ -490,9 +506,12 @@ void ShmTransport::execute(const CollectiveDesc& d, const OpContext& ctx, std::v
         const PlanStep& step = plan.steps[t];
         const uint64_t g = step_base_ + t;
         for (const PlanSend& s : step.sends) {
-          if (s.from != Loc::kNone)
-            kernels::copy_cpu(mailbox(rank_, R, s.phase) + s.chunk * chunk_max * es, nullptr,
-                              where(s.from, s.chunk), chunk_len[s.chunk] * es);
+          if (s.from == Loc::kNone) continue;
+          char* slot = mailbox(rank_, R, s.phase) + s.chunk * chunk_max * es;
+          if (streaming)
+            kernels::copy_cpu_streaming(slot, where(s.from, s.chunk), chunk_len[s.chunk] * es);
+          else
+            kernels::copy_cpu(slot, nullptr, where(s.from, s.chunk), chunk_len[s.chunk] * es);
         }
         if (!step.sends.empty()) post_step(g);
         for (const PlanGroup& grp : step.groups) {
@@ -504,6 +523,7 @@ void ShmTransport::execute(const CollectiveDesc& d, const OpContext& ctx, std::v
               continue;
             }
             wait_step(src.peer, step_base_ + src.sent_step, ctx);
+            if (arrived.time_since_epoch().count() == 0) arrived = std::chrono::steady_clock::now();
             if (!checked[src.peer]) {
               // Never read a peer's data before knowing it runs the same op.
               check_header(src.peer, seq, ctx);
@@ -513,10 +533,17 @@ void ShmTransport::execute(const CollectiveDesc& d, const OpContext& ctx, std::v
             srcs.push_back(mailbox(src.peer, R, src.phase) + (a2a ? rank_ : c) * chunk_max * es);
           }
           char* fwd = grp.fwd_phase >= 0 ? mailbox(rank_, R, grp.fwd_phase) + c * chunk_max * es : nullptr;
-          char* dst0 = grp.to_output ? chunk_out[c] : fwd;
-          char* dst1 = grp.to_output ? fwd : nullptr;
-          kernels::reduce_cpu(d.dtype, d.op, dst0, dst1, srcs.data(), static_cast<int>(srcs.size()),
-                              chunk_len[c]);
+          const int nsrc = static_cast<int>(srcs.size());
+          if (streaming && fwd) {
+            // What peers read goes out with streaming stores; the output, read
+            // by the caller, through the cache.
+            kernels::reduce_cpu_streaming(d.dtype, d.op, grp.to_output ? chunk_out[c] : nullptr, fwd, srcs.data(),
+                                          nsrc, chunk_len[c]);
+          } else {
+            char* dst0 = grp.to_output ? chunk_out[c] : fwd;
+            char* dst1 = grp.to_output ? fwd : nullptr;
+            kernels::reduce_cpu(d.dtype, d.op, dst0, dst1, srcs.data(), nsrc, chunk_len[c]);
+          }
         }
       }
       for (int c : plan.final_copies) kernels::copy_cpu(chunk_out[c], nullptr, chunk_in[c], chunk_len[c] * es);
@@ -525,6 +552,9 @@ void ShmTransport::execute(const CollectiveDesc& d, const OpContext& ctx, std::v
       step_base_ += steps;
     }
     round_base_ += rounds;
+    if (arrived.time_since_epoch().count() != 0)
+      stores_.record(call_bytes, stores,
+                     std::chrono::duration<double>(std::chrono::steady_clock::now() - arrived).count());
   }
   finish_average(d, world_);
 }

@@ -33,6 +33,7 @@
 #include "../core/collective.h"
 #include "futex.h"
 #include "peer_watch.h"
+#include "store_tuner.h"
 #include "transport.h"
 
 namespace pycomm {
@@ -145,6 +146,10 @@ class ShmTransport : public Transport {
   size_t round_bytes() const { return round_bytes_; }
   // Calls that ran in place on registered memory (any thread may read it).
   uint64_t in_place_calls() const { return in_place_calls_.load(std::memory_order_relaxed); }
+  // How this rank writes its mailboxes (store_tuner.h): the choice for a
+  // call of `bytes`, and how often the tuner changed it. Executor thread.
+  StoreMode store_mode(size_t bytes) const { return stores_.mode(bytes); }
+  uint64_t store_switches() const { return stores_.switches(); }
   // Unique per communicator and job (it carries the job's random token).
   const std::string& segment_name() const { return name_; }
   // Atomic: the caller's thread may change it while the progress thread
@@ -236,6 +241,7 @@ class ShmTransport : public Transport {
   int yield_iters_ = 0;
   std::chrono::steady_clock::time_point next_liveness_check_{};
   PlanCache plans_;
+  StoreTuner stores_;
   // Registered allocations by id. Weak: the tensors own them; an id is
   // never reused, so a freed one is simply gone.
   std::mutex registered_mu_;

@@ -57,12 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "copy of the buffer on every rank at once (the 'memcpy' row)")
     p.add_argument("--bind-cores", action="store_true",
                    help="bind each rank to its share of the CPUs (pycomm.Communicator(bind_cores=True))")
+    p.add_argument("--deepspeed", action="store_true",
+                   help="also time DeepSpeed's shared-memory all-reduce in the same processes (needs "
+                        "`pip install deepspeed`; all_reduce, op sum, float32/bfloat16/float16)")
     return p
 
 
 def validate(args: argparse.Namespace) -> List[str]:
-    import torch
-
     from .runner import DTYPES
 
     if args.dtype not in DTYPES:
@@ -81,6 +82,10 @@ def validate(args: argparse.Namespace) -> List[str]:
         algos.remove("tree")  # no tree schedule for these (the header lists what runs)
     if args.op == "avg" and not DTYPES[args.dtype].is_floating_point:
         raise SystemExit("pycomm-bench: avg needs a floating-point dtype")
+    if args.deepspeed and (args.collective != "all_reduce" or args.op != "sum"
+                           or args.dtype not in ("float32", "float", "bfloat16", "float16", "half")):
+        raise SystemExit("pycomm-bench: --deepspeed times DeepSpeed's shared-memory all-reduce, which does "
+                         "all_reduce with op sum on float32, bfloat16 or float16 only")
     return algos
 
 
@@ -104,6 +109,9 @@ def _rank_main(rank: int, world: int, port: Optional[int], args: argparse.Namesp
     # would otherwise compete with the ranks for the cores.
     torch.set_num_threads(1)
     if port is not None:
+        # DeepSpeed names its segment after the master's address and port.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(port))
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=max(60, args.timeout)))
     else:
@@ -112,7 +120,8 @@ def _rank_main(rank: int, world: int, port: Optional[int], args: argparse.Namesp
     comm = pycomm.Communicator(timeout=args.timeout, bind_cores=args.bind_cores or None)
     if rank == 0:
         print(f"# pycomm-bench: {args.collective}, {world} ranks, dtype {args.dtype}, op {args.op}, "
-              f"algorithms {','.join(algos)}, baseline {'none' if args.no_baseline else dist.get_backend()}")
+              f"algorithms {','.join(algos)}, baseline {'none' if args.no_baseline else dist.get_backend()}"
+              f"{' and deepspeed-shm' if args.deepspeed else ''}")
         print(f"# host {socket.gethostname()} ({platform.machine()}, {os.cpu_count()} cpus), torch {torch.__version__}, "
               f"pycomm {pycomm.__version__}, shm round {format_size(comm.round_bytes)}B, "
               f"hosts {comm.num_hosts} x local ranks {comm.local_size}, transport {comm.transport}, "
@@ -122,6 +131,10 @@ def _rank_main(rank: int, world: int, port: Optional[int], args: argparse.Namesp
         print(HEADER, flush=True)
     cfg = BenchConfig(args.collective, sizes(args), algos, args.dtype, args.op, args.iters, args.warmup,
                       not args.no_baseline, registered=args.registered)
+    if args.deepspeed:
+        from .deepspeed_shm import setup
+
+        cfg.deepspeed = setup(comm.local_size)
     if "c10d" in algos:
         cfg.c10d_group = dist.new_group(backend="pycomm", timeout=datetime.timedelta(seconds=args.timeout))
     rows = run_rank(cfg, comm)

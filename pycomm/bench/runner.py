@@ -37,6 +37,9 @@ class BenchConfig:
     # "<algorithm>+reg" rows), and time a plain copy of the buffer on every
     # rank at once (the "memcpy" row: the machine's copy bandwidth, same run).
     registered: bool = False
+    # DeepSpeed's shared-memory all-reduce (deepspeed_shm.setup), timed as
+    # a second baseline in the same processes ("deepspeed" rows).
+    deepspeed: Optional[Callable[[torch.Tensor], None]] = None
 
 
 def auto_iters(size: int) -> int:
@@ -173,6 +176,9 @@ def run_rank(cfg: BenchConfig, comm: "pycomm.Communicator") -> Optional[List[Dic
                 runs.append(("pycomm", a + "+reg", reg_case, _pycomm_call(comm, reg_case, a)))
         if cfg.baseline:
             runs.append((backend, backend, case, _baseline_call(case)))
+        if cfg.deepspeed is not None:
+            ds = cfg.deepspeed
+            runs.append(("deepspeed", "deepspeed-shm", case, lambda: ds(case.inp)))
         point = []
         if reg_case is not None:
             point.append(_copy_row(cfg, case, iters, warmup, world))

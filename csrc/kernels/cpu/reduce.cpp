@@ -5,10 +5,15 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "../kernels.h"
 #include "../reduce.h"
 #include "dispatch.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace pycomm {
 namespace kernels {
@@ -111,6 +116,72 @@ void copy_cpu(void* out0, void* out1, const void* src, size_t bytes) {
   if (bytes == 0) return;
   if (out0 != src) std::memcpy(out0, src, bytes);
   if (out1 && out1 != src) std::memcpy(out1, src, bytes);
+}
+
+namespace {
+
+// copy_cpu_streaming without the closing fence, for callers that stream
+// several pieces and fence once.
+void stream_copy(void* dst, const void* src, size_t bytes) {
+#if defined(__x86_64__)
+  auto* d = static_cast<char*>(dst);
+  const auto* s = static_cast<const char*>(src);
+  // Streaming stores need 16-byte aligned destinations: copy the head plainly.
+  const size_t head = std::min(bytes, static_cast<size_t>((16 - reinterpret_cast<uintptr_t>(d) % 16) % 16));
+  std::memcpy(d, s, head);
+  size_t i = head;
+  // A cache line per iteration, so that the write-combining buffers fill
+  // whole lines (a partial line would go to memory twice).
+  for (; i + 64 <= bytes; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
+    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
+  }
+  std::memcpy(d + i, s + i, bytes - i);
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
+void store_fence() {
+#if defined(__x86_64__)
+  // Streaming stores are weakly ordered: without the fence a peer could see
+  // a flag posted after them before it sees the data.
+  _mm_sfence();
+#endif
+}
+
+}  // namespace
+
+void copy_cpu_streaming(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  stream_copy(dst, src, bytes);
+  store_fence();
+}
+
+void reduce_cpu_streaming(DType dtype, RedOp op, void* out0, void* stream_out, const void* const* srcs, int nsrc,
+                          size_t count) {
+  if (count == 0 || nsrc <= 0) return;
+  const size_t es = dtype_size(dtype);
+  // 16 KiB per block: the block just written is still in L1/L2 when it is
+  // streamed out, and blocks stay whole cache lines for every dtype.
+  constexpr size_t kStreamBlockBytes = 16 * 1024;
+  const size_t block = kStreamBlockBytes / es;
+  alignas(64) char scratch[kStreamBlockBytes];
+  std::vector<const void*> at(static_cast<size_t>(nsrc));
+  for (size_t base = 0; base < count; base += block) {
+    const size_t m = std::min(block, count - base);
+    for (int k = 0; k < nsrc; ++k) at[k] = static_cast<const char*>(srcs[k]) + base * es;
+    void* dst = out0 ? static_cast<char*>(out0) + base * es : static_cast<void*>(scratch);
+    reduce_cpu(dtype, op, dst, nullptr, at.data(), nsrc, m);
+    stream_copy(static_cast<char*>(stream_out) + base * es, dst, m * es);
+  }
+  store_fence();
 }
 
 void divide_cpu(DType dtype, void* data, size_t count, double divisor) {

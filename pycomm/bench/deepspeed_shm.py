@@ -1,0 +1,49 @@
+"""DeepSpeed's shared-memory all-reduce as a second baseline (``--deepspeed``).
+
+DeepSpeed's CPU path (``deepspeed.comm.inference_all_reduce`` with
+``DS_ACCELERATOR=cpu``) is what many users of one multi-core host compare
+against. It runs in the same processes, on the same buffers, as pycomm's
+rows. DeepSpeed is not a dependency of pycomm: install it for the benchmark
+(``pip install deepspeed``); its operator is compiled on first use.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+# What DeepSpeed's shared-memory operator reduces in place; other dtypes and
+# ops fall back to torch.distributed inside DeepSpeed, which is not what this
+# row means to measure.
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def setup(local_size: int) -> Callable[[torch.Tensor], None]:
+    """Initialises DeepSpeed's communication on the already initialised
+    default group; returns the in-place all-reduce (sum) to time.
+
+    Example::
+
+        all_reduce = setup(local_size=2)
+        all_reduce(t)  # t summed over the ranks, in place
+    """
+    # DeepSpeed reads these in its operator's initialize(): the segment is
+    # named after the master address and port, and it uses shared memory
+    # only when every rank is local (LOCAL_SIZE == world).
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("LOCAL_SIZE", str(local_size))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(os.getpid()))
+    try:
+        import deepspeed.comm as ds_comm
+    except ImportError as e:
+        raise SystemExit("pycomm-bench --deepspeed needs DeepSpeed: pip install deepspeed") from e
+    if int(os.environ["LOCAL_SIZE"]) != dist.get_world_size():
+        raise SystemExit("pycomm-bench --deepspeed: DeepSpeed's shared-memory all-reduce needs every rank on one host")
+    ds_comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False)
+    if not (hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_")):
+        raise SystemExit("pycomm-bench --deepspeed: DeepSpeed's shared-memory operator did not load "
+                         "(DS_ACCELERATOR must be cpu)")
+    return lambda t: ds_comm.inference_all_reduce(t)
