@@ -5,22 +5,24 @@
 // Why both: the staged protocol hands freshly written mailbox lines from one
 // core to another every round. While the two cores exchange dirty lines
 // quickly (on a VM: while the host runs the two vCPUs on cores that share a
-// cache), cached stores win: 1 MiB all-reduces run ~1.6x faster than with
+// cache), cached stores win: 1 MiB all-reduces run ~2x faster than with
 // streaming stores. But the host moves vCPUs: for seconds at a time (about
 // one second in seven on the 2-vCPU development machine) the exchange of
 // dirty lines slows ~3x while streaming from memory does not, and streaming
-// stores then run ~2x faster than cached ones (benchmarks/RESULTS.md, "Large
-// all-reduces"). No fixed choice is good in both regimes, and the guest cannot
-// see which one it is in, so the tuner measures.
+// stores then run 1.4-1.9x faster than cached ones (benchmarks/RESULTS.md,
+// "All-reduce on one host"). No fixed choice is good in both regimes, and
+// the guest cannot see which one it is in, so the tuner measures.
 //
-// How: per size class, the mode in use is timed on every call (cost = seconds
-// per byte, a moving average), and every kExplorePeriod-th call of the class
-// runs the other mode once; the tuner switches when the other mode's average
-// is clearly lower. A call much slower than the class's usual also triggers a
-// sample of the other mode at once, so that the switch follows a change of
-// regime within a few calls; a single slow call (a preempted rank) does not.
-// Calls are timed from the moment every peer has arrived. Exploring calls sit at the same call counts on
-// every rank (every rank makes the same calls), so that ranks sample the
+// How: per size class, the mode in use is timed on every call (cost =
+// seconds per byte, a moving average), and the 2nd, the 8th and every
+// kExplorePeriod-th call of the class run the other mode once; the tuner
+// switches when the other mode's sample is clearly lower. Two calls in a row
+// much slower than the class's usual also trigger a sample of the other mode
+// at once, so that the switch follows a change of regime within a few calls;
+// a single slow call (a preempted rank) does not. A switch in one size class
+// makes the others re-time and sample at once. Calls are timed from the
+// moment every peer has arrived. Exploring calls sit at the same call counts
+// on every rank (every rank makes the same calls), so that ranks sample the
 // other mode together; each rank then decides from its own clock, and ranks
 // that disagree for a while only cost time: the mode changes no result bit.
 #pragma once
@@ -66,7 +68,10 @@ class StoreTuner {
     Bucket& b = buckets_[bucket(bytes)];
     ++b.calls;
     const bool confirm = b.confirm_in > 0 && --b.confirm_in == 0;
-    const bool explore = confirm || b.sample_now || b.calls % kExplorePeriod == 0;
+    // Early samples too: a job (or a benchmark point) may make only a few
+    // calls of a size, in either regime from the start.
+    const bool early = b.calls == 2 || b.calls == 8;
+    const bool explore = confirm || early || b.sample_now || b.calls % kExplorePeriod == 0;
     return explore ? other(b.mode) : b.mode;
   }
 
@@ -78,7 +83,11 @@ class StoreTuner {
     const double cost = seconds / static_cast<double>(bytes);
     double& avg = b.cost[static_cast<int>(used)];
     if (used == b.mode) {
-      if (avg == 0) {
+      if (b.refresh) {
+        avg = cost;
+        b.refresh = false;
+        b.sample_now = true;
+      } else if (avg == 0) {
         avg = cost;
       } else if (cost > kJumpAbove * avg) {
         // One slow call is noise (preempted, interrupted) and does not
@@ -106,6 +115,11 @@ class StoreTuner {
       b.slow_calls = 0;
       b.confirm_in = kConfirmAfter;
       ++switches_;
+      // The regime is the machine's: the other size classes re-time their
+      // mode on their next call and sample this one on the call after,
+      // instead of waiting a period.
+      for (Bucket& o : buckets_)
+        if (&o != &b && o.calls > 0 && o.mode != used) o.refresh = true;
     }
   }
 
@@ -126,6 +140,7 @@ class StoreTuner {
     uint32_t slow_calls = 0;  // consecutive calls far above the average
     uint32_t confirm_in = 0;  // calls until the mode left is sampled again (0: none due)
     bool sample_now = false;
+    bool refresh = false;  // another class switched: take the next call's level
   };
   // Size classes by powers of two from kMinBytes; the last holds the rest.
   static constexpr int kBuckets = 16;
