@@ -3,6 +3,12 @@
 CppExtension by default; CUDAExtension when torch was built with CUDA and
 nvcc is on the PATH (or CUDA_HOME). Override with PYCOMM_FORCE_CUDA=1 or
 PYCOMM_NO_CUDA=1. This is the only place that choice is made.
+
+PYCOMM_SANITIZE=address,undefined or PYCOMM_SANITIZE=thread builds the whole
+extension (torch glue included) with those sanitizers, frame pointers, debug
+info and widened race windows (csrc/core/race_window.h). Such a build needs its
+runtime preloaded into Python: tests/sanitize.sh builds one beside the normal
+build and runs tests with it.
 """
 import glob
 import os
@@ -38,16 +44,43 @@ cuda_sources = cuda_glue + _sources("csrc/**/*.cu")
 # kernel, and its CUDA twin, must round identically, so that ranks on
 # different CPUs (or a GPU) compute the same bits.
 cxx_flags = ["-O3", "-fvisibility=hidden", "-Wall", "-ffp-contract=off"]
+link_flags: list = []
+macros: list = []
+
+# Sanitizers that may be combined, and the ones that must run alone (TSan
+# cannot share a process with ASan).
+_SANITIZER_SETS = ({"address", "undefined"}, {"address"}, {"undefined"}, {"thread"})
+
+
+def _sanitize_flags(setting: str) -> list:
+    wanted = {s.strip() for s in setting.split(",") if s.strip()}
+    if wanted not in _SANITIZER_SETS:
+        raise SystemExit(f"PYCOMM_SANITIZE={setting!r}: use address,undefined or thread "
+                         "(address and undefined may also be given alone)")
+    # -O1: fast enough to run the failure suites, and stack traces still
+    # name every frame; UBSan's vptr check needs RTTI of torch's types, which
+    # the torch wheel does not export for every class.
+    return [f"-fsanitize={','.join(sorted(wanted))}", "-fno-omit-frame-pointer", "-g", "-O1",
+            "-fno-sanitize=vptr"]
+
+
+if os.environ.get("PYCOMM_SANITIZE"):
+    sanitize = _sanitize_flags(os.environ["PYCOMM_SANITIZE"])
+    cxx_flags = [f for f in cxx_flags if f != "-O3"] + sanitize
+    link_flags = [f for f in sanitize if f.startswith("-fsanitize")]
+    macros = [("PYCOMM_RACE_WINDOWS", "1")]
 
 if _want_cuda():
     ext = cpp_extension.CUDAExtension(
         "pycomm._C",
         cpp_sources + cuda_sources,
-        define_macros=[("PYCOMM_WITH_CUDA", "1")],
+        define_macros=[("PYCOMM_WITH_CUDA", "1")] + macros,
         extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--expt-relaxed-constexpr", "--fmad=false"]},
+        extra_link_args=link_flags,
     )
 else:
-    ext = cpp_extension.CppExtension("pycomm._C", cpp_sources, extra_compile_args={"cxx": cxx_flags})
+    ext = cpp_extension.CppExtension("pycomm._C", cpp_sources, define_macros=macros,
+                                     extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags)
 
 setup(
     packages=find_packages(include=["pycomm", "pycomm.*"]),

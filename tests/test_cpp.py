@@ -16,7 +16,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 TESTS = sorted((ROOT / "tests" / "cpp").glob("*.cpp"))
-FLAGS = ["-std=c++17", "-O1", "-g", "-fsanitize=thread", "-Wall", f"-I{CSRC}"]
+# PYCOMM_RACE_WINDOWS: a test may widen the hand-overs between threads
+# (csrc/core/race_window.h) by setting PYCOMM_RACE_WINDOW_US itself.
+FLAGS = ["-std=c++17", "-O1", "-g", "-fsanitize=thread", "-Wall", "-DPYCOMM_RACE_WINDOWS", f"-I{CSRC}"]
 
 
 

@@ -174,14 +174,14 @@ def test_checkpointed_hook_state_resumes_the_same_training(pool, hook, path):
         assert r["with"] < 0.4 * r["without"], r
 
 
-def test_convergence_parity_on_digits(pool):
+def test_convergence_parity_on_digits(pool, digits_baseline):
     """4 ranks, 500 steps of an MLP on scikit-learn's digits (450 held out):
     int8 within 0.5 and top-k 1 % within 2 accuracy points of DDP without a
     hook. Top-k starts after 10 uncompressed iterations, as PowerSGD does,
     and selects exactly (the sampled selection's draws depend on how many
     calls the communicator made before, so it would make the test depend on
     test order; benchmarks/RESULTS.md has both over six seeds)."""
-    base = pool.run(hooks_cases.digits_accuracy, 4, None, 500)
+    base = digits_baseline(pool, 4, 500)
     assert len(set(base)) == 1 and base[0] > 95, base
     for path in ("auto", "group"):  # pycomm's communicator, and the device-generic group path forced
         int8 = pool.run(hooks_cases.digits_accuracy, 4, "int8", 500, 0, path=path)

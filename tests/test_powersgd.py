@@ -120,11 +120,11 @@ def test_checkpoint_resumes_the_same_training(pool, wire):
             assert r["with_diff"] < 0.25 * r["without_diff"], r
 
 
-def test_digits_within_a_point_of_synchronous_training(pool):
+def test_digits_within_a_point_of_synchronous_training(pool, digits_baseline):
     """4 ranks, 500 steps on scikit-learn's digits: PowerSGD rank 4 (plain;
     and with int8 factors under PYCOMM_LONG=1) within 1 accuracy point of DDP
     without a hook."""
-    base = pool.run(hooks_cases.digits_accuracy, 4, None, 500)
+    base = digits_baseline(pool, 4, 500)
     for hook in ("powersgd4", "powersgd4-int8") if LONG else ("powersgd4",):
         accs = pool.run(hooks_cases.digits_accuracy, 4, hook, 500, 10)
         assert len(set(accs)) == 1, accs
@@ -137,10 +137,10 @@ def test_staleness_hands_back_last_steps_average(pool):
 
 
 @pytest.mark.skipif(not LONG, reason="PYCOMM_LONG=1: two more digits trainings")
-def test_composes_with_staleness_on_digits(pool):
+def test_composes_with_staleness_on_digits(pool, digits_baseline):
     """StaleState(wire=PowerSGD(4)): 4 ranks on digits at lr 0.05 (the
     staleness-1 recipe), within 1 point of synchronous training at that rate."""
-    base = pool.run(hooks_cases.digits_accuracy, 4, None, 500, lr=0.05)
+    base = digits_baseline(pool, 4, 500, lr=0.05)
     accs = pool.run(hooks_cases.digits_accuracy, 4, "stale1-powersgd4", 500, lr=0.05)
     assert len(set(accs)) == 1, accs
     assert base[0] - accs[0] <= 1.0, (base[0], accs[0])

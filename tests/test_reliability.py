@@ -24,6 +24,14 @@ from error_cases import _outcome
 from harness import RankPool, free_port, make_comm
 
 LONG = os.environ.get("PYCOMM_LONG") == "1"
+
+
+def _count(name: str, ci: int, long: int) -> int:
+    """How many trials or calls: CI's, PYCOMM_LONG's, or the environment's
+    ``name`` (tests/sanitize.sh runs sanitizer builds with its own counts)."""
+    return int(os.environ.get(name) or (long if LONG else ci))
+
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -47,11 +55,11 @@ def pool4():
 # ------------------------------------------------------------------ peer death
 
 
-def _death_trials(zygote, trials, comm_kwargs=None, worlds=(2, 3, 4, 5, 8), timeout=5.0):
+def _death_trials(zygote, trials, comm_kwargs=None, worlds=(2, 3, 4, 5, 8), timeout=5.0, seed=1000):
     failures, detect = [], []
     for i in range(trials):
         world = worlds[i % len(worlds)]
-        res = zygote.run(rc.death_trial, world, 1000 + i, timeout, comm_kwargs, timeout=timeout + 90)
+        res = zygote.run(rc.death_trial, world, seed + i, timeout, comm_kwargs, timeout=timeout + 90)
         victim = res["victim"]
         where = f"trial {i} (world {world}, rank {victim} killed after {res['delay']:.2f} s)"
         if res["hung"]:
@@ -80,7 +88,7 @@ def test_peer_death_random_rank_random_moment(zygote):
     """kill -9 a random rank at a random moment of a random checked stream:
     every survivor raises CommError naming it within timeout + 1 s; no hang,
     no wrong result, nothing left in /dev/shm."""
-    failures, detect = _death_trials(zygote, 200 if LONG else 10)
+    failures, detect = _death_trials(zygote, _count("PYCOMM_DEATH_TRIALS", 10, 200))
     print(f"\npeer death: {len(detect)} survivors, detection median {statistics.median(detect):.3f} s, "
           f"max {max(detect):.3f} s")
     assert not failures, "\n".join(failures[:20])
@@ -92,6 +100,28 @@ def test_peer_death_across_hosts(zygote):
     failures, detect = _death_trials(zygote, 40 if LONG else 4, dict(local_size=2), worlds=(4,), timeout=4.0)
     print(f"\npeer death, 2 hosts: {len(detect)} survivors, max detection {max(detect):.3f} s")
     assert not failures, "\n".join(failures[:20])
+
+
+def test_kill_and_freeze_trials_with_8_ranks(zygote):
+    """8 ranks (more than cores): kill -9 at a random moment, and SIGSTOP
+    until the heartbeat verdict, shrink and fence, in turns. Under a
+    sanitizer build (tests/sanitize.sh) these are the trials that must pass
+    200 times in a row."""
+    import elastic_cases as ec
+
+    trials = _count("PYCOMM_TRIALS_8", 2, 20)
+    for i in range(trials):
+        if i % 2 == 0:
+            failures, _ = _death_trials(zygote, 1, worlds=(8,), timeout=10.0, seed=5000 + i)
+            assert not failures, f"kill trial {i}:\n" + "\n".join(failures[:20])
+            continue
+        res = zygote.run(ec.freeze_and_shrink, 8, 2.0, {}, timeout=180)
+        assert res["hung"] == 0, f"freeze trial {i}: {res}"
+        for r in range(7):
+            rep = res["reports"][r]
+            assert rep and rep["wrong"] == 0 and rep["members"] == list(range(7)), (i, r, rep)
+            assert rep["blamed"] == 7 and rep["failure"] == "silent", (i, r, rep)
+        assert "fenced out" in (res["reports"][7] or {}).get("fenced", ""), (i, res["reports"][7])
 
 
 # ------------------------------------------------------------ mismatch matrix
@@ -159,7 +189,7 @@ def test_fuzzed_calls_give_a_correct_result_or_a_clear_error(pool4):
     name = pool4.new_name("fuzz")
     seen = {"ok": 0, "err": 0}
 
-    @settings(max_examples=1500 if LONG else 200, deadline=None, derandomize=not LONG,
+    @settings(max_examples=_count("PYCOMM_FUZZ_EXAMPLES", 200, 1500), deadline=None, derandomize=not LONG,
               suppress_health_check=list(HealthCheck))
     @given(case=CASE)
     def check(case):
@@ -185,7 +215,7 @@ def test_fuzzed_calls_give_a_correct_result_or_a_clear_error(pool4):
 
 
 def test_soak_flat_memory_fds_and_shm(pool4):
-    calls = 20000 if LONG else 1200
+    calls = _count("PYCOMM_SOAK_CALLS", 1200, 20000)
     results = pool4.run(rc.soak, 4, pool4.new_name("soak"), calls, 99)
     for rank, res in enumerate(results):
         assert not res["wrong"], f"rank {rank}: {res['wrong'][:3]}"

@@ -2,6 +2,8 @@
 deadline average (pycomm.DeadlineAverager): closed-form updates, identical
 bits on every rank, no gradient lost, the slow rank never waited for, and
 digits convergence."""
+import os
+
 import pytest
 import torch
 
@@ -10,6 +12,8 @@ import pycomm
 import straggler_cases
 from harness import RankPool
 from pycomm import hooks
+
+LONG = os.environ.get("PYCOMM_LONG") == "1"
 
 
 @pytest.fixture(scope="module")
@@ -158,18 +162,19 @@ def test_straggler_simulator():
         pycomm.Straggler(-1)
 
 
-def test_convergence_on_digits(pool):
+def test_convergence_on_digits(pool, digits_baseline):
     """4 ranks, 500 steps of hooks_cases' digits recipe (SGD, momentum 0.9,
-    cosine to zero). Staleness 1 (plain and int8) within 1 accuracy point of
+    cosine to zero). Staleness 1 (plain; int8 too under PYCOMM_LONG=1) within 1 accuracy point of
     synchronous averaging at lr 0.05; at the recipe's lr 0.1 a one-step
     delay on top of momentum 0.9 sits at the edge of stability (87-92 %
     against 98 % in a one-process simulation of the same rule), which the
     StaleState docstring tells users. The deadline average with rank 3 late
     at every call, at lr 0.1, within 1 point of synchronous."""
-    base = pool.run(hooks_cases.digits_accuracy, 4, None, 500)[:4]
-    base05 = pool.run(hooks_cases.digits_accuracy, 4, None, 500, lr=0.05)[:4]
+    base = digits_baseline(pool, 4, 500)[:4]
+    base05 = digits_baseline(pool, 4, 500, lr=0.05)[:4]
     stale = pool.run(hooks_cases.digits_accuracy, 4, "stale1", 500, lr=0.05)[:4]
-    stale8 = pool.run(hooks_cases.digits_accuracy, 4, "stale1-int8", 500, lr=0.05)[:4]
+    # int8 under staleness: one more training, PYCOMM_LONG=1 only.
+    stale8 = pool.run(hooks_cases.digits_accuracy, 4, "stale1-int8", 500, lr=0.05)[:4] if LONG else stale
     late = pool.run(straggler_cases.digits_deadline, 4, 500, 3, 0.004, 0.001)[:4]
     assert len(set(stale)) == 1 and len(set(stale8)) == 1 and len(set(late)) == 1, (stale, stale8, late)
     assert stale[0] >= base05[0] - 1.0 and stale8[0] >= base05[0] - 1.0, (base05[0], stale[0], stale8[0])

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "../algorithms/schedule.h"
+#include "../core/race_window.h"
 #include "../compression/quantized_allreduce.h"
 #include "../compression/sparse_allreduce.h"
 #include "../transport/futex.h"
@@ -94,6 +95,7 @@ void Communicator::shutdown() {
     if (stop_ && !progress_.joinable()) return;
     stop_ = true;
   }
+  race_window("shutdown: before waking the progress thread");
   cv_.notify_all();
   if (progress_.joinable()) progress_.join();
   // Point-to-point lanes finish what was queued, like the progress thread.
@@ -105,6 +107,7 @@ void Communicator::shutdown() {
   lanes.clear();  // each lane finishes its queue, then joins its thread
   // Peers stop judging this rank before its process may exit.
   if (watch_) watch_->stop(/*leave=*/true);
+  race_window("shutdown: before the transports");
   transports_.shutdown();
 }
 
@@ -140,7 +143,9 @@ void Communicator::declare_silent(int peer, double silent_s, double bound_s) {
 }
 
 void Communicator::abort(const std::string& why, Blame blame) {
+  race_window("abort: before the transport");
   transports_.top().abort(why, blame);
+  race_window("abort: before the failure board");
   // Ranks of other hosts that lose their connection to this one read why on
   // the failure board (blame.h), even if the messages below never reach them.
   // A report already there stays: it is the cause (a failure, a peer found

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "../core/race_window.h"
 #include "communicator.h"
 #include "tensor_checks.h"
 
@@ -37,6 +38,7 @@ struct Communicator::Lane {
       std::lock_guard<std::mutex> lk(mu);
       stopping = true;
     }
+    race_window("lane close");
     cv.notify_one();
     if (thread.joinable()) thread.join();
   }

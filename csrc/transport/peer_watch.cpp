@@ -7,6 +7,8 @@
 #include <mutex>
 #include <thread>
 
+#include "../core/race_window.h"
+
 namespace pycomm {
 
 double heartbeat_setting() {
@@ -145,6 +147,7 @@ struct PeerWatch::State {
 
   // Hands a verdict to the callback; false once stop() was called.
   bool deliver(int rank, double silent_s) {
+    race_window("peer watch: verdict");
     std::lock_guard<std::mutex> lk(verdict_mu);
     if (closed) return false;
     if (c.on_silent) c.on_silent(rank, silent_s, bound_s.load());
@@ -185,6 +188,7 @@ void PeerWatch::stop(bool leave) {
     s_->stop = true;
   }
   s_->cv.notify_all();
+  race_window("peer watch: stop");
   {
     std::lock_guard<std::mutex> lk(s_->verdict_mu);
     s_->closed = true;

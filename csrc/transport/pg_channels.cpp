@@ -4,6 +4,8 @@
 #include <cstring>
 #include <sstream>
 
+#include "../core/race_window.h"
+
 namespace pycomm {
 
 namespace {
@@ -46,6 +48,7 @@ void PgChannels::flush(double timeout_s) {
 }
 
 void PgChannels::abort(const std::string& why, Blame blame) {
+  race_window("pg channels abort");
   std::lock_guard<std::mutex> lk(mu_);
   if (!aborted_) aborted_.emplace(why, blame);
 }

@@ -4,6 +4,7 @@
 #include <deque>
 #include <sstream>
 
+#include "../core/race_window.h"
 #include "../kernels/kernels.h"
 #include "layout.h"
 
@@ -112,6 +113,7 @@ PgTransport::PgTransport(const PgConfig& c)
 PgTransport::~PgTransport() = default;
 
 void PgTransport::abort(const std::string& why, Blame blame) {
+  race_window("group transport abort");
   std::lock_guard<std::mutex> lk(broken_mu_);
   if (!broken_) broken_ = CommError(why, blame);
 }

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "../core/race_window.h"
 #include "../kernels/kernels.h"
 #include "futex.h"
 #include "layout.h"
@@ -253,6 +254,7 @@ ShmTransport::~ShmTransport() {
   }
   if (!base_) return;
   shutdown();
+  race_window("shm: before unmapping");
   munmap(base_, size_);
 }
 
@@ -282,6 +284,7 @@ CommError ShmTransport::abort_error() const {
 void ShmTransport::abort(const std::string& why, Blame blame) {
   uint32_t expected = 0;
   if (header_->abort_state.compare_exchange_strong(expected, 1)) {
+    race_window("shm abort: message half written");
     const size_t n = std::min(why.size(), sizeof(header_->abort_msg) - 1);
     std::memcpy(header_->abort_msg, why.data(), n);
     header_->abort_msg[n] = '\0';
@@ -304,7 +307,14 @@ void ShmTransport::check_abort() const {
 
 void ShmTransport::fail(const std::string& why, Blame blame) {
   abort(why, blame);
-  // If another rank aborted first, report the original cause.
+  // If another rank aborted first, report the original cause. It may still
+  // be writing it (state 1, between its compare-exchange and its release
+  // store): wait for it, but not for a rank that died in between, whose
+  // cause never comes; then this rank's own reason is the best there is.
+  const auto give_up = std::chrono::steady_clock::now() + kAbortWriteWait;
+  while (!aborted() && std::chrono::steady_clock::now() < give_up)
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  if (!aborted()) throw CommError(why, blame);
   throw abort_error();
 }
 

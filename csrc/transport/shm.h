@@ -131,8 +131,11 @@ class ShmTransport : public Transport {
   // Makes every rank's current and future operations fail with `why`.
   void abort(const std::string& why, Blame blame = {}) override;
 
-  // Aborts (as above) and throws the first abort's error.
+  // Aborts (as above) and throws the first abort's error (this one's if the
+  // first aborting rank never finishes writing its own: it died meanwhile).
   [[noreturn]] void fail(const std::string& why, Blame blame = {});
+  // How long fail() waits for a concurrent abort's message.
+  static constexpr std::chrono::milliseconds kAbortWriteWait{200};
 
   bool aborted() const;
   // The communicator's ranks of the local peers that will never post
