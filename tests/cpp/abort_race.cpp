@@ -16,6 +16,7 @@
 #include <string>
 #include <thread>
 
+#include "one_host.h"
 #include "transport/setup.h"
 
 using namespace pycomm;
@@ -27,18 +28,7 @@ constexpr int kTrials = 40;
 constexpr const char* kWindowUs = "3000";
 
 TopologyConfig config(int rank, const std::string& name) {
-  TopologyConfig c;
-  c.rank = rank;
-  c.world = kWorld;
-  c.timeout_s = 30;
-  c.local_rank = rank;
-  c.local_size = kWorld;
-  c.shm_name = name;
-  c.token = "abort-race";
-  c.create = rank == 0;
-  c.round_bytes = 64 * 1024;
-  c.p2p_bytes = 64 * 1024;
-  return c;
+  return one_host_config(rank, kWorld, name, "abort-race", 30);
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "one_host.h"
 #include "transport/setup.h"
 
 using namespace pycomm;
@@ -27,18 +28,7 @@ constexpr int kWorld = 2;
 constexpr int kCalls = 200;
 
 TopologyConfig config(int rank, const std::string& name) {
-  TopologyConfig c;
-  c.rank = rank;
-  c.world = kWorld;
-  c.timeout_s = 60;
-  c.local_rank = rank;
-  c.local_size = kWorld;
-  c.shm_name = name;
-  c.token = "tsan";
-  c.create = rank == 0;
-  c.round_bytes = 64 * 1024;
-  c.p2p_bytes = 64 * 1024;
-  return c;
+  return one_host_config(rank, kWorld, name, "tsan", 60);
 }
 
 bool run_rank(Transports& t, int rank) {
