@@ -83,7 +83,18 @@ def _torchrun_env(rank: int, world: int, port: int, extra: Dict[str, str]) -> It
 
 
 def _cleanup(namespace: dict) -> None:
-    """What the example left behind, released in the order it depends on."""
+    """What the example left behind, released in the order it depends on.
+
+    The example's objects go before the group does: a DDP model dropped
+    after ``destroy_process_group()`` holds the group's last reference, so
+    its ``~ProcessGroupGloo`` joins Gloo's threads with the GIL held, while
+    one of them may still be releasing the tensors of the example's last
+    collective (``dist.all_gather``), which takes the GIL: both wait forever
+    (docs/stragglers.md hung so in CI). Dropped while the group is still
+    registered, the model's reference is not the last; the group's own
+    Python handle then releases it without the GIL."""
+    import gc
+
     import torch.distributed as dist
 
     import pycomm
@@ -92,6 +103,8 @@ def _cleanup(namespace: dict) -> None:
         if isinstance(value, pycomm.Communicator):
             with contextlib.suppress(Exception):
                 value.close()
+    namespace.clear()
+    gc.collect()  # functions the example defined keep its namespace in a cycle
     pycomm.destroy()
     if dist.is_initialized():
         dist.destroy_process_group()
