@@ -41,7 +41,15 @@ rm -rf "$logs" && mkdir -p "$logs"
 # the interpreter, not pycomm. halt_on_error: a memory error must not run on.
 export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:log_path=$logs/asan:verify_asan_link_order=0:${ASAN_OPTIONS:-}"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=0:log_path=$logs/ubsan:${UBSAN_OPTIONS:-}"
-export TSAN_OPTIONS="log_path=$logs/tsan:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp:${TSAN_OPTIONS:-}"
+# TSan sees memory accesses in pycomm only (torch and Python are not
+# instrumented), but by default still counts what torch's and Python's calls
+# to free, memcpy or close do, without the atomics that ordered them (a
+# tensor's last reference dropped inside libc10 after a pycomm thread dropped
+# its own): ignore_noninstrumented_modules leaves those calls out and keeps
+# their locks. A use after free there is ASan's to find. die_after_fork=0:
+# the failure tests fork ranks from processes that already run threads (as
+# torch.multiprocessing's fork does), and a child must start its own.
+export TSAN_OPTIONS="log_path=$logs/tsan:second_deadlock_stack=1:ignore_noninstrumented_modules=1:die_after_fork=0:suppressions=$PWD/tests/tsan.supp:${TSAN_OPTIONS:-}"
 export PYCOMM_RACE_WINDOW_US=${PYCOMM_RACE_WINDOW_US:-300}
 set +e
 LD_PRELOAD="$preload${LD_PRELOAD:+:$LD_PRELOAD}" PYCOMM_CORE_PATH="$PWD/$core" "$PY" -m pytest -q -p no:cacheprovider "$@"
