@@ -93,7 +93,7 @@ def kill_and_shrink(world: int, seed: int, steps_after: int = 20, comm_kwargs: O
     before = rc.shm_entries()
     store_pid, pids, conns = rc.fork_ranks(world, _victim_rank_reporting, steps_after, comm_kwargs or {})
     for c in conns:
-        if not c.poll(60) or c.recv() != "ready":
+        if not c.poll(rc.START_S) or c.recv() != "ready":
             rc.reap(pids + [store_pid], 0)
             raise AssertionError("a rank did not start")
     time.sleep(rng.uniform(0.05, 0.3))
@@ -131,7 +131,7 @@ def store_dies(world: int = 2) -> List[str]:
 
     store_pid, pids, conns = rc.fork_ranks(world, _store_dies_rank, duplex=True)
     for c in conns:
-        assert c.poll(60) and c.recv() == "ready"
+        assert c.poll(rc.START_S) and c.recv() == "ready"
     os.kill(store_pid, signal.SIGKILL)
     os.waitpid(store_pid, 0)
     for c in conns:
@@ -180,7 +180,7 @@ def freeze_and_shrink(world: int = 3, heartbeat: float = 1.0,
 
     store_pid, pids, conns = rc.fork_ranks(world, _frozen_rank, heartbeat, comm_kwargs or {})
     for c in conns:
-        if not c.poll(60) or c.recv() != "ready":
+        if not c.poll(rc.START_S) or c.recv() != "ready":
             rc.reap(pids + [store_pid], 0)
             raise AssertionError("a rank did not start")
     time.sleep(0.2)
@@ -280,7 +280,7 @@ def second_death_during_shrink(world: int = 4) -> Dict[str, Any]:
     first, second = 0, 1
     store_pid, pids, conns = rc.fork_ranks(world, _second_death_rank, first, second)
     for c in conns:
-        if not c.poll(60) or c.recv() != "ready":
+        if not c.poll(rc.START_S) or c.recv() != "ready":
             rc.reap(pids + [store_pid], 0)
             raise AssertionError("a rank did not start")
     time.sleep(0.2)

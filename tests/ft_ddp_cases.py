@@ -3,6 +3,7 @@ in ranks forked from a zygote (reliability_cases): kill -9 of a rank at a
 random step and moment, a replacement that joins, every pycomm hook."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import random
@@ -142,7 +143,7 @@ def _collect(procs: int, target, *args: Any, dead: tuple = (), frozen: tuple = (
     before = rc.shm_entries()
     store_pid, pids, conns = rc.fork_ranks(procs, target, *args)
     reports: Dict[int, Any] = {}
-    deadline = time.monotonic() + 150
+    deadline = time.monotonic() + rc.START_S + 90
     order = [r for r in range(procs) if r not in frozen] + list(frozen)
     for r in order:
         c = conns[r]
@@ -163,13 +164,17 @@ def _collect(procs: int, target, *args: Any, dead: tuple = (), frozen: tuple = (
     return dict(reports=reports, hung=len(hung), leaked=sorted(rc.shm_entries() - before))
 
 
+def _report(fn, rank: int, procs: int, port: int, conn, *args: Any) -> None:
+    try:
+        conn.send(fn(rank, procs, port, *args))
+    except BaseException as e:  # noqa: BLE001 - the test shows what went wrong
+        conn.send(dict(crash=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+
+
 def _reporting(fn):
-    def rank_main(rank: int, procs: int, port: int, conn, *args: Any) -> None:
-        try:
-            conn.send(fn(rank, procs, port, *args))
-        except BaseException as e:  # noqa: BLE001 - the test shows what went wrong
-            conn.send(dict(crash=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
-    return rank_main
+    """A rank target that sends fn's result (or its crash) to the caller;
+    a partial, not a closure: spawned ranks receive it pickled."""
+    return functools.partial(_report, fn)
 
 
 def _ft_rank(rank: int, world: int, port: int, hook: str, steps: int, kills: Dict[int, tuple],

@@ -281,7 +281,7 @@ def kill_trial(world: int, seed: int) -> Dict[str, Any]:
     before = rc.shm_entries()
     store_pid, pids, conns = rc.fork_ranks(world, _kill_rank, seed)
     for c in conns:
-        if not c.poll(60) or c.recv() != "ready":
+        if not c.poll(rc.START_S) or c.recv() != "ready":
             rc.reap(pids + [store_pid], 0)
             raise AssertionError("a rank did not start")
     time.sleep(rng.uniform(0.05, 0.4))

@@ -4,7 +4,7 @@ Trials that kill a rank need fresh processes every time. A *zygote* (one
 process that has imported torch and pycomm) forks the ranks of each trial,
 so a trial costs milliseconds of start-up instead of seconds of imports.
 Everything here is plain functions: the zygote and the harness workers call
-them by reference. Just over 500 lines: one module, so that the zygote
+them by reference. About 580 lines: one module, so that the zygote
 imports every scenario once before it forks.
 """
 from __future__ import annotations
@@ -12,10 +12,14 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import random
 import resource
 import signal
+import subprocess
+import sys
 import time
+from multiprocessing.connection import Connection
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -148,13 +152,54 @@ class Zygote:
             self.proc.kill()
 
 
+# How fork_ranks starts ranks: "fork" (the default: milliseconds, from this
+# zygote) or "spawn" (a fresh interpreter per rank: seconds of imports).
+# ThreadSanitizer turns itself off in a child forked from a process that runs
+# threads, so tests/sanitize.sh thread spawns them.
+RANK_START = os.environ.get("PYCOMM_RANK_START", "fork")
+# Seconds a rank may take to start and report "ready".
+START_S = 60.0 if RANK_START == "fork" else 300.0
+
+
+def _run_rank(target, r: int, world: int, port: int, conn, args: tuple) -> None:
+    """A rank's whole life: target, then _exit (no exit handlers of the
+    zygote it was forked from)."""
+    code = 0
+    try:
+        target(r, world, port, conn, *args)
+    except BaseException:  # noqa: BLE001
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _spawned_rank(fd: int) -> None:
+    """Entry of a spawned rank: its call arrives pickled on stdin, its
+    connection as an inherited descriptor."""
+    target, r, world, port, args = pickle.load(sys.stdin.buffer)
+    _run_rank(target, r, world, port, Connection(fd), args)
+
+
+def _start_rank(target, r: int, world: int, port: int, child, args: tuple) -> int:
+    if RANK_START == "fork":
+        pid = os.fork()
+        if pid == 0:
+            _run_rank(target, r, world, port, child, args)
+        return pid
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.Popen([sys.executable, "-c", f"import reliability_cases as rc; rc._spawned_rank({child.fileno()})"],
+                            stdin=subprocess.PIPE, pass_fds=(child.fileno(),), env=env)
+    proc.stdin.write(pickle.dumps((target, r, world, port, args)))
+    proc.stdin.close()
+    return proc.pid
+
+
 def fork_ranks(world: int, target, *args: Any, duplex: bool = False) -> tuple:
     """Forks a store process (the TCPStore's host, like torchrun's agent) and
-    `world` ranks running target(rank, world, port, conn, *args); returns
-    (store pid, rank pids, connections). The connections carry the ranks'
-    reports to the caller (and, with `duplex`, the caller's messages to the
-    ranks). Forked processes exit without running the zygote's exit
-    handlers."""
+    `world` ranks running target(rank, world, port, conn, *args) (or spawns
+    them: RANK_START); returns (store pid, rank pids, connections). The
+    connections carry the ranks' reports to the caller (and, with `duplex`,
+    the caller's messages to the ranks)."""
     port = free_port()
     store_pid = os.fork()
     if store_pid == 0:
@@ -167,18 +212,8 @@ def fork_ranks(world: int, target, *args: Any, duplex: bool = False) -> tuple:
     pids, conns = [], []
     for r in range(world):
         parent, child = mp.Pipe(duplex=duplex)
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                parent.close()
-                target(r, world, port, child, *args)
-            except BaseException:  # noqa: BLE001
-                code = 1
-            finally:
-                os._exit(code)
+        pids.append(_start_rank(target, r, world, port, child, args))
         child.close()
-        pids.append(pid)
         conns.append(parent)
     return store_pid, pids, conns
 
@@ -189,7 +224,10 @@ def reap(pids: List[int], deadline: float) -> List[int]:
     hung = []
     for pid in pids:
         while True:
-            done, _ = os.waitpid(pid, os.WNOHANG)
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # a spawned rank's Popen reaped it
+                break
             if done:
                 break
             if time.monotonic() > deadline:
@@ -234,7 +272,7 @@ def death_trial(world: int, seed: int, timeout: float, comm_kwargs: Optional[dic
     delay = rng.uniform(0.0, 0.5)
     before = shm_entries()
     store_pid, pids, conns = fork_ranks(world, _death_rank, seed, timeout, comm_kwargs or {})
-    start_deadline = time.monotonic() + 60
+    start_deadline = time.monotonic() + START_S
     for c in conns:
         if not c.poll(max(0.0, start_deadline - time.monotonic())) or c.recv() != "ready":
             reap(pids + [store_pid], 0)
