@@ -194,14 +194,22 @@ def _start_rank(target, r: int, world: int, port: int, child, args: tuple) -> in
     return proc.pid
 
 
+_STORE_MAIN = """import time, torch.distributed as dist
+_store = dist.TCPStore("127.0.0.1", {port}, {world}, is_master=True, wait_for_workers=False)
+time.sleep(1e9)"""
+
+
 def fork_ranks(world: int, target, *args: Any, duplex: bool = False) -> tuple:
     """Forks a store process (the TCPStore's host, like torchrun's agent) and
     `world` ranks running target(rank, world, port, conn, *args) (or spawns
-    them: RANK_START); returns (store pid, rank pids, connections). The
+    them all: RANK_START); returns (store pid, rank pids, connections). The
     connections carry the ranks' reports to the caller (and, with `duplex`,
     the caller's messages to the ranks)."""
     port = free_port()
-    store_pid = os.fork()
+    if RANK_START != "fork":
+        store_pid = subprocess.Popen([sys.executable, "-c", _STORE_MAIN.format(port=port, world=world)]).pid
+    else:
+        store_pid = os.fork()
     if store_pid == 0:
         try:
             _store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False)  # noqa: F841
