@@ -1,0 +1,442 @@
+"""Time to accuracy over slow links: every way to cut gradient traffic,
+judged by how soon training reaches a target loss, side by side.
+
+A small character-level transformer language model (3 layers, width 128,
+0.6M parameters) learns a synthetic language made on the fly (a few hundred
+made-up words chained by a sparse Markov chain, so there is something to
+learn and a floor well below the unigram loss). Each rank samples its own
+batches; every config trains from the same initial weights on the same
+per-rank batch stream, for the same number of steps, with AdamW.
+
+Configs (``--configs``; every one by default):
+
+    ddp                 DDP's own all-reduce (Gloo, float32): no hook
+    torch-bf16          torch's bf16_compress_hook
+    torch-powersgd-1/4  torch's powerSGD_hook, rank 1 / 4 (one bucket: with several it
+                        hangs on Gloo; see docs/low_communication.md)
+    int8, topk          pycomm's int8_hook, topk_hook (1 %), error feedback
+    stale1-int8         pycomm's stale_hook: staleness 1, int8 on the wire
+    powersgd-1/4        pycomm's powersgd_hook, rank 1 / 4 (DDP's buckets)
+    powersgd-1/4-int8   the same with int8 factors
+    diloco-16/64        pycomm.DiLoCo, H = 16 / 64, plain pseudo-gradients
+    streaming-diloco    pycomm.DiLoCo, H = 16, 4 fragments, overlap, int4 wire
+
+Reported per config: time to the target loss (wall clock from the first step,
+the periodic evaluations included: the same small cost in every config),
+the step at which it was reached, step time (training wall clock / steps, so
+DiLoCo's sync steps count), bytes per step (what the rank's network interface
+sent, every byte on the wire), and the final held-out loss. The loss is each
+rank's own model on a fixed held-out set, averaged over ranks.
+
+Run everything (3 fresh launches x 1 Gbit/s and 100 Mbit/s on 4 simulated
+hosts; needs root, see benchmarks/multihost/testbed.py), then the table and a
+plot::
+
+    python benchmarks/time_to_accuracy.py --launches 3 --rates 1gbit,100mbit --out build/tta
+
+The table and plot again from saved runs, for another target::
+
+    python benchmarks/time_to_accuracy.py --summarize build/tta --target 1.3
+
+One launch by hand (what the driver runs on every host)::
+
+    python benchmarks/multihost/testbed.py --hosts 4 --rate 1gbit -- \\
+        benchmarks/time_to_accuracy.py --worker --json /tmp/tta.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ALL_CONFIGS = ("ddp,torch-bf16,torch-powersgd-1,torch-powersgd-4,int8,topk,stale1-int8,powersgd-1,powersgd-4,"
+               "powersgd-1-int8,powersgd-4-int8,diloco-16,diloco-64,streaming-diloco")
+ALPHABET = "abcdefghijklmnopqrstuvwxyz ."
+
+
+# ------------------------------------------------------------------ the task
+
+def language(seed: int = 0, words: int = 300):
+    """The synthetic language: ``words`` made-up words of 2-7 letters (two may
+    share a spelling), and each word's 4 possible successors (word indices)."""
+    g = random.Random(seed)
+    vocab = ["".join(g.choice(ALPHABET[:26]) for _ in range(g.randint(2, 7))) for _ in range(words)]
+    succ = [g.sample(range(words), 4) for _ in range(words)]
+    return vocab, succ, g
+
+
+def make_corpus(chars: int, seed: int = 0, words: int = 300) -> torch.Tensor:
+    """The language as character ids: sentences of 4-12 words, each word
+    followed by one of its 4 successors (weights .55/.25/.15/.05)."""
+    vocab, succ, g = language(seed, words)
+    out: List[str] = []
+    n = 0
+    while n < chars:
+        w = g.randrange(words)
+        sentence = []
+        for _ in range(g.randint(4, 12)):
+            sentence.append(vocab[w])
+            w = g.choices(succ[w], (0.55, 0.25, 0.15, 0.05))[0]
+        s = " ".join(sentence) + ". "
+        out.append(s)
+        n += len(s)
+    index = {c: i for i, c in enumerate(ALPHABET)}
+    return torch.tensor([index[c] for c in "".join(out)[:chars]], dtype=torch.long)
+
+
+class CharLM(torch.nn.Module):
+    """A decoder-only transformer (pre-norm, causal) over characters."""
+
+    def __init__(self, width: int, layers: int, context: int, vocab: int = len(ALPHABET)) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        # Positions start at unit scale, like the token embeddings: from a
+        # small start (0.02) this model sits on a loss plateau for hundreds of
+        # steps before attention learns to use them, which would make time to
+        # target a measure of when that happens to break.
+        self.position = torch.nn.Parameter(torch.randn(context, width))
+        layer = torch.nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=4 * width, dropout=0.0,
+                                                 batch_first=True, norm_first=True)
+        self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, vocab)
+        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        h = self.embed(x) + self.position[:t]
+        h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
+        return self.head(self.norm(h))
+
+
+def batch(text: torch.Tensor, n: int, context: int, gen: torch.Generator):
+    starts = torch.randint(0, len(text) - context - 1, (n,), generator=gen)
+    idx = starts[:, None] + torch.arange(context + 1)
+    seq = text[idx]
+    return seq[:, :-1], seq[:, 1:]
+
+
+def held_out_split(args):
+    """The training text, and held-out sequences cut from the corpus' end
+    (the same language, sentences no batch is drawn from)."""
+    n = args.held_out * (args.context + 1)
+    text = make_corpus(args.corpus_chars + n, seed=args.seed)
+    return text[:-n], text[-n:].view(args.held_out, args.context + 1)
+
+
+def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def tx_bytes() -> Optional[int]:
+    """Bytes this network namespace's link has sent (the testbed's eth0)."""
+    dev = os.environ.get("GLOO_SOCKET_IFNAME")
+    if not dev:
+        return None
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == dev:
+                return int(rest.split()[8])
+    return None
+
+
+# ------------------------------------------------------------------ the configs
+
+def build(name: str, model: torch.nn.Module, args, comm):
+    """(the module to call, the optimizer to step, the hook state or None)."""
+    import pycomm
+    from pycomm import hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    sys.path.insert(0, HERE)
+    from ddp_hooks import torch_bf16_hook
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+
+    if name.startswith("diloco-") or name == "streaming-diloco":
+        streaming = name == "streaming-diloco"
+        opt = pycomm.DiLoCo(model.parameters(), adamw(model.parameters()),
+                            sync_every=16 if streaming else int(name.split("-")[1]),
+                            fragments=4 if streaming else 1, overlap=streaming,
+                            wire=pycomm.Int4() if streaming else None, communicator=comm)
+        return model, opt, None
+    one_bucket = dict(bucket_cap_mb=1 << 16) if name.startswith("torch-powersgd") else {}
+    ddp = DDP(model, gradient_as_bucket_view=True, **one_bucket)
+    state = None
+    if name == "torch-bf16":
+        ddp.register_comm_hook(None, torch_bf16_hook)
+    elif name.startswith("torch-powersgd-"):
+        ddp.register_comm_hook(torch_psgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=int(name.split("-")[2]),
+            start_powerSGD_iter=args.start_iter), torch_psgd.powerSGD_hook)
+    elif name.startswith("powersgd-"):
+        state = hooks.PowerSGDState(rank=int(name.split("-")[1]), start_iter=args.start_iter, communicator=comm,
+                                    wire=pycomm.Int8() if name.endswith("-int8") else None)
+        ddp.register_comm_hook(state, hooks.powersgd_hook)
+    elif name == "int8":
+        state = hooks.CompressionState(codec=pycomm.Int8(), start_iter=args.start_iter, communicator=comm)
+        ddp.register_comm_hook(state, hooks.int8_hook)
+    elif name == "topk":
+        state = hooks.CompressionState(codec=pycomm.TopK(0.01), start_iter=args.start_iter, communicator=comm)
+        ddp.register_comm_hook(state, hooks.topk_hook)
+    elif name == "stale1-int8":
+        state = hooks.StaleState(staleness=1, wire=pycomm.Int8(), communicator=comm)
+        ddp.register_comm_hook(state, hooks.stale_hook)
+    elif name != "ddp":
+        raise SystemExit(f"unknown config {name!r}; known: {ALL_CONFIGS}")
+    return ddp, adamw(model.parameters()), state
+
+
+def train(name: str, args, text, held_x, held_y, comm) -> Dict:
+    import pycomm
+    import torch.distributed as dist
+    from pycomm import hooks
+
+    rank = dist.get_rank()
+    torch.manual_seed(args.seed)
+    model = CharLM(args.width, args.layers, args.context)
+    net, opt, state = build(name, model, args, comm)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    curve, step_times, reached = [], [], None
+    dist.barrier()
+    tx0, t0 = tx_bytes(), time.perf_counter()
+    for step in range(1, args.steps + 1):
+        x, y = batch(text, args.batch, args.context, gen)
+        t = time.perf_counter()
+        opt.zero_grad()
+        loss_of(net, x, y).backward()
+        opt.step()
+        if step == args.steps:  # what is still in flight belongs to training
+            if isinstance(opt, pycomm.DiLoCo):
+                opt.sync()
+            elif isinstance(state, hooks.StaleState):
+                for _ in state.flush():
+                    opt.step()
+        step_times.append(time.perf_counter() - t)
+        if step % args.eval_every == 0 or step == args.steps:
+            elapsed = time.perf_counter() - t0
+            model.eval()
+            with torch.no_grad():
+                held = loss_of(model, held_x, held_y).item()
+            model.train()
+            v = torch.tensor([held, elapsed], dtype=torch.float64)
+            dist.all_reduce(v)
+            held, elapsed = v[0].item() / dist.get_world_size(), v[1].item() / dist.get_world_size()
+            curve.append((step, round(elapsed, 3), round(held, 4)))
+            if reached is None and held <= args.target:
+                reached = (step, elapsed)
+    train_s = time.perf_counter() - t0
+    sent = tx_bytes()
+    v = torch.tensor([sum(step_times), train_s, (sent - tx0) if sent is not None else -1], dtype=torch.float64)
+    dist.all_reduce(v, op=dist.ReduceOp.MAX)
+    row = dict(config=name, step_ms=v[0].item() / args.steps * 1e3, train_s=v[1].item(),
+               bytes_per_step=v[2].item() / args.steps if v[2].item() >= 0 else None,
+               final_loss=curve[-1][2], steps_to_target=reached[0] if reached else None,
+               time_to_target_s=reached[1] if reached else None, curve=curve)
+    del net, opt, state
+    return row
+
+
+def worker(args) -> int:
+    import pycomm
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    comm = pycomm.get_default()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    text, held = held_out_split(args)
+    held_x, held_y = held[:, :-1], held[:, 1:]
+    names = args.configs.split(",")
+    shift = args.rotate % len(names)  # a launch's turn in the rotation: drift hits every config alike
+    names = names[shift:] + names[:shift]
+    params = sum(p.numel() for p in CharLM(args.width, args.layers, args.context).parameters())
+    if rank == 0:
+        print(f"# time to accuracy: char LM {params / 1e6:.2f}M parameters, {world} ranks x batch {args.batch} x "
+              f"context {args.context}, {args.steps} steps, AdamW lr {args.lr}, target loss {args.target}, "
+              f"transport {comm.transport}", flush=True)
+    rows = []
+    for name in names:
+        row = train(name, args, text, held_x, held_y, comm)
+        rows.append(row)
+        if rank == 0:
+            ttt = f"{row['time_to_target_s']:7.1f} s (step {row['steps_to_target']})" \
+                if row["time_to_target_s"] is not None else "  not reached   "
+            mb = f"{row['bytes_per_step'] / 1e6:7.3f} MB/step" if row["bytes_per_step"] is not None else ""
+            print(f"{name:>18} | target {ttt} | step {row['step_ms']:7.1f} ms | {mb} | "
+                  f"final loss {row['final_loss']:.4f}", flush=True)
+    if rank == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "params": params, "world": world, "rows": rows}, f)
+    pycomm.destroy()
+    dist.destroy_process_group()
+    return 0
+
+
+# ------------------------------------------------------------------ the driver
+
+def retarget(run: Dict, target: float) -> None:
+    """Time and step to ``target`` again, from a run's evaluation curve."""
+    run["args"]["target"] = target
+    for r in run["rows"]:
+        hit = next(((step, t) for step, t, loss in r["curve"] if loss <= target), None)
+        r["steps_to_target"], r["time_to_target_s"] = hit if hit else (None, None)
+
+
+def summarize(runs: Dict[str, List[Dict]], out: str) -> str:
+    """The table per rate (min / median / max over launches) and the plot."""
+    lines = []
+    for rate, launches in runs.items():
+        configs = [r["config"] for r in sorted(launches[0]["rows"], key=lambda r: ALL_CONFIGS.find(r["config"]))]
+        by = {c: [next(r for r in run["rows"] if r["config"] == c) for run in launches] for c in configs}
+
+        def spread(vals, fmt):
+            if any(v is None for v in vals):
+                return "not reached in " + str(sum(v is None for v in vals)) + "/" + str(len(vals))
+            v = sorted(vals)
+            return " / ".join(fmt.format(x) for x in (v[0], statistics.median(v), v[-1]))
+
+        def med_time(c):
+            t = [r["time_to_target_s"] for r in by[c]]
+            return statistics.median(t) if None not in t else float("inf")
+
+        torch_best = min((c for c in configs if c.startswith("torch-") or c == "ddp"), key=med_time)
+        ours_best = min((c for c in configs if not (c.startswith("torch-") or c == "ddp")), key=med_time)
+        base_loss = statistics.median(r["final_loss"] for r in by["ddp"]) if "ddp" in by else None
+        target = launches[0]["args"]["target"]
+        lines += [f"### {rate}, {len(launches)} fresh launches, target loss {target}", "",
+                  "| config | time to target (s), min / median / max | step (ms), median | MB per step | "
+                  "final loss, median | vs ddp |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+        for c in configs:
+            step = statistics.median(r["step_ms"] for r in by[c])
+            mb = [r["bytes_per_step"] for r in by[c]]
+            mbs = f"{statistics.median(mb) / 1e6:.3f}" if None not in mb else "-"
+            loss = statistics.median(r["final_loss"] for r in by[c])
+            rel = f"{(loss / base_loss - 1) * 100:+.1f} %" if base_loss else "-"
+            lines.append(f"| {c} | {spread([r['time_to_target_s'] for r in by[c]], '{:.1f}')} | {step:.1f} | "
+                         f"{mbs} | {loss:.4f} | {rel} |")
+        ratios = []
+        for i in range(len(launches)):
+            a = by[torch_best][i]["time_to_target_s"]
+            b = by[ours_best][i]["time_to_target_s"]
+            ratios.append(a / b if a and b else float("nan"))
+        lines += ["", f"torch's best hook by median: {torch_best}; pycomm's best: {ours_best}; "
+                  f"time-to-target ratio per launch: " + ", ".join(f"{r:.2f}x" for r in ratios), ""]
+    text = "\n".join(lines)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 5), squeeze=False)
+        for ax, (rate, launches) in zip(axes[0], runs.items()):
+            for r in launches[0]["rows"]:
+                ax.plot([p[1] for p in r["curve"]], [p[2] for p in r["curve"]], label=r["config"],
+                        linestyle="--" if r["config"].startswith("torch-") or r["config"] == "ddp" else "-")
+            ax.axhline(launches[0]["args"]["target"], color="grey", linewidth=0.8)
+            ax.set_xscale("log")
+            ax.set_xlabel("wall clock (s)")
+            ax.set_ylabel("held-out loss (nats / char)")
+            ax.set_title(f"4 hosts at {rate}, launch 1")
+        axes[0][-1].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "time_to_accuracy.png"), dpi=110)
+    except ImportError:
+        pass
+    return text
+
+
+def driver(args, forward: List[str]) -> int:
+    sys.path.insert(0, os.path.join(HERE, "multihost"))
+    from testbed import Testbed, TestbedError, ensure_tools
+
+    os.makedirs(args.out, exist_ok=True)
+    runs: Dict[str, List[Dict]] = {}
+    try:
+        ensure_tools()
+        for launch in range(args.launches):
+            for rate in args.rates.split(","):
+                path = os.path.join(args.out, f"{rate}-launch{launch + 1}.json")
+                print(f"# launch {launch + 1}, {rate}", flush=True)
+                with Testbed(4, rate=rate, delay=args.delay) as tb:
+                    code = tb.launch(1, [os.path.abspath(__file__), "--worker", "--json", path,
+                                         "--rotate", str(launch), *forward], timeout=args.timeout)
+                if code != 0:
+                    print(f"launch {launch + 1} at {rate} failed (exit {code})", file=sys.stderr)
+                    return code
+                with open(path) as f:
+                    runs.setdefault(rate, []).append(json.load(f))
+    except TestbedError as e:
+        print(f"testbed: {e}", file=sys.stderr)
+        return 2
+    return write_summary(runs, args.out)
+
+
+def write_summary(runs: Dict[str, List[Dict]], out: str) -> int:
+    text = summarize(runs, out)
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", action="store_true", help="run as one rank (under torchrun)")
+    p.add_argument("--launches", type=int, default=3)
+    p.add_argument("--rates", default="1gbit,100mbit", help="link rates, one testbed per rate and launch")
+    p.add_argument("--delay", default="0.1ms")
+    p.add_argument("--out", default="build/time_to_accuracy")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per launch")
+    p.add_argument("--json", default=None)
+    p.add_argument("--rotate", type=int, default=0)
+    p.add_argument("--summarize", metavar="DIR", default=None,
+                   help="only redraw the table and plot of the runs saved in DIR (with --target: for that target)")
+    forwarded = p.add_argument_group("training (passed to every rank)")
+    forwarded.add_argument("--configs", default=ALL_CONFIGS)
+    forwarded.add_argument("--steps", type=int, default=400)
+    forwarded.add_argument("--eval-every", type=int, default=10)
+    forwarded.add_argument("--target", type=float, default=1.2, help="held-out loss, nats per character")
+    forwarded.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    forwarded.add_argument("--context", type=int, default=32)
+    forwarded.add_argument("--width", type=int, default=128)
+    forwarded.add_argument("--layers", type=int, default=3)
+    forwarded.add_argument("--lr", type=float, default=3e-3)
+    forwarded.add_argument("--start-iter", type=int, default=10, help="plain iterations of the gradient hooks")
+    forwarded.add_argument("--corpus-chars", type=int, default=500_000)
+    forwarded.add_argument("--held-out", type=int, default=64, help="held-out sequences")
+    forwarded.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.summarize:
+        runs: Dict[str, List[Dict]] = {}
+        for name in sorted(os.listdir(args.summarize)):
+            if name.endswith(".json") and "-launch" in name:
+                with open(os.path.join(args.summarize, name)) as f:
+                    run = json.load(f)
+                if "--target" in (argv if argv is not None else sys.argv):
+                    retarget(run, args.target)
+                runs.setdefault(name.split("-launch")[0], []).append(run)
+        return write_summary(runs, args.summarize)
+    forward = []
+    for a in forwarded._group_actions:
+        forward += [a.option_strings[0], str(getattr(args, a.dest))]
+    return driver(args, forward)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
