@@ -20,9 +20,15 @@ Configs (``--configs``; every one by default):
     powersgd-1/4-int8   the same with int8 factors
     diloco-16/64        pycomm.DiLoCo, H = 16 / 64, plain pseudo-gradients
     streaming-diloco    pycomm.DiLoCo, H = 16, 4 fragments, overlap, int4 wire
+                        (= diloco-16-f4-int4-overlap)
 
-Reported per config: time to the target loss (wall clock from the first step,
-the periodic evaluations included: the same small cost in every config),
+Any DiLoCo variant by name: ``diloco-<H>`` and, in any order, ``-f<F>``
+(fragments), ``-int8`` / ``-int4`` / ``-bf16`` (the wire), ``-overlap``,
+``-m<momentum>`` and ``-lr<outer lr>`` (the outer step; 0.9 and 0.7 by
+default, as in the paper), e.g. ``diloco-8-f4-int4-overlap-m0.5``.
+
+Reported per config: time to the target loss (wall clock of training from
+the first step, the periodic evaluations off the clock),
 the step at which it was reached, step time (training wall clock / steps, so
 DiLoCo's sync steps count), bytes per step (what the rank's network interface
 sent, every byte on the wire), and the final held-out loss. The loss is each
@@ -152,6 +158,31 @@ def tx_bytes() -> Optional[int]:
 
 # ------------------------------------------------------------------ the configs
 
+def diloco_options(name: str) -> Dict:
+    """pycomm.DiLoCo's arguments for a config name (see the module's docstring)."""
+    import pycomm
+
+    parts = ("diloco-16-f4-int4-overlap" if name == "streaming-diloco" else name).split("-")
+    wires = {"int8": pycomm.Int8(), "int4": pycomm.Int4(), "bf16": torch.bfloat16}
+    try:
+        out: Dict = dict(sync_every=int(parts[1]))
+        for p in parts[2:]:
+            if p in wires:
+                out["wire"] = wires[p]
+            elif p == "overlap":
+                out["overlap"] = True
+            elif p.startswith("lr"):
+                out["outer_lr"] = float(p[2:])
+            elif p[0] in "fm":
+                out["fragments" if p[0] == "f" else "outer_momentum"] = (int if p[0] == "f" else float)(p[1:])
+            else:
+                raise ValueError(p)
+    except (IndexError, ValueError):
+        raise SystemExit(f"unknown DiLoCo config {name!r}: diloco-<H>[-f<F>][-int8|-int4|-bf16][-overlap]"
+                         "[-m<momentum>][-lr<outer lr>]") from None
+    return out
+
+
 def build(name: str, model: torch.nn.Module, args, comm):
     """(the module to call, the optimizer to step, the hook state or None)."""
     import pycomm
@@ -166,11 +197,8 @@ def build(name: str, model: torch.nn.Module, args, comm):
         return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
 
     if name.startswith("diloco-") or name == "streaming-diloco":
-        streaming = name == "streaming-diloco"
-        opt = pycomm.DiLoCo(model.parameters(), adamw(model.parameters()),
-                            sync_every=16 if streaming else int(name.split("-")[1]),
-                            fragments=4 if streaming else 1, overlap=streaming,
-                            wire=pycomm.Int4() if streaming else None, communicator=comm)
+        opt = pycomm.DiLoCo(model.parameters(), adamw(model.parameters()), communicator=comm,
+                            **diloco_options(name))
         return model, opt, None
     one_bucket = dict(bucket_cap_mb=1 << 16) if name.startswith("torch-powersgd") else {}
     ddp = DDP(model, gradient_as_bucket_view=True, **one_bucket)
@@ -211,7 +239,14 @@ def train(name: str, args, text, held_x, held_y, comm) -> Dict:
     gen = torch.Generator().manual_seed(1000 + rank)
     curve, step_times, reached = [], [], None
     dist.barrier()
-    tx0, t0 = tx_bytes(), time.perf_counter()
+    # The clock: training only. An evaluation (64 sequences, the compute of
+    # ~5 training steps here) is off it unless --eval-on-clock: on it, it
+    # adds the same seconds to every config and pulls every ratio towards 1.
+    # Off it, what is in flight across it (a stale hook's average, an
+    # overlapped DiLoCo fragment) travels for free: at most one step's
+    # communication per --eval-every steps.
+    clock, mark = 0.0, time.perf_counter()
+    tx0 = tx_bytes()
     for step in range(1, args.steps + 1):
         x, y = batch(text, args.batch, args.context, gen)
         t = time.perf_counter()
@@ -226,7 +261,9 @@ def train(name: str, args, text, held_x, held_y, comm) -> Dict:
                     opt.step()
         step_times.append(time.perf_counter() - t)
         if step % args.eval_every == 0 or step == args.steps:
-            elapsed = time.perf_counter() - t0
+            now = time.perf_counter()
+            clock, mark = clock + (now - mark), now
+            elapsed = clock
             model.eval()
             with torch.no_grad():
                 held = loss_of(model, held_x, held_y).item()
@@ -237,7 +274,9 @@ def train(name: str, args, text, held_x, held_y, comm) -> Dict:
             curve.append((step, round(elapsed, 3), round(held, 4)))
             if reached is None and held <= args.target:
                 reached = (step, elapsed)
-    train_s = time.perf_counter() - t0
+            if not args.eval_on_clock:
+                mark = time.perf_counter()
+    train_s = clock
     sent = tx_bytes()
     v = torch.tensor([sum(step_times), train_s, (sent - tx0) if sent is not None else -1], dtype=torch.float64)
     dist.all_reduce(v, op=dist.ReduceOp.MAX)
@@ -299,7 +338,9 @@ def summarize(runs: Dict[str, List[Dict]], out: str) -> str:
     """The table per rate (min / median / max over launches) and the plot."""
     lines = []
     for rate, launches in runs.items():
-        configs = [r["config"] for r in sorted(launches[0]["rows"], key=lambda r: ALL_CONFIGS.find(r["config"]))]
+        known = ALL_CONFIGS.split(",")
+        configs = [r["config"] for r in sorted(launches[0]["rows"], key=lambda r: known.index(r["config"])
+                                               if r["config"] in known else len(known))]
         by = {c: [next(r for r in run["rows"] if r["config"] == c) for run in launches] for c in configs}
 
         def spread(vals, fmt):
@@ -409,6 +450,8 @@ def main(argv=None) -> int:
     forwarded.add_argument("--configs", default=ALL_CONFIGS)
     forwarded.add_argument("--steps", type=int, default=400)
     forwarded.add_argument("--eval-every", type=int, default=10)
+    forwarded.add_argument("--eval-on-clock", type=int, default=0,
+                           help="1: count the evaluations in the time (how RESULTS' first tables were measured)")
     forwarded.add_argument("--target", type=float, default=1.2, help="held-out loss, nats per character")
     forwarded.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     forwarded.add_argument("--context", type=int, default=32)

@@ -43,6 +43,19 @@ def test_held_out_sequences_come_from_the_end_of_the_same_corpus():
     assert torch.equal(text, whole[:5_000]) and torch.equal(held.reshape(-1), whole[5_000:])
 
 
+def test_diloco_configs_by_name():
+    import pycomm
+
+    assert tta.diloco_options("diloco-64") == dict(sync_every=64)
+    s = tta.diloco_options("streaming-diloco")
+    assert isinstance(s.pop("wire"), pycomm.Int4) and s == dict(sync_every=16, fragments=4, overlap=True)
+    assert tta.diloco_options("diloco-8-m0.5-lr0.4-bf16-f2") == dict(
+        sync_every=8, outer_momentum=0.5, outer_lr=0.4, wire=torch.bfloat16, fragments=2)
+    for bad in ("diloco-", "diloco-x", "diloco-16-int3", "diloco-16-fx"):
+        with pytest.raises(SystemExit, match="unknown DiLoCo config"):
+            tta.diloco_options(bad)
+
+
 def _run(rows_by_config, target=1.0):
     return {"args": {"target": target}, "rows": [
         dict(config=c, step_ms=s, bytes_per_step=1e6, final_loss=loss, curve=curve, steps_to_target=None,
