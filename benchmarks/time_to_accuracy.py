@@ -190,7 +190,8 @@ def build(name: str, model: torch.nn.Module, args, comm):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    sys.path.insert(0, HERE)
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
     from ddp_hooks import torch_bf16_hook
 
     def adamw(params):
@@ -227,6 +228,16 @@ def build(name: str, model: torch.nn.Module, args, comm):
     return ddp, adamw(model.parameters()), state
 
 
+def first_under(curve: List, target: float) -> Optional[tuple]:
+    """(step, seconds) of the first evaluation at or under ``target``, or None."""
+    return next(((step, t) for step, t, loss in curve if loss <= target), None)
+
+
+def is_torch(config: str) -> bool:
+    """Whether a config is torch's own (no hook or one of torch's hooks)."""
+    return config == "ddp" or config.startswith("torch-")
+
+
 def train(name: str, args, text, held_x, held_y, comm) -> Dict:
     import pycomm
     import torch.distributed as dist
@@ -237,7 +248,7 @@ def train(name: str, args, text, held_x, held_y, comm) -> Dict:
     model = CharLM(args.width, args.layers, args.context)
     net, opt, state = build(name, model, args, comm)
     gen = torch.Generator().manual_seed(1000 + rank)
-    curve, step_times, reached = [], [], None
+    curve, step_times = [], []
     dist.barrier()
     # The clock: training only. An evaluation (64 sequences, the compute of
     # ~5 training steps here) is off it unless --eval-on-clock: on it, it
@@ -263,22 +274,18 @@ def train(name: str, args, text, held_x, held_y, comm) -> Dict:
         if step % args.eval_every == 0 or step == args.steps:
             now = time.perf_counter()
             clock, mark = clock + (now - mark), now
-            elapsed = clock
             model.eval()
             with torch.no_grad():
                 held = loss_of(model, held_x, held_y).item()
             model.train()
-            v = torch.tensor([held, elapsed], dtype=torch.float64)
+            v = torch.tensor([held, clock], dtype=torch.float64) / dist.get_world_size()
             dist.all_reduce(v)
-            held, elapsed = v[0].item() / dist.get_world_size(), v[1].item() / dist.get_world_size()
-            curve.append((step, round(elapsed, 3), round(held, 4)))
-            if reached is None and held <= args.target:
-                reached = (step, elapsed)
+            curve.append((step, round(v[1].item(), 3), round(v[0].item(), 4)))
             if not args.eval_on_clock:
                 mark = time.perf_counter()
-    train_s = clock
     sent = tx_bytes()
-    v = torch.tensor([sum(step_times), train_s, (sent - tx0) if sent is not None else -1], dtype=torch.float64)
+    reached = first_under(curve, args.target)
+    v = torch.tensor([sum(step_times), clock, (sent - tx0) if sent is not None else -1], dtype=torch.float64)
     dist.all_reduce(v, op=dist.ReduceOp.MAX)
     row = dict(config=name, step_ms=v[0].item() / args.steps * 1e3, train_s=v[1].item(),
                bytes_per_step=v[2].item() / args.steps if v[2].item() >= 0 else None,
@@ -330,7 +337,7 @@ def retarget(run: Dict, target: float) -> None:
     """Time and step to ``target`` again, from a run's evaluation curve."""
     run["args"]["target"] = target
     for r in run["rows"]:
-        hit = next(((step, t) for step, t, loss in r["curve"] if loss <= target), None)
+        hit = first_under(r["curve"], target)
         r["steps_to_target"], r["time_to_target_s"] = hit if hit else (None, None)
 
 
@@ -353,8 +360,8 @@ def summarize(runs: Dict[str, List[Dict]], out: str) -> str:
             t = [r["time_to_target_s"] for r in by[c]]
             return statistics.median(t) if None not in t else float("inf")
 
-        torch_best = min((c for c in configs if c.startswith("torch-") or c == "ddp"), key=med_time)
-        ours_best = min((c for c in configs if not (c.startswith("torch-") or c == "ddp")), key=med_time)
+        torch_best = min((c for c in configs if is_torch(c)), key=med_time)
+        ours_best = min((c for c in configs if not is_torch(c)), key=med_time)
         base_loss = statistics.median(r["final_loss"] for r in by["ddp"]) if "ddp" in by else None
         target = launches[0]["args"]["target"]
         lines += [f"### {rate}, {len(launches)} fresh launches, target loss {target}", "",
@@ -386,7 +393,7 @@ def summarize(runs: Dict[str, List[Dict]], out: str) -> str:
         for ax, (rate, launches) in zip(axes[0], runs.items()):
             for r in launches[0]["rows"]:
                 ax.plot([p[1] for p in r["curve"]], [p[2] for p in r["curve"]], label=r["config"],
-                        linestyle="--" if r["config"].startswith("torch-") or r["config"] == "ddp" else "-")
+                        linestyle="--" if is_torch(r["config"]) else "-")
             ax.axhline(launches[0]["args"]["target"], color="grey", linewidth=0.8)
             ax.set_xscale("log")
             ax.set_xlabel("wall clock (s)")
@@ -452,7 +459,7 @@ def main(argv=None) -> int:
     forwarded.add_argument("--eval-every", type=int, default=10)
     forwarded.add_argument("--eval-on-clock", type=int, default=0,
                            help="1: count the evaluations in the time (how RESULTS' first tables were measured)")
-    forwarded.add_argument("--target", type=float, default=1.2, help="held-out loss, nats per character")
+    forwarded.add_argument("--target", type=float, default=None, help="held-out loss, nats per character (1.2)")
     forwarded.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     forwarded.add_argument("--context", type=int, default=32)
     forwarded.add_argument("--width", type=int, default=128)
@@ -463,6 +470,9 @@ def main(argv=None) -> int:
     forwarded.add_argument("--held-out", type=int, default=64, help="held-out sequences")
     forwarded.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    target_given = args.target is not None
+    if not target_given:
+        args.target = 1.2
     if args.worker:
         return worker(args)
     if args.summarize:
@@ -471,7 +481,7 @@ def main(argv=None) -> int:
             if name.endswith(".json") and "-launch" in name:
                 with open(os.path.join(args.summarize, name)) as f:
                     run = json.load(f)
-                if "--target" in (argv if argv is not None else sys.argv):
+                if target_given:
                     retarget(run, args.target)
                 runs.setdefault(name.split("-launch")[0], []).append(run)
         return write_summary(runs, args.summarize)
