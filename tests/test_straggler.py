@@ -169,13 +169,18 @@ def test_convergence_on_digits(pool, digits_baseline):
     delay on top of momentum 0.9 sits at the edge of stability (87-92 %
     against 98 % in a one-process simulation of the same rule), which the
     StaleState docstring tells users. The deadline average with rank 3 late
-    at every call, at lr 0.1, within 1 point of synchronous."""
+    (20 ms) at every call, at lr 0.1, within 1 point of synchronous. Its
+    deadline (5 ms) sits above the scheduler's time slice: with 4 ranks on
+    2 cores a 1 ms deadline closed a fifth of the steps on one rank alone
+    (on-time ranks that were merely descheduled missed it), and accuracy
+    then spread over 96.4-98.9 % from run to run; at 5 ms, 97.6-98.7 % over
+    12 runs with two busy processes beside them."""
     base = digits_baseline(pool, 4, 500)[:4]
     base05 = digits_baseline(pool, 4, 500, lr=0.05)[:4]
     stale = pool.run(hooks_cases.digits_accuracy, 4, "stale1", 500, lr=0.05)[:4]
     # int8 under staleness: one more training, PYCOMM_LONG=1 only.
     stale8 = pool.run(hooks_cases.digits_accuracy, 4, "stale1-int8", 500, lr=0.05)[:4] if LONG else stale
-    late = pool.run(straggler_cases.digits_deadline, 4, 500, 3, 0.004, 0.001)[:4]
+    late = pool.run(straggler_cases.digits_deadline, 4, 500, 3, 0.02, 0.005)[:4]
     assert len(set(stale)) == 1 and len(set(stale8)) == 1 and len(set(late)) == 1, (stale, stale8, late)
     assert stale[0] >= base05[0] - 1.0 and stale8[0] >= base05[0] - 1.0, (base05[0], stale[0], stale8[0])
     assert late[0] >= base[0] - 1.0, (base[0], late[0])
