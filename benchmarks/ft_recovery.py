@@ -16,6 +16,8 @@ machine (network namespaces included).
   checkpoint every ``--ckpt-every`` steps. Recovery = kill to the slowest
   rank's first completed step after the restart; steps lost = the steps
   since the last checkpoint, redone at the measured step time.
+* ``--path group`` (pycomm): the buckets go over a Gloo group per
+  membership epoch, the path a CUDA model's take (over NCCL).
 * ``--freeze`` (pycomm, testbed): the victim stops itself (SIGSTOP) instead
   of dying: the survivors find it by its heartbeat (``--heartbeat``, the
   bound in seconds); continued at the end, it must say that it is out.
@@ -33,6 +35,7 @@ Examples::
     python benchmarks/ft_recovery.py --mode pycomm --trials 20
     python benchmarks/ft_recovery.py --mode torchrun --trials 5 --ckpt-every 50
     python benchmarks/ft_recovery.py --mode pycomm --trials 20 --local-size 2 --freeze --heartbeat 1
+    python benchmarks/ft_recovery.py --mode pycomm --trials 20 --path group
     python benchmarks/ft_recovery.py --mode heartbeat --trials 6
     python benchmarks/multihost/testbed.py --hosts 2 --nproc-per-host 1 -- \\
         benchmarks/ft_recovery.py --mode testbed --local-ranks 2 --trials 20
@@ -87,7 +90,7 @@ def _die(store: "dist.Store", key: str, freeze: bool = False) -> None:
 
 def pycomm_rank(store: "dist.Store", rank: int, world: int, name: str, victim: int, kill_step: int, steps: int,
                 width: int, local_size: Optional[int] = None, heartbeat: bool = True, freeze: bool = False,
-                bound: Optional[float] = None) -> Dict[str, Any]:
+                bound: Optional[float] = None, path: str = "communicator") -> Dict[str, Any]:
     import pycomm
     from pycomm import hooks
     from pycomm.elastic import FaultTolerantDDP
@@ -101,7 +104,7 @@ def pycomm_rank(store: "dist.Store", rank: int, world: int, name: str, victim: i
         comm.heartbeat_timeout = bound
     model = make_model(width)
     ft = FaultTolerantDDP(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), comm,
-                          hook=hooks.allreduce_hook, admit_every=0)
+                          hook=hooks.allreduce_hook, state=hooks.AllReduceState(path=path), admit_every=0)
 
     def fn(step: int) -> None:
         if rank == victim and step == kill_step:
@@ -181,8 +184,8 @@ def recovery_of(reports: Dict[int, Any], t_kill: float, world: int) -> Dict[str,
 
 
 def _serve_store(port: int, world: int) -> None:
-    _s = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False)  # noqa: F841
-    while True:
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False)
+    while store is not None:  # serves until killed
         time.sleep(3600)
 
 
@@ -210,7 +213,7 @@ def run_pycomm(args: argparse.Namespace) -> None:
                                   timeout=datetime.timedelta(seconds=60))
             reports = launch_ranks(list(range(args.world)), "127.0.0.1", port, args.world, f"t{i}", victim,
                                    kill_step, args.steps, args.width, args.local_size, bound=args.heartbeat,
-                                   frozen=victim if args.freeze else None)
+                                   path=args.path, frozen=victim if args.freeze else None)
             errors = [rep["error"] for rep in reports.values() if rep and "error" in rep]
             if errors or not store.check([f"t{i}/t_kill"]):
                 raise RuntimeError(f"trial {i + 1}: the victim did not die as planned; ranks said: {errors}")
@@ -219,7 +222,8 @@ def run_pycomm(args: argparse.Namespace) -> None:
         rec.append(r)
         print(f"trial {i + 1}: rank {victim} {failure(args)} at step {kill_step}; next completed step "
               f"{r['recovery_s'] * 1e3:.1f} ms after it (step {r['step_s'] * 1e3:.1f} ms)", flush=True)
-    summary("pycomm FaultTolerantDDP", args, rec)
+    summary("pycomm FaultTolerantDDP" + (" (group path: Gloo per epoch)" if args.path == "group" else ""), args,
+            rec)
 
 
 def failure(args: argparse.Namespace) -> str:
@@ -393,6 +397,9 @@ def main() -> int:
     ap.add_argument("--freeze", action="store_true",
                     help="pycomm/testbed: the victim stops (SIGSTOP) instead of dying; continued at the end, it "
                          "must say it is out")
+    ap.add_argument("--path", choices=("communicator", "group"), default="communicator",
+                    help="pycomm: buckets through the communicator, or over a Gloo group per membership epoch "
+                         "(the path CUDA models take, there over NCCL)")
     ap.add_argument("--heartbeat", type=float, default=None, help="pycomm/testbed: comm.heartbeat_timeout (s)")
     # torchrun's workers
     ap.add_argument("--torchrun-worker", action="store_true", help=argparse.SUPPRESS)

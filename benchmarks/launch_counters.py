@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
-import os
 import resource
 import socket
 import statistics

@@ -473,6 +473,18 @@ class Communicator(PointToPoint, RegisteredMemory):
         """Ranks known to be gone for good: dead or frozen on this host, or blamed as dead by a failure."""
         return list(self._c.gone_ranks())
 
+    @property
+    def failure(self) -> Optional[str]:
+        """Why this communicator failed (what its next call would raise), or
+        None while it has not, as far as this rank can tell without a call:
+        an abort seen in this host's shared memory, a peer found silent.
+
+        Example::
+
+            if comm.failure is not None: ...   # e.g. "pycomm: rank 2 died (...)"
+        """
+        return self._c.failure() or None
+
     def __enter__(self) -> "Communicator":
         return self
 

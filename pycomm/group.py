@@ -106,25 +106,21 @@ class _Lane:
     thread that issues its collectives: shared by every GroupCommunicator of
     those ranks and backend, so each rank issues them in one order.
 
-    The backend is built directly over the default Store (as pycomm's own
-    point-to-point group is), not through ``dist.new_group``: only the
-    members take part, and torch's registry of groups is left alone.
+    The backend is built directly over a Store (the default one, as
+    pycomm's own point-to-point group is, or the one a GroupCommunicator was
+    given), not through ``dist.new_group``: only the members take part, and
+    torch's registry of groups is left alone.
     """
 
-    def __init__(self, ranks: List[int], backend: str, timeout: float) -> None:
-        from .bootstrap import restart_prefix
-
-        me = ranks.index(dist.get_rank())
-        store = dist.PrefixStore(f"pycomm-lane/{restart_prefix()}{backend}/{'-'.join(map(str, ranks))}/",
-                                 dist.distributed_c10d._get_default_store())
+    def __init__(self, store: "dist.Store", me: int, size: int, backend: str, timeout: float) -> None:
         delta = datetime.timedelta(seconds=timeout)
-        self.nccl, self.size = backend == "nccl", len(ranks)
+        self.nccl, self.size = backend == "nccl", size
         if backend == "nccl":
             opts = _c10d.ProcessGroupNCCL.Options()
             opts._timeout = delta
-            self.pg = _c10d.ProcessGroupNCCL(store, me, len(ranks), opts)
+            self.pg = _c10d.ProcessGroupNCCL(store, me, size, opts)
         elif backend == "gloo":
-            self.pg = dist.ProcessGroupGloo(store, me, len(ranks), delta)
+            self.pg = dist.ProcessGroupGloo(store, me, size, delta)
         else:
             raise CommError(f"pycomm.GroupCommunicator: backend must be 'gloo' or 'nccl', got {backend!r}")
         self.queue: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
@@ -164,6 +160,19 @@ class _Lane:
         self._buffers.clear()
         pg, self.pg = self.pg, None
         del pg  # joins the backend's own threads now, not during interpreter teardown
+
+    def abandon(self) -> None:
+        """Stop after the queued calls without waiting for them (a peer may
+        never answer them): the backend is aborted (NCCL) or its connections
+        closed (Gloo), from a thread of its own (that takes ~0.1 s), so the
+        calls in flight fail; then the lane's thread ends and the backend
+        goes with it (no caller ever waits in its destructor)."""
+        def shut(pg: Any) -> None:
+            with contextlib.suppress(Exception):
+                pg.abort() if self.nccl else pg.shutdown()
+
+        threading.Thread(target=shut, args=(self.pg,), name="pycomm-group-shutdown", daemon=True).start()
+        self.queue.put(None)
 
     def buffer(self, role: str, nbytes: int, device: torch.device) -> torch.Tensor:
         """A uint8 scratch buffer of ``nbytes`` for ``role``, reused from call to
@@ -208,13 +217,24 @@ def _close_lanes() -> None:
         lane.close()
 
 
-def _lane(ranks: List[int], backend: str, timeout: float) -> _Lane:
-    key = (tuple(ranks), backend)
+def _lane(key: tuple, make: Callable[[], _Lane]) -> _Lane:
     with _LANES_LOCK:
         lane = _LANES.get(key)
         if lane is None:
-            lane = _LANES[key] = _Lane(ranks, backend, timeout)
+            lane = _LANES[key] = make()
         return lane
+
+
+def _default_lane(ranks: List[int], backend: str, timeout: float) -> _Lane:
+    """The lane of ``ranks`` (global ranks) over the default Store."""
+    from .bootstrap import restart_prefix
+
+    def make() -> _Lane:
+        store = dist.PrefixStore(f"pycomm-lane/{restart_prefix()}{backend}/{'-'.join(map(str, ranks))}/",
+                                 dist.distributed_c10d._get_default_store())
+        return _Lane(store, ranks.index(dist.get_rank()), len(ranks), backend, timeout)
+
+    return _lane((tuple(ranks), backend), make)
 
 
 def device_backend(process_group: Optional[dist.ProcessGroup], device: torch.device) -> str:
@@ -224,7 +244,10 @@ def device_backend(process_group: Optional[dist.ProcessGroup], device: torch.dev
     if device.type != "cuda":
         return "gloo"
     pg = process_group if process_group is not None else dist.group.WORLD
-    name = str(dist.get_backend(pg)).lower()
+    try:
+        name = str(dist.get_backend(pg)).lower()
+    except ValueError:  # a group built directly over a Store (pycomm.elastic's epoch groups)
+        name = pg._get_backend_name().lower()
     return "nccl" if "nccl" in name else "gloo"
 
 
@@ -236,6 +259,11 @@ class GroupCommunicator:
             Only those ranks create the communicator, each the same ones in
             the same order (the first call on a device creates a private group
             over them, collectively).
+        store, rank, world_size: instead of a group's ranks, ranks
+            ``0..world_size-1`` meeting on ``store`` (no default group
+            needed): how :class:`pycomm.elastic.FaultTolerantDDP` builds one
+            per membership epoch. ``process_group`` then only says the
+            backend of CUDA tensors.
         backend: the private group's backend (default: :func:`device_backend`:
             Gloo for CPU tensors, the process group's NCCL for CUDA ones).
         timeout: seconds a collective of the private group may wait.
@@ -252,17 +280,30 @@ class GroupCommunicator:
     """
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *,
-                 backend: Optional[str] = None, timeout: float = 300.0) -> None:
-        if not dist.is_initialized():
-            raise CommError("pycomm.GroupCommunicator: torch.distributed is not initialized "
-                            "(call dist.init_process_group first)")
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
-        self.ranks = dist.get_process_group_ranks(self.process_group)
-        me = dist.get_rank()
-        if me not in self.ranks:
-            raise CommError(f"pycomm.GroupCommunicator: rank {me} is not in the process group {self.ranks}")
-        self.rank = self.ranks.index(me)
-        self.world_size = len(self.ranks)
+                 backend: Optional[str] = None, timeout: float = 300.0, store: Optional["dist.Store"] = None,
+                 rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
+        self._store = store
+        self._own_lanes: Dict[str, tuple] = {}
+        if store is not None:
+            # Over a Store of its own (no default group needed): its lanes are
+            # its own, keyed by this object, and go with abandon().
+            if rank is None or world_size is None or not 0 <= int(rank) < int(world_size):
+                raise CommError(f"pycomm.GroupCommunicator: with store=, pass rank= and world_size= (0 <= rank < "
+                                f"world_size); got rank={rank}, world_size={world_size}")
+            self.process_group = process_group
+            self.rank, self.world_size = int(rank), int(world_size)
+            self.ranks = list(range(self.world_size))
+        else:
+            if not dist.is_initialized():
+                raise CommError("pycomm.GroupCommunicator: torch.distributed is not initialized "
+                                "(call dist.init_process_group first, or pass store=, rank=, world_size=)")
+            self.process_group = process_group if process_group is not None else dist.group.WORLD
+            self.ranks = dist.get_process_group_ranks(self.process_group)
+            me = dist.get_rank()
+            if me not in self.ranks:
+                raise CommError(f"pycomm.GroupCommunicator: rank {me} is not in the process group {self.ranks}")
+            self.rank = self.ranks.index(me)
+            self.world_size = len(self.ranks)
         self.backend = backend
         self.timeout = float(timeout)
         self._core = load_core()
@@ -271,10 +312,38 @@ class GroupCommunicator:
         # they key stochastic rounding.
         self._seq = 1
         self._lock = threading.Lock()
+        self._abandoned = False
 
     def lane_backend(self, device: torch.device) -> str:
         """The backend this communicator's collectives on ``device`` use."""
-        return self.backend or device_backend(self.process_group, device)
+        if self.backend:
+            return self.backend
+        if self.process_group is None:  # over a Store, no group given
+            return "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
+        return device_backend(self.process_group, device)
+
+    def abandon(self) -> None:
+        """Give up this communicator's own lanes (one built with ``store=``)
+        without waiting for their calls in flight, which may wait on a peer
+        that is gone: NCCL lanes are aborted, Gloo lanes end once their
+        calls do. Calls made later raise."""
+        with _LANES_LOCK:
+            lanes = [_LANES.pop(key) for key in self._own_lanes.values() if key in _LANES]
+            self._own_lanes.clear()
+            self._abandoned = True
+        for lane in lanes:
+            lane.abandon()
+
+    def _lane(self, device: torch.device) -> _Lane:
+        backend = self.lane_backend(device)
+        if self._store is None:
+            return _default_lane(self.ranks, backend, self.timeout)
+        if self._abandoned:
+            raise CommError("pycomm.GroupCommunicator: this communicator was abandoned (its group's membership "
+                            "changed)")
+        key = self._own_lanes.setdefault(backend, ("store", id(self), backend))
+        return _lane(key, lambda: _Lane(dist.PrefixStore(f"{backend}/", self._store), self.rank, self.world_size,
+                                        backend, self.timeout))
 
     # ------------------------------------------------------------ public
 
@@ -313,7 +382,7 @@ class GroupCommunicator:
             fut = torch.futures.Future(devices=[tensor.device] if tensor.is_cuda else None)
             work = GroupWork(fut, sent, plain)
             run = self._quantized if quantized else self._sparse
-            lane = _lane(self.ranks, self.lane_backend(tensor.device), self.timeout)
+            lane = self._lane(tensor.device)
             lane.queue.put(self._job(lane, run, work, fut, tensor, out, op, compression, worker, server, seq))
         if async_op:
             return work

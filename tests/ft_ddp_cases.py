@@ -41,22 +41,23 @@ def preload() -> None:
     torch.set_num_threads(1)  # 4 ranks on 2 cores: one thread each
 
 
-def make_hook(name: str, optimizer: torch.optim.Optimizer):
+def make_hook(name: str, optimizer: torch.optim.Optimizer, path: Optional[str] = None):
     """(hook, state, optimizer) for one of HOOKS; start_iter 5 so that the
-    compressed hooks compress through most of the run."""
+    compressed hooks compress through most of the run; ``path="group"``: the
+    buckets go over a Gloo group per membership epoch."""
     if name == "allreduce":
-        return hooks.allreduce_hook, hooks.AllReduceState(), optimizer
+        return hooks.allreduce_hook, hooks.AllReduceState(path=path), optimizer
     if name == "bf16":
-        return hooks.bf16_hook, hooks.AllReduceState(), optimizer
+        return hooks.bf16_hook, hooks.AllReduceState(path=path), optimizer
     if name in ("int8", "int4"):
         codec = pycomm.Int8() if name == "int8" else pycomm.Int4()
-        return getattr(hooks, f"{name}_hook"), hooks.CompressionState(codec=codec, start_iter=5), optimizer
+        return getattr(hooks, f"{name}_hook"), hooks.CompressionState(codec=codec, start_iter=5, path=path), optimizer
     if name == "topk":
-        return hooks.topk_hook, hooks.CompressionState(codec=pycomm.TopK(0.05), start_iter=5), optimizer
+        return hooks.topk_hook, hooks.CompressionState(codec=pycomm.TopK(0.05), start_iter=5, path=path), optimizer
     if name == "stale1":
-        return hooks.stale_hook, hooks.StaleState(staleness=1), optimizer
+        return hooks.stale_hook, hooks.StaleState(staleness=1, path=path), optimizer
     if name == "localsgd":
-        comm_free = hooks.LocalSGDState(start_iter=20)
+        comm_free = hooks.LocalSGDState(start_iter=20, path=path)
         return hooks.local_sgd_hook, comm_free, None  # the LocalSGD optimizer is built on the communicator
     raise ValueError(name)
 
@@ -65,33 +66,38 @@ def digest(ft: FaultTolerantDDP, optimizer: bool = True) -> str:
     """A hash of the parameters and (``optimizer``) the optimizer state, bitwise."""
     h = hashlib.sha256()
     for p in ft.module.parameters():
-        h.update(p.detach().numpy().tobytes())
+        h.update(p.detach().cpu().numpy().tobytes())
     if not optimizer:
         return h.hexdigest()[:16]
     opt = ft.optimizer.optimizer if isinstance(ft.optimizer, hooks.LocalSGD) else ft.optimizer
     for p in ft.module.parameters():
         for k, v in sorted(opt.state.get(p, {}).items()):
             h.update(k.encode())
-            h.update(v.detach().numpy().tobytes() if torch.is_tensor(v) else repr(v).encode())
+            h.update(v.detach().cpu().numpy().tobytes() if torch.is_tensor(v) else repr(v).encode())
     return h.hexdigest()[:16]
 
 
 def train(comm: pycomm.Communicator, hook: str, steps: int, *, lr: float = 0.05, kill_at: Optional[tuple] = None,
           on_step=None, bucket_cap_mb: float = 0.03, admit_every: int = 0, on_failure: str = "redo",
-          freeze: bool = False) -> Dict[str, Any]:
+          freeze: bool = False, path: Optional[str] = None, device: str = "cpu") -> Dict[str, Any]:
     """Train the digits MLP for ``steps`` steps with FaultTolerantDDP; the
     global batch of step s is the same on every rank and split over the
     current world. ``kill_at=(step, phase)`` kills this process at that step:
     phase 0 before the forward, 1 inside the backward (before its buckets go
     out), 2 after the backward (its peers may complete the step); with
-    ``freeze`` it stops there instead (SIGSTOP, until the test continues it)."""
+    ``freeze`` it stops there instead (SIGSTOP, until the test continues it).
+    ``path="group"``: the buckets go over a Gloo group per epoch;
+    ``device="cuda"``: a CUDA model (the group path, NCCL or Gloo)."""
     from hooks_cases import digits_mlp
 
     xtr, ytr, xte, yte = _digits()
     torch.manual_seed(comm.rank + 100)  # different on every rank: the wrapper's first heal makes them equal
-    model = digits_mlp()
+    if device == "cuda":  # a GPU per rank where there are enough, else shared
+        device = f"cuda:{comm.rank % torch.cuda.device_count()}"
+    model = digits_mlp().to(device)
+    xtr, ytr, xte, yte = (t.to(device) for t in (xtr, ytr, xte, yte))
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    hook_fn, state, wrapped = make_hook(hook, opt)
+    hook_fn, state, wrapped = make_hook(hook, opt, path)
     if wrapped is None:
         wrapped = hooks.LocalSGD(opt, period=4, warmup_steps=20, communicator=comm)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
@@ -115,7 +121,7 @@ def train(comm: pycomm.Communicator, hook: str, steps: int, *, lr: float = 0.05,
         if kill_at is not None and step == kill_at[0] and kill_at[1] == 0:
             os.kill(os.getpid(), sig)
         idx = torch.randint(0, len(xtr), (GLOBAL_BATCH,), generator=torch.Generator().manual_seed(1000 + step))
-        mine = torch.tensor_split(idx, ft.world_size)[ft.rank]
+        mine = torch.tensor_split(idx, ft.world_size)[ft.rank].to(device)
         loss = torch.nn.functional.cross_entropy(ft(xtr[mine]), ytr[mine])
         loss.backward()
         if kill_at is not None and step == kill_at[0] and kill_at[1] == 2:
@@ -129,7 +135,8 @@ def train(comm: pycomm.Communicator, hook: str, steps: int, *, lr: float = 0.05,
     with torch.no_grad():
         acc = (ft.module(xte).argmax(1) == yte).float().mean().item() * 100
     return dict(acc=acc, digest=digest(ft), params=digest(ft, optimizer=False), steps=ft.steps_done,
-                world=ft.world_size, rank=ft.rank,
+                world=ft.world_size, rank=ft.rank, routes=state.routes(),
+                cuda_backend=ft.group.cuda_backend if ft.group is not None else None,
                 epoch=ft.comm.epoch, events=ft.events, digests=digests, stats=state.stats())
 
 
@@ -204,7 +211,8 @@ def kill_during_training(hook: str, world: int, steps: int, seed: int, *, comm_k
     return res
 
 
-def _join_rank(rank: int, procs: int, port: int, hook: str, steps: int, victim: int, kill_step: int) -> Dict[str, Any]:
+def _join_rank(rank: int, procs: int, port: int, hook: str, steps: int, victim: int, kill_step: int,
+               path: Optional[str] = None) -> Dict[str, Any]:
     """Ranks 0..world-1 train; ``victim`` dies at ``kill_step``; process
     ``world`` (the replacement) joins once the survivors have shrunk."""
     import datetime
@@ -229,15 +237,15 @@ def _join_rank(rank: int, procs: int, port: int, hook: str, steps: int, victim: 
             store.set("ft-join/go", "1")
 
     out = train(comm, hook, steps, kill_at=(kill_step, 0) if rank == victim else None, on_step=on_step,
-                admit_every=10)
+                admit_every=10, path=path)
     out.update(joined=comm.joined, joined_s=joined_s)
     return out
 
 
 def replacement_joins(hook: str, world: int = 4, steps: int = 120, victim: int = 1,
-                      kill_step: int = 23) -> Dict[str, Any]:
+                      kill_step: int = 23, path: Optional[str] = None) -> Dict[str, Any]:
     """A rank dies; the survivors go on; a replacement joins and is healed."""
-    return _collect(world + 1, _reporting(_join_rank), hook, steps, victim, kill_step, dead=(victim,))
+    return _collect(world + 1, _reporting(_join_rank), hook, steps, victim, kill_step, path, dead=(victim,))
 
 
 def api_checks() -> Dict[str, Any]:
@@ -264,6 +272,12 @@ def api_checks() -> Dict[str, Any]:
         out["device"] = "no error"
     except ValueError as e:
         out["device"] = str(e)
+    try:
+        FaultTolerantDDP(model, opt, comm, state=hooks.AllReduceState(path="group"), hook=hooks.allreduce_hook)
+        FaultTolerantDDP(model, opt, comm, state=hooks.StaleState(path="ipc"), hook=hooks.stale_hook)
+        out["ipc"] = "no error"
+    except ValueError as e:
+        out["ipc"] = str(e)
     # A state_dict round trip: a second wrapper loads the first's.
     xtr, ytr, _, _ = _digits()
     state = hooks.CompressionState(codec=pycomm.Int8(), start_iter=0)

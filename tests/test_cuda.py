@@ -262,3 +262,38 @@ def test_stale_hook_on_cuda_buckets(ddp_pool, wire):
     res = ddp_pool.run(straggler_cases.stale_closed_form, 2, 1, wire, 5, True, device="cuda")[:2]
     check_stale(res, 1, 5, wire)
     assert set(res[0]["routes"].values()) == {"group"}, res[0]["routes"]
+
+
+@pytest.fixture(scope="module")
+def ft_zygote():
+    import ft_ddp_cases
+    import reliability_cases
+
+    z = reliability_cases.Zygote()  # it never touches CUDA: its forked ranks may
+    z.run(ft_ddp_cases.preload)
+    yield z
+    z.close()
+
+
+@pytest.mark.parametrize("hook", ["allreduce", "int8", "stale1"])
+def test_fault_tolerant_ddp_on_cuda_survives_kill_9(ft_zygote, hook):
+    """FaultTolerantDDP on a CUDA model, 4 ranks: a process group per
+    membership epoch (NCCL with a GPU per rank; Gloo, through host memory,
+    where they share one); kill -9 at a random step and moment; the
+    survivors finish every step, bitwise identical, within a point of the
+    same training without a death."""
+    import ft_ddp_cases as fc
+    from test_ft_ddp import STEPS, check
+
+    base = ft_zygote.run(fc.kill_during_training, hook, 4, STEPS, 0, deaths=0, device="cuda", timeout=300)
+    check(base, f"cuda baseline {hook}", 4, deaths=0, hook=hook)
+    res = ft_zygote.run(fc.kill_during_training, hook, 4, STEPS, 71 + fc.HOOKS.index(hook), device="cuda",
+                        timeout=300)
+    where = f"cuda {hook}, killed {res['kills']}"
+    check(res, where, 4, hook=hook)
+    gpus = torch.cuda.device_count()
+    for r, rep in res["reports"].items():
+        assert set(rep["routes"].values()) == {"group"} and set(rep["routes"]) <= {"cuda/plain", "cuda/compressed"}, \
+            (where, rep["routes"])
+        assert rep["cuda_backend"] == ("nccl" if gpus >= 4 else "gloo"), (where, rep["cuda_backend"], gpus)
+        assert rep["acc"] >= base["reports"][0]["acc"] - 1.0, (where, r, rep["acc"])

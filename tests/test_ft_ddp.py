@@ -3,7 +3,8 @@ forked from a zygote: kill -9 of a random rank at a random step and moment
 with every pycomm hook (the survivors finish every step, bitwise identical,
 as accurate as without the death), on two simulated hosts with the victim on
 either, a rank frozen on the other host, two deaths, the "drop" policy, and
-a replacement that joins and is healed."""
+a replacement that joins and is healed; the same over the group path (what
+CUDA models take: a process group per membership epoch), forced over Gloo."""
 import os
 
 import pytest
@@ -118,11 +119,59 @@ def test_replacement_joins_and_is_healed(zygote, hook):
     assert newcomer["events"] == []
 
 
+# The group path: every hook under PYCOMM_LONG=1, three kinds in CI
+# (plain, compressed through a GroupCommunicator, a delayed average).
+GROUP_HOOKS = fc.HOOKS if LONG else ("allreduce", "int8", "stale1")
+
+
+@pytest.mark.parametrize("hook", GROUP_HOOKS)
+def test_group_path_survives_kill_9(zygote, baselines, hook):
+    """Buckets over a Gloo group per epoch (path="group", as a CUDA model's
+    go over NCCL): a kill -9 at a random step and moment; the survivors
+    finish every step on a new group, bitwise identical, as accurate as the
+    communicator path's training without a death."""
+    res = zygote.run(fc.kill_during_training, hook, 4, STEPS, 61 + fc.HOOKS.index(hook), path="group", timeout=180)
+    where = f"group path, {hook}, killed {res['kills']}"
+    check(res, where, 4, hook=hook)
+    for r, rep in res["reports"].items():
+        assert set(rep["routes"].values()) == {"group"}, (where, r, rep["routes"])
+        assert rep["acc"] >= baselines[hook] - 1.0, (where, r, rep["acc"], baselines[hook])
+
+
+def test_group_path_frozen_rank_and_replacement(zygote, baselines):
+    """A frozen rank (SIGSTOP) blocks Gloo until its timeout (20 s here);
+    the epoch's watch learns of it from the communicator's heartbeat (1 s)
+    and hands the buckets back; the survivors shrink onto a new group; the
+    frozen rank, continued, is fenced out. Then a replacement joins over the
+    group path and is healed."""
+    res = zygote.run(fc.kill_during_training, "allreduce", 4, STEPS, 52, victims=[2], freeze=True, heartbeat=1.0,
+                     path="group", timeout=240)
+    where = f"group path, frozen {res['kills']}"
+    frozen = res["reports"].pop(2)
+    assert "fenced out" in frozen.get("crash", ""), (where, frozen)
+    check(res, where, 4, hook="allreduce")
+    for r, rep in res["reports"].items():
+        shrink = next(e for e in rep["events"] if e["kind"] == "shrink")
+        assert "rank 2" in shrink["cause"], (where, r, shrink)
+        assert shrink["seconds"] < 5.0, (where, r, shrink)
+        assert rep["acc"] >= baselines["allreduce"] - 1.0, (where, r, rep["acc"])
+    res = zygote.run(fc.replacement_joins, "int8", path="group", timeout=240)
+    assert res["hung"] == 0 and res["leaked"] == [], res
+    reps = res["reports"]
+    for r, rep in reps.items():
+        assert "crash" not in rep, f"rank {r}: {rep['crash']}"
+        assert rep["world"] == 4 and rep["steps"] == 120 and rep["epoch"] == 2, (r, rep["world"], rep["epoch"])
+    assert reps[4]["joined"] and min(reps[4]["digests"]) == 30, reps[4]["digests"].keys()
+    assert len({rep["digests"][30] for rep in reps.values()}) == 1
+    assert len({rep["digest"] for rep in reps.values()}) == 1
+
+
 def test_arguments_and_state_dict(zygote):
     out = zygote.run(fc.api_checks)
     assert "on_failure='retry'" in out["on_failure"], out
     assert "admit_every must be >= 0" in out["admit_every"], out
     assert out["state"].startswith("TypeError") and "hook state" in out["state"], out
     assert out["comm"].startswith("TypeError") and "pycomm.Communicator" in out["comm"], out
-    assert "CPU models" in out["device"] and "meta" in out["device"], out
+    assert "on the CPU or on one GPU" in out["device"] and "meta" in out["device"], out
+    assert "path='ipc' cannot follow a change of membership" in out["ipc"], out
     assert out["same_after_load"] is True and out["residuals_saved"] > 0, out

@@ -295,6 +295,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("bytes"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("in_place_calls", &Communicator::in_place_calls)
       .def("gone_ranks", &Communicator::gone_ranks, py::call_guard<py::gil_scoped_release>())
+      .def("failure", &Communicator::failure, py::call_guard<py::gil_scoped_release>())
       .def("resolve",
            [](Communicator& c, int coll, int algo, size_t bytes) {
              return c.resolve(to_coll(coll), to_algo(algo), bytes);

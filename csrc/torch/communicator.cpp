@@ -358,6 +358,16 @@ std::vector<int> Communicator::gone_ranks() {
   return out;
 }
 
+std::string Communicator::failure() {
+  if (ShmTransport* shm = transports_.local()) {
+    if (shm->aborted()) return shm->abort_error().what();
+  }
+  std::lock_guard<std::mutex> lk(silent_mu_);
+  if (!silent_.empty())
+    return "pycomm: rank " + std::to_string(silent_.front()) + " stopped responding (no heartbeat on the Store)";
+  return "";
+}
+
 int Communicator::registered_by(const at::Tensor& t) const {
   const ShmAllocation* a = allocation_of(t);
   if (!a) return 0;

@@ -123,6 +123,10 @@ class Communicator {
   // or silent (kSilent) when this communicator aborted. What a shrink excludes
   // without waiting for it.
   std::vector<int> gone_ranks();
+  // Why this communicator failed, as its next call would raise it, or "" while
+  // it has not (as this host's shared memory or the heartbeat says): a cheap
+  // poll for work that waits elsewhere (pycomm.elastic's epoch groups).
+  std::string failure();
   // Collectives that ran in place on registered memory so far.
   uint64_t in_place_calls() const { return transports_.local() ? transports_.local()->in_place_calls() : 0; }
 

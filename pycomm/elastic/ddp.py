@@ -6,7 +6,11 @@ heal and go on; a replacement that joins is healed before its first step.
 communication, on a private one-rank process group (so DDP itself never waits
 on a peer), and sends every bucket through a pycomm hook on a pycomm
 communicator it can replace: a process group's membership is fixed, a pycomm
-communicator's is not.
+communicator's is not. CUDA models (and CPU ones with ``path="group"``) take
+the group path instead: a fresh NCCL (Gloo) group per membership epoch, built
+over the epoch communicator's Store keys and watched through it
+(:mod:`pycomm.elastic.epoch_group`); membership, heal and fencing stay the
+communicator's.
 
 A step (:meth:`FaultTolerantDDP.step`):
 
@@ -56,6 +60,7 @@ Example (every rank; a replacement runs the same script with ``--join``)::
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import logging
@@ -70,6 +75,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import hooks as _hooks
 from .._loader import CommError
 from ..communicator import Communicator
+from .epoch_group import EpochGroup
 from .membership import FencedOut, admit, shrink
 
 logger = logging.getLogger("pycomm")
@@ -90,6 +96,8 @@ def _local_group() -> "dist.ProcessGroup":
     backend = dist.ProcessGroupGloo(store, 0, 1, opts)
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    if torch.cuda.is_available():  # a CUDA model's module-state sync, a copy onto itself
+        pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, backend)
     return pg
 
 
@@ -103,8 +111,12 @@ class FaultTolerantDDP(torch.nn.Module):
     replacements (see :mod:`pycomm.elastic.ddp` for what a step does).
 
     Args:
-        module: the model (CPU parameters: the communicator carries CPU
-            tensors).
+        module: the model, on the CPU or on one GPU. A CUDA model's buckets
+            take the group path: a process group per membership epoch
+            (NCCL), built by the members when the membership changes (see
+            :mod:`pycomm.elastic.epoch_group`); a CPU model's go through the
+            communicator, or over a Gloo group per epoch when the state says
+            ``path="group"``.
         optimizer: its optimizer (:class:`pycomm.hooks.LocalSGD` too).
         comm: a :class:`pycomm.Communicator` built on a Store that outlives
             every rank, or one from :func:`pycomm.elastic.join`. Building
@@ -148,11 +160,11 @@ class FaultTolerantDDP(torch.nn.Module):
             raise ValueError(f"pycomm.elastic.FaultTolerantDDP: on_failure={on_failure!r}; use 'redo' or 'drop'")
         if int(admit_every) < 0:
             raise ValueError(f"pycomm.elastic.FaultTolerantDDP: admit_every must be >= 0, got {admit_every}")
-        devices = {p.device.type for p in module.parameters()}
-        if devices - {"cpu"}:
-            raise ValueError(f"pycomm.elastic.FaultTolerantDDP: the model has parameters on {sorted(devices)}; it "
-                             "averages CPU models through pycomm's communicator (a CUDA model needs a process "
-                             "group, whose membership cannot change)")
+        devices = {p.device for p in module.parameters()}
+        if len(devices) != 1 or next(iter(devices)).type not in ("cpu", "cuda"):
+            raise ValueError(f"pycomm.elastic.FaultTolerantDDP: the model has parameters on "
+                             f"{sorted(map(str, devices))}; it takes a model on the CPU or on one GPU")
+        device = next(iter(devices))
         if hook is None:
             hook = _hooks.allreduce_hook
         if state is None:
@@ -160,6 +172,21 @@ class FaultTolerantDDP(torch.nn.Module):
         if not isinstance(state, _hooks.HookState):
             raise TypeError(f"pycomm.elastic.FaultTolerantDDP: state must be a pycomm hook state, got "
                             f"{type(state).__name__}")
+        states = [st for st in (state, getattr(state, "inner", None)) if st is not None]
+        # The group path: one process group per membership epoch (CUDA models
+        # always: the communicator takes CPU tensors; CPU models on request).
+        self._group_device: Optional[torch.device] = None
+        if any(st.path == "ipc" for st in states):
+            raise ValueError("pycomm.elastic.FaultTolerantDDP: path='ipc' cannot follow a change of membership "
+                             "(an IPC group's ranks are fixed); a CUDA model takes the group path (path='auto')")
+        if device.type == "cuda" and any(st.path == "communicator" for st in states):
+            raise ValueError("pycomm.elastic.FaultTolerantDDP: path='communicator' takes CPU tensors; a CUDA "
+                             "model's buckets take the group path (path='auto' or 'group')")
+        if device.type == "cuda" or any(st.path == "group" for st in states):
+            self._group_device = device
+            for st in states:
+                st.path = "group"
+        self._epoch = None
         self.optimizer = optimizer
         self.hook, self.state = hook, state
         self.on_failure = on_failure
@@ -198,6 +225,12 @@ class FaultTolerantDDP(torch.nn.Module):
         return self.comm.rank
 
     @property
+    def group(self) -> Optional[EpochGroup]:
+        """The current epoch's process group on the group path (its ``pg``,
+        ``cuda_backend``), or None on the communicator path."""
+        return self._epoch
+
+    @property
     def world_size(self) -> int:
         return self.comm.world_size
 
@@ -223,11 +256,14 @@ class FaultTolerantDDP(torch.nn.Module):
             self._failures = []
             self.optimizer.zero_grad()
             try:
-                value = closure()
+                with self._watching():
+                    value = closure()
             except Exception as e:  # noqa: BLE001 - sorted below
                 if not (self._failures or _is_comm_failure(e)):
                     raise
                 self._failures.append(e)
+            if self._failures and self._epoch is not None:
+                self._epoch.fail(str(self._failures[0]))
             if not self._failures:
                 try:
                     self.optimizer.step()
@@ -296,6 +332,10 @@ class FaultTolerantDDP(torch.nn.Module):
 
     # -------------------------------------------------------------- internals
 
+    def _watching(self):
+        """The current epoch group watches the communicator for the block (the group path)."""
+        return self._epoch.watching() if self._epoch is not None else contextlib.nullcontext()
+
     def _rehearsal(self, closure: Callable[[], Any]) -> None:
         """Run ``closure`` once without sending anything (the buffers, such as
         batch-norm statistics, restored), so that DDP rebuilds its buckets
@@ -329,7 +369,12 @@ class FaultTolerantDDP(torch.nn.Module):
             fut = self.hook(self.state, bucket)
         except Exception as e:  # noqa: BLE001 - a CommError, or the hook's own error: step() sorts it
             self._failures.append(e)
+            if self._epoch is not None:
+                self._epoch.fail(str(e))  # now: peers blocked on this rank's group are freed at once
             return _hooks.completed(buf)
+
+        if self._epoch is not None:
+            return self._epoch.guard(fut, buf, self._failures)
 
         def settle(f: torch.futures.Future) -> torch.Tensor:
             try:
@@ -341,12 +386,25 @@ class FaultTolerantDDP(torch.nn.Module):
         return fut.then(settle)
 
     def _rebind(self, comm: Communicator) -> None:
-        """Make the hook state (and a LocalSGD optimizer) use ``comm``."""
+        """Make the hook state (and a LocalSGD optimizer) use ``comm``; on the
+        group path, over a new process group of ``comm``'s members (built
+        collectively), the previous epoch's given up."""
         self.comm = comm
+        old, self._epoch = self._epoch, None
+        if old is not None:
+            old.abandon()
+        if self._group_device is not None:
+            self._epoch = EpochGroup(comm, self._group_device)
         for st in (self.state, getattr(self.state, "inner", None)):
-            if st is not None:
-                st._comm_arg = st._communicator = comm
-                st.process_group = None
+            if st is None:
+                continue
+            st._comm_arg = st._communicator = comm
+            st.process_group = None
+            if self._epoch is not None:
+                # The communicator stays for what is not a bucket (the heal).
+                st._comm_arg = None
+                st.process_group, st._group_comm = self._epoch.pg, self._epoch.group_comm
+                st._futures = None  # a fresh thread: the old one may wait on the old group
         if isinstance(self.state, _hooks.StaleState):
             self.state._inflight, self.state._started_step = [], -1
         if isinstance(getattr(self.optimizer, "communicator", None), Communicator):
@@ -364,8 +422,8 @@ class FaultTolerantDDP(torch.nn.Module):
             return
         if new is self.comm:
             return
-        self._rebind(new)
         try:
+            self._rebind(new)
             self._heal(newcomer=False)
         except CommError as e:
             self._recover(e)
@@ -385,8 +443,8 @@ class FaultTolerantDDP(torch.nn.Module):
             except CommError as e:
                 logger.warning("pycomm.elastic: shrink failed (%s); again", e)
                 continue
-            self._rebind(new)
             try:
+                self._rebind(new)
                 self._heal(newcomer=False)
             except CommError as e:
                 logger.warning("pycomm.elastic: healing failed (%s); shrinking again", e)
@@ -439,7 +497,7 @@ class FaultTolerantDDP(torch.nn.Module):
             payload = torch.empty(int(size), dtype=torch.uint8)
         comm.broadcast(payload, src=src)
         if comm.rank != src:
-            got = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+            got = torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu", weights_only=False)
             with torch.no_grad():
                 self.module.load_state_dict(got["model"])
             self.optimizer.load_state_dict(got["optimizer"])

@@ -93,6 +93,8 @@ class _Fenced:
             return lambda *a, **k: None
         if name == "gone_ranks":
             return lambda: list(self._gone)
+        if name == "failure":
+            return lambda: self._why
         raise CommError(self._why)
 
 
