@@ -75,6 +75,23 @@ def _capturing(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+#: The longest sleep between two looks at a work that :func:`wait_work` polls.
+POLL_MAX_S = 1e-3
+
+
+def wait_work(work: Any, poll: bool = False) -> None:
+    """``work.wait()`` (raises the collective's error); with ``poll``, first
+    waits until ``work.is_completed()`` in sleeps from 20 us doubling up to
+    :data:`POLL_MAX_S` (a call waited for costs at most ~1 ms more), see the
+    :mod:`pycomm.hooks.futures` for why."""
+    if poll:
+        delay = 2e-5
+        while not work.is_completed():
+            time.sleep(delay)
+            delay = min(2 * delay, POLL_MAX_S)
+    work.wait()
+
+
 class GroupWork:
     """An asynchronous :meth:`GroupCommunicator.all_reduce`.
 
@@ -112,9 +129,11 @@ class _Lane:
     torch's registry of groups is left alone.
     """
 
-    def __init__(self, store: "dist.Store", me: int, size: int, backend: str, timeout: float) -> None:
+    def __init__(self, store: "dist.Store", me: int, size: int, backend: str, timeout: float,
+                 poll: bool = False) -> None:
         delta = datetime.timedelta(seconds=timeout)
         self.nccl, self.size = backend == "nccl", size
+        self.poll = poll  # wait for Gloo's works by polling (a lane that may be given up: futures.wait_work)
         if backend == "nccl":
             opts = _c10d.ProcessGroupNCCL.Options()
             opts._timeout = delta
@@ -195,7 +214,10 @@ class _Lane:
     # Waiting orders the current stream after the collective (NCCL) or
     # returns once it is done (Gloo).
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        self.pg.alltoall_base(out, inp, [], [], _c10d.AllToAllOptions()).wait()
+        self.wait(self.pg.alltoall_base(out, inp, [], [], _c10d.AllToAllOptions()))
+
+    def wait(self, work: Any) -> None:
+        wait_work(work, self.poll and not self.nccl)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor):
         """Started, not waited for: returns the Work."""
@@ -343,7 +365,7 @@ class GroupCommunicator:
                             "changed)")
         key = self._own_lanes.setdefault(backend, ("store", id(self), backend))
         return _lane(key, lambda: _Lane(dist.PrefixStore(f"{backend}/", self._store), self.rank, self.world_size,
-                                        backend, self.timeout))
+                                        backend, self.timeout, poll=True))
 
     # ------------------------------------------------------------ public
 
@@ -537,7 +559,7 @@ class GroupCommunicator:
             gathered = lane.buffer(f"gathered{parity}", w * slot, dev)
             gather = lane.all_gather(gathered, mine)
         yield
-        gather.wait()
+        lane.wait(gather)
         # 5. Every rank decodes the same bytes: the same result everywhere.
         with record_function("pycomm::decompress"):
             for q in range(w):
@@ -567,7 +589,7 @@ class GroupCommunicator:
             gathered = lane.buffer(f"gathered{parity}", w * slot, tensor.device)
             gather = lane.all_gather(gathered, mine)
         yield
-        gather.wait()
+        lane.wait(gather)
         # 3. Scatter-add the lists in rank order into float32, average, round once.
         with record_function("pycomm::decompress"):
             rows = gathered.view(w, slot)

@@ -75,6 +75,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import hooks as _hooks
 from .._loader import CommError
 from ..communicator import Communicator
+from ..hooks.futures import GroupFutures
 from .epoch_group import EpochGroup
 from .membership import FencedOut, admit, shrink
 
@@ -404,7 +405,9 @@ class FaultTolerantDDP(torch.nn.Module):
                 # The communicator stays for what is not a bucket (the heal).
                 st._comm_arg = None
                 st.process_group, st._group_comm = self._epoch.pg, self._epoch.group_comm
-                st._futures = None  # a fresh thread: the old one may wait on the old group
+                # A fresh thread (the old one may wait on the old group), which polls:
+                # a given-up group's work may complete while this process exits.
+                st._futures = GroupFutures(poll=True)
         if isinstance(self.state, _hooks.StaleState):
             self.state._inflight, self.state._started_step = [], -1
         if isinstance(getattr(self.optimizer, "communicator", None), Communicator):

@@ -18,6 +18,16 @@ ever reaches the backend's threads. NCCL completes a CUDA work's future on the
 caller's thread already (callbacks run inline, ordered by streams), so its
 futures keep ``then``.
 
+A work of a group that was given up (``pycomm.elastic``'s epoch groups) may
+complete only when a peer process exits, possibly while this process is
+exiting too; a daemon thread that returns from ``work.wait()`` then, while
+the interpreter finalizes, aborts the process (CPython ends such threads
+with ``pthread_exit`` when they take the GIL back, which cannot unwind
+through pybind's GIL guard: "terminate called without an active
+exception"). ``GroupFutures(poll=True)`` waits by polling instead
+(:func:`pycomm.group.wait_work`), so its thread sits in ``time.sleep``, which a
+finalizing interpreter ends cleanly.
+
 Example::
 
     futures = GroupFutures()
@@ -33,17 +43,31 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 
+from ..group import wait_work
+
 Done = Callable[[torch.futures.Future], Any]
 
 
-def _serve(jobs: "queue.Queue[Optional[Tuple[Any, Done, torch.futures.Future]]]") -> None:
+#: The last call of each thread that ended (see _serve).
+_PARKED: list = []
+
+
+def _serve(jobs: "queue.Queue[Optional[Tuple[Any, Done, torch.futures.Future]]]", poll: bool) -> None:
+    last = None
     while True:
         job = jobs.get()
         if job is None:
+            # The last call's objects outlive this thread: freeing a Work
+            # releases the GIL, which a thread ending at exit (the None that
+            # weakref.finalize queues then) must not do, as above; and they
+            # may hold the group, whose destructor this thread must not run.
+            _PARKED.append(last)
             return
-        work, done, fut = job
+        last = None
+        work, done, fut = last = job
+        job = None
         try:
-            work.wait()  # releases the GIL; raises the collective's error
+            wait_work(work, poll)  # releases the GIL; raises the collective's error
             fut.set_result(done(work.get_future()))
         except BaseException as e:  # noqa: BLE001 - DDP reports it from the hook's future
             fut.set_exception(e)
@@ -51,9 +75,11 @@ def _serve(jobs: "queue.Queue[Optional[Tuple[Any, Done, torch.futures.Future]]]"
 
 class GroupFutures:
     """Completes hook futures of a group's works in issue order, from one
-    thread started at the first work and stopped when this object goes."""
+    thread started at the first work and stopped when this object goes;
+    ``poll``: waits by polling (a group that may be given up)."""
 
-    def __init__(self) -> None:
+    def __init__(self, poll: bool = False) -> None:
+        self.poll = poll
         self._jobs: "queue.Queue[Optional[Tuple[Any, Done, torch.futures.Future]]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
 
@@ -61,7 +87,7 @@ class GroupFutures:
         """A future of ``done(work.get_future())``, set once ``work`` finished
         (or of its error)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=_serve, args=(self._jobs,), name="pycomm-hook-futures",
+            self._thread = threading.Thread(target=_serve, args=(self._jobs, self.poll), name="pycomm-hook-futures",
                                             daemon=True)
             self._thread.start()
             # The thread holds the queue, not this object: it ends when the
