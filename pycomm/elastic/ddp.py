@@ -212,8 +212,14 @@ class FaultTolerantDDP(torch.nn.Module):
             self.ddp = DistributedDataParallel(module, process_group=_local_group(), broadcast_buffers=False,
                                                **ddp_kwargs)
         self.ddp.register_comm_hook(None, self._hook)
-        self._rebind(comm)
-        self._heal(force=True, newcomer=comm.joined)
+        # Until its first heal completes, a rank is healed from the others
+        # whatever they say (force), and a newcomer is never their source.
+        self._first_heal = dict(force=True, newcomer=comm.joined)
+        try:
+            self._rebind(comm)
+            self._heal()
+        except CommError as e:  # a peer died while this rank was being set up: shrink with the others
+            self._recover(e)
 
     # -------------------------------------------------------------- public
 
@@ -427,7 +433,7 @@ class FaultTolerantDDP(torch.nn.Module):
             return
         try:
             self._rebind(new)
-            self._heal(newcomer=False)
+            self._heal()
         except CommError as e:
             self._recover(e)
             return
@@ -448,7 +454,7 @@ class FaultTolerantDDP(torch.nn.Module):
                 continue
             try:
                 self._rebind(new)
-                self._heal(newcomer=False)
+                self._heal()
             except CommError as e:
                 logger.warning("pycomm.elastic: healing failed (%s); shrinking again", e)
                 continue
@@ -463,26 +469,34 @@ class FaultTolerantDDP(torch.nn.Module):
         logger.info("pycomm.elastic: %s: world %d, epoch %d, step %d (%.3f s)", kind, self.comm.world_size,
                     self.comm.epoch, self.steps_done, time.monotonic() - t0)
 
-    def _heal(self, *, newcomer: bool, force: bool = False) -> None:
+    def _heal(self) -> None:
         """Make every rank's state the most advanced rank's (collective).
 
-        Each rank says (not a newcomer, steps done, clean, hook iteration);
-        the source is the lowest rank with the largest such triple. Its
-        model, optimizer and extra state go to every rank when any rank
-        differs from it (a newcomer, fewer steps, a half-applied step), or
-        when ``force``; the step count and hook iteration always.
+        Each rank says (not a newcomer, steps done, clean, hook iteration,
+        first heal to come); the source is the lowest rank with the largest
+        (not a newcomer, steps, clean). Its model, optimizer and extra state
+        go to every rank when any rank differs from it (a newcomer, fewer
+        steps, a half-applied step) or has its first heal to come; the step
+        count and hook iteration always.
         """
         comm = self.comm
-        mine = torch.tensor([0 if newcomer else 1, self.steps_done, 0 if self._dirty else 1, self.state.iteration],
-                            dtype=torch.int64)
-        every = torch.empty(comm.world_size * 4, dtype=torch.int64)
+        newcomer, force = self._first_heal["newcomer"], self._first_heal["force"]
+        mine = torch.tensor([0 if newcomer else 1, self.steps_done, 0 if self._dirty else 1, self.state.iteration,
+                             int(force)], dtype=torch.int64)
+        every = torch.empty(comm.world_size * 5, dtype=torch.int64)
         comm.all_gather(every, mine)
-        rows = every.view(comm.world_size, 4).tolist()
+        rows = every.view(comm.world_size, 5).tolist()
         src = max(range(comm.world_size), key=lambda r: (rows[r][0], rows[r][1], rows[r][2], -r))
         best = rows[src]
-        if force or any(row[:3] != best[:3] for row in rows):
+        # Decided on what every rank said, so all of them broadcast or none.
+        if any(row[4] for row in rows) or any(row[:3] != best[:3] for row in rows):
             self._send_state(src)
         self.steps_done, self.state.iteration, self._dirty = best[1], best[3], False
+        self._first_heal = dict(force=False, newcomer=False)
+        # Every member of the new membership has checked for newcomers at this
+        # step (a newcomer, or a rank whose step's check came before a shrink,
+        # would otherwise admit alone and wait for the others' bootstrap).
+        self._admit_checked = self.steps_done
 
     def _send_state(self, src: int) -> None:
         """Rank ``src``'s model, optimizer, scheduler and extra state onto every rank."""

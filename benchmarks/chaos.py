@@ -1,0 +1,359 @@
+"""A chaos soak of fault-tolerant training: ranks die (kill -9) or freeze
+(SIGSTOP) at random moments, every few seconds, and a replacement starts for
+each; the training must never stop, never diverge and never leak.
+
+What runs: ``--world`` ranks train the digits MLP with
+:class:`pycomm.elastic.FaultTolerantDDP` (int8 hook, ``--path`` communicator
+or group) for ``--steps`` global steps (a global batch of 64 split over the
+current world; SGD with momentum, cosine to zero). A driver process forks a
+Store host (it outlives every rank), the ranks, and a replacement for each
+rank that dies; replacements join through :func:`pycomm.elastic.join` and are
+admitted every ``--admit-every`` steps.
+
+The failures: every ``--gap`` seconds on average (uniform in [0.5, 1.5] of
+it), or, one time in four, 0-0.3 s after the previous one (inside its shrink,
+heal or a newcomer's join), a random live process (a member or a joiner) is
+killed (kill -9) or, one time in four, frozen (SIGSTOP) (the verdict says
+what each hit: "a step", "a join" (a newcomer) or "recovery" (within 0.5 s
+of the previous failure)). A frozen one's peers find it by its heartbeat
+(``--heartbeat`` s); continued, it must say that it was fenced out, or, if
+its peers were waiting for it where no heartbeat is judged (on the Store, in
+an admission), go on as a member. At least ``--min-world`` ranks stay alive.
+
+Checked: every step, every rank's parameters and optimizer state hashed
+(sha256) and sent to the driver in batches: all ranks that completed step s
+must agree bitwise; at the end: accuracy within 1 point of the same training
+without failures (run first, in the same invocation), nothing of pycomm's left
+in /dev/shm, no process left running, and recovery (a failure to the step
+that every survivor completed next) min / median / max.
+
+Examples::
+
+    python benchmarks/chaos.py --failures 10                    # CI's size
+    PYCOMM_LONG=1 python benchmarks/chaos.py --failures 200 --world 8 --gap 1.5
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from harness import free_port  # noqa: E402
+
+GLOBAL_BATCH = 64
+JOB = "chaos"
+
+
+def digest(ft: Any) -> str:
+    """Parameters and optimizer state, bitwise."""
+    h = hashlib.sha256()
+    for p in ft.module.parameters():
+        h.update(p.detach().cpu().numpy().tobytes())
+        for k, v in sorted(ft.optimizer.state.get(p, {}).items()):
+            h.update(k.encode())
+            h.update(v.detach().cpu().numpy().tobytes() if torch.is_tensor(v) else repr(v).encode())
+    return h.hexdigest()[:16]
+
+
+def rank_main(uid: int, world: int, port: int, conn: Any, args: argparse.Namespace, joining: bool) -> None:
+    """One process: train until ``args.steps`` steps are done, sending the
+    driver (step, digest, time, world) of every completed step in batches."""
+    import pycomm
+    from pycomm import hooks
+    from pycomm.elastic import FaultTolerantDDP, FencedOut
+
+    from hooks_cases import _digits, digits_mlp
+
+    torch.set_num_threads(1)
+    batch: List[tuple] = []
+
+    def flush(kind: str = "steps", **extra: Any) -> None:
+        nonlocal batch
+        conn.send(dict(kind=kind, uid=uid, steps=batch, **extra))
+        batch = []
+
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
+        if joining:
+            comm = pycomm.elastic.join(store, JOB, timeout=args.join_timeout)
+        else:
+            comm = pycomm.Communicator(store=store, rank=uid, world_size=world, name=JOB, timeout=30)
+        comm.heartbeat_timeout = args.heartbeat
+        xtr, ytr, xte, yte = _digits()
+        torch.manual_seed(uid)  # every rank differs: the wrapper's heal makes them equal
+        model = digits_mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps)
+        state = hooks.CompressionState(codec=pycomm.Int8(), start_iter=5, path=args.path)
+        ft = FaultTolerantDDP(model, opt, comm, hook=hooks.int8_hook, state=state, scheduler=sched,
+                              admit_every=args.admit_every, bucket_cap_mb=0.03)
+        flush("member", joined=comm.joined)
+
+        def step_fn(step: int) -> None:
+            idx = torch.randint(0, len(xtr), (GLOBAL_BATCH,), generator=torch.Generator().manual_seed(1000 + step))
+            mine = torch.tensor_split(idx, ft.world_size)[ft.rank]
+            torch.nn.functional.cross_entropy(ft(xtr[mine]), ytr[mine]).backward()
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+
+        while ft.steps_done < args.steps:
+            ft.step(lambda: step_fn(ft.steps_done))
+            batch.append((ft.steps_done, digest(ft), time.monotonic(), ft.world_size, ft.comm.epoch))
+            if len(batch) >= 20:
+                flush()
+        ft.train(args.steps, step_fn)  # every rank agrees that all steps are done
+        with torch.no_grad():
+            acc = (ft.module(xte).argmax(1) == yte).float().mean().item() * 100
+        flush("done", acc=acc, events=ft.events, world=ft.world_size)
+        ft.comm.close()
+    except FencedOut as e:
+        flush("fenced", why=str(e).splitlines()[0])
+    except BaseException as e:  # noqa: BLE001 - the driver reports it
+        flush("crash", why=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
+
+
+class Soak:
+    """The driver's view: processes, their pipes, what they reported."""
+
+    def __init__(self, args: argparse.Namespace, failures: int, seed: int) -> None:
+        self.args, self.failures, self.rng = args, failures, random.Random(seed)
+        self.port = free_port()
+        self.procs: Dict[int, Dict[str, Any]] = {}  # uid -> pid, conn, state
+        self.digests: Dict[int, Dict[str, List[int]]] = {}  # step -> digest -> uids
+        self.completions: List[tuple] = []  # (time, uid, step, world)
+        self.events: List[Dict[str, Any]] = []  # the failures injected
+        self.reports: Dict[int, Dict[str, Any]] = {}
+        self.max_step = 0
+
+    # ---------------------------------------------------------- processes
+
+    def start_store(self) -> None:
+        self.store_pid = os.fork()
+        if self.store_pid == 0:
+            try:
+                s = dist.TCPStore("127.0.0.1", self.port, self.args.world, is_master=True, wait_for_workers=False)
+                while s is not None:
+                    time.sleep(3600)
+            finally:
+                os._exit(0)
+
+    def start(self, uid: int, joining: bool) -> None:
+        parent, child = mp.Pipe(duplex=False)
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                parent.close()
+                rank_main(uid, self.args.world, self.port, child, self.args, joining)
+            except BaseException:  # noqa: BLE001
+                code = 1
+            finally:
+                os._exit(code)
+        child.close()
+        self.procs[uid] = dict(pid=pid, conn=parent, state="joining" if joining else "starting", t0=time.monotonic())
+
+    def poll(self, timeout: float = 0.0) -> None:
+        """Read what the processes sent."""
+        conns = [p["conn"] for p in self.procs.values() if p["conn"] is not None]
+        for c in mp.connection.wait(conns, timeout):
+            uid = next(u for u, p in self.procs.items() if p["conn"] is c)
+            try:
+                msg = c.recv()
+            except (EOFError, OSError):
+                self.procs[uid]["conn"] = None
+                if self.procs[uid]["state"] not in ("dead", "done", "fenced", "crash"):
+                    self.procs[uid]["state"] = "vanished"
+                continue
+            for step, dg, t, world, _epoch in msg["steps"]:
+                self.digests.setdefault(step, {}).setdefault(dg, []).append(uid)
+                self.completions.append((t, uid, step, world))
+                self.max_step = max(self.max_step, step)
+            kind = msg["kind"]
+            if kind == "member":
+                self.procs[uid]["state"] = "member"
+            elif kind in ("done", "fenced", "crash"):
+                self.procs[uid]["state"] = kind
+                self.reports[uid] = msg
+
+    def alive(self) -> List[int]:
+        return [u for u, p in self.procs.items() if p["state"] in ("member", "joining", "starting")]
+
+    # ---------------------------------------------------------- the soak
+
+    def run(self) -> Dict[str, Any]:
+        args = self.args
+        before = {f for f in os.listdir("/dev/shm") if f.startswith("pycomm.")}
+        self.start_store()
+        for r in range(args.world):
+            self.start(r, joining=False)
+        next_uid = args.world
+        injected = 0
+        next_at = None
+        frozen: Dict[int, float] = {}  # uid -> when to continue it
+        last = time.monotonic()
+        while True:
+            self.poll(0.02)
+            now = time.monotonic()
+            states = [p["state"] for p in self.procs.values()]
+            running = [u for u in self.alive()]
+            if not running and not frozen:
+                break
+            # Continue frozen processes once their peers have surely moved on.
+            for uid, when in list(frozen.items()):
+                if now >= when:
+                    os.kill(self.procs[uid]["pid"], signal.SIGCONT)
+                    del frozen[uid]
+            members = [u for u in running if self.procs[u]["state"] == "member"]
+            if injected == 0 and next_at is None and len(members) == args.world:
+                next_at = now + args.gap  # the first failure once everyone trains
+            near_end = self.max_step >= args.steps - 4 * max(1, args.admit_every)
+            if next_at is not None and now >= next_at and injected < self.failures and not near_end:
+                live = [u for u in running if u not in frozen]
+                if len(members) - sum(1 for u in members if u in frozen) > args.min_world:
+                    victim = self.rng.choice(live)
+                    freeze = self.rng.random() < 0.25 and self.procs[victim]["state"] == "member"
+                    t = time.monotonic()
+                    os.kill(self.procs[victim]["pid"], signal.SIGSTOP if freeze else signal.SIGKILL)
+                    recent = bool(self.events) and t - self.events[-1]["t"] < 0.5
+                    during = "recovery" if recent else "a join" if self.procs[victim]["state"] == "joining" else "a step"
+                    self.events.append(dict(t=t, uid=victim, kind="freeze" if freeze else "kill", during=during,
+                                            step=self.max_step))
+                    injected += 1
+                    if freeze:
+                        frozen[victim] = t + args.heartbeat + 2.0
+                        self.procs[victim]["state"] = "frozen"
+                    else:
+                        self.procs[victim]["state"] = "dead"
+                    self.start(next_uid, joining=True)  # its replacement
+                    next_uid += 1
+                last = now
+                quick = self.rng.random() < 0.25
+                next_at = now + (self.rng.uniform(0.0, 0.3) if quick else self.rng.uniform(0.5, 1.5) * args.gap)
+            if any(s == "done" for s in states) and all(self.procs[u]["state"] != "member" for u in running):
+                # Members finished: joiners still waiting will never be admitted.
+                for u in running:
+                    if self.procs[u]["state"] == "joining":
+                        os.kill(self.procs[u]["pid"], signal.SIGKILL)
+                        self.procs[u]["state"] = "late-joiner"
+            if now - last > args.stall_s and self.max_step < args.steps:
+                raise RuntimeError(f"no step completed for {args.stall_s} s (a hang?); states: "
+                                   f"{ {u: p['state'] for u, p in self.procs.items()} }")
+            if self.completions and self.completions[-1][0] > last:
+                last = self.completions[-1][0]
+        hung = self.reap()
+        os.kill(self.store_pid, signal.SIGKILL)
+        os.waitpid(self.store_pid, 0)
+        leaked = sorted({f for f in os.listdir("/dev/shm") if f.startswith("pycomm.")} - before)
+        return self.verdict(injected, hung, leaked)
+
+    def reap(self) -> List[int]:
+        hung = []
+        deadline = time.monotonic() + 20
+        for uid, p in self.procs.items():
+            while True:
+                done, _ = os.waitpid(p["pid"], os.WNOHANG)
+                if done:
+                    break
+                if time.monotonic() > deadline:
+                    hung.append(uid)
+                    os.kill(p["pid"], signal.SIGKILL)
+                    os.waitpid(p["pid"], 0)
+                    break
+                time.sleep(0.05)
+        return hung
+
+    def verdict(self, injected: int, hung: List[int], leaked: List[str]) -> Dict[str, Any]:
+        wrong = {s: d for s, d in self.digests.items() if len(d) > 1}
+        done = {u: r for u, r in self.reports.items() if r["kind"] == "done"}
+        crashes = {u: r["why"] for u, r in self.reports.items() if r["kind"] == "crash"}
+        # A frozen process, once continued, is fenced out if its peers found
+        # it silent; if they were waiting for it elsewhere (on the Store, in
+        # an admission) it simply goes on as a member. Either is right.
+        frozen = [e["uid"] for e in self.events if e["kind"] == "freeze"]
+        fenced = [u for u in frozen if self.reports.get(u, {}).get("kind") == "fenced"]
+        not_fenced = [u for u in frozen if self.reports.get(u, {}).get("kind") not in ("fenced", "done")]
+        recoveries = []
+        for e in self.events:
+            # The ranks that trained before the failure and after it (not the
+            # victim, not a newcomer): each one's next completed step.
+            before = {u for (t, u, _, _) in self.completions if t < e["t"]}
+            after = {u for (t, u, _, _) in self.completions if t > e["t"]}
+            firsts = [min(t for (t, u2, _, _) in self.completions if u2 == u and t > e["t"])
+                      for u in (before & after) - {e["uid"]}]
+            if firsts:
+                recoveries.append(max(firsts) - e["t"])
+                e["recovery_s"] = recoveries[-1]
+        accs = sorted({round(r["acc"], 4) for r in done.values()})
+        return dict(failures=injected, kills=sum(e["kind"] == "kill" for e in self.events),
+                    freezes=len(frozen), fenced=len(fenced), steps=max(self.digests) if self.digests else 0,
+                    checked_steps=len(self.digests), wrong_steps=len(wrong), wrong=dict(list(wrong.items())[:3]),
+                    finished=sorted(done), acc=accs, crashes=crashes, not_fenced=not_fenced, hung=hung,
+                    leaked=leaked, recoveries=recoveries, events=self.events,
+                    during=sorted({e["during"] for e in self.events}),
+                    late_joiners=[u for u, p in self.procs.items() if p["state"] == "late-joiner"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--failures", type=int, default=10)
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--min-world", type=int, default=2, help="never fewer live members than this")
+    ap.add_argument("--steps", type=int, default=None, help="default: enough for --failures at --gap")
+    ap.add_argument("--gap", type=float, default=1.0, help="mean seconds between failures")
+    ap.add_argument("--heartbeat", type=float, default=1.0)
+    ap.add_argument("--admit-every", type=int, default=5)
+    ap.add_argument("--join-timeout", type=float, default=120.0)
+    ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds of 'compute' added to every step")
+    ap.add_argument("--path", choices=("communicator", "group"), default="communicator")
+    ap.add_argument("--stall-s", type=float, default=60.0, help="fail if no step completes for this long")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write the verdict here")
+    args = ap.parse_args()
+    if args.steps is None:
+        # ~12 ms a step with 4 ranks on 2 cores, and as many again for the
+        # recoveries and joins.
+        args.steps = max(300, int(args.failures * args.gap / 0.006))
+    t0 = time.monotonic()
+    base = Soak(args, 0, args.seed).run()
+    t_base = time.monotonic() - t0
+    t0 = time.monotonic()
+    res = Soak(args, args.failures, args.seed).run()
+    t_soak = time.monotonic() - t0
+    rec = sorted(res["recoveries"])
+    ok = (res["failures"] == args.failures and res["wrong_steps"] == 0 and not res["crashes"] and not res["hung"]
+          and not res["leaked"] and not res["not_fenced"] and res["finished"] and base["acc"]
+          and len(res["acc"]) == 1 and res["acc"][0] >= base["acc"][0] - 1.0)
+    print(f"chaos soak ({args.path} path, int8 hook, world {args.world}, {args.steps} steps, seed {args.seed}): "
+          f"{res['failures']} failures ({res['kills']} kill -9, {res['freezes']} SIGSTOP; hit while "
+          f"{', '.join(res['during'])}) in {t_soak:.0f} s; {res['checked_steps']} steps checked, {res['wrong_steps']} "
+          f"wrong; accuracy {res['acc']} vs {base['acc']} without failures ({t_base:.0f} s); "
+          f"crashes {len(res['crashes'])}, hung {len(res['hung'])}, leaked {len(res['leaked'])}; frozen: "
+          f"{res['fenced']} fenced out, {res['freezes'] - res['fenced'] - len(res['not_fenced'])} waited for, "
+          f"{len(res['not_fenced'])} neither; joiners not admitted before the end {len(res['late_joiners'])}; "
+          + (f"failure to the next step every survivor completed: min {rec[0] * 1e3:.0f} / median "
+             f"{statistics.median(rec) * 1e3:.0f} / max {rec[-1] * 1e3:.0f} ms" if rec else "no recovery measured"),
+          flush=True)
+    for uid, why in list(res["crashes"].items())[:3]:
+        print(f"  process {uid} crashed: {why}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), base=base, soak=res, ok=ok), f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
