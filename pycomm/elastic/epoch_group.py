@@ -11,14 +11,14 @@ get a :class:`~pycomm.GroupCommunicator` over the same keys.
 Gloo and NCCL learn of a dead peer from its closed connections, sometimes
 only for the ranks it talked to, and of a frozen peer not at all before
 their timeout. pycomm's communicator knows sooner (its heartbeat, the
-liveness of its peers' processes, an abort by any rank of the host). So
-while buckets are in flight a thread of this group asks the communicator
-every :data:`POLL_S` seconds; when the epoch has failed, the buckets in
-flight are handed back to DDP untouched with the failure remembered (as
-the communicator path does), the communicator is aborted (peers of this
-host learn of it at once) and the group is shut down: NCCL aborted,
-Gloo's connections closed, so peers blocked in it raise within
-milliseconds.
+liveness of its peers' processes). So while a step runs a thread of this
+group asks the communicator every :data:`POLL_S` seconds; when the epoch
+has failed, the buckets in flight are handed back to DDP untouched with the
+failure remembered (as the communicator path does) and the group is given
+up: NCCL aborted (which frees its kernels), Gloo shut down, both dropped by
+a thread of their own. A call of this rank's group that failed aborts the
+communicator as well (its peers of this host learn of it at once; the shrink
+starts from there).
 
 Example (what FaultTolerantDDP does at each change of membership)::
 
@@ -75,10 +75,7 @@ class EpochGroup:
         delta = datetime.timedelta(seconds=comm.timeout)
         store = bootstrap.key_space(comm._root_store, comm.name, "epoch-group/")
         self.pg = dist.ProcessGroup(dist.PrefixStore("pg/", store), rank, size)
-        try:
-            gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, delta)
-        except Exception as e:
-            raise CommError(f"pycomm.elastic: could not build epoch {comm.epoch}'s Gloo group ({e})") from e
+        gloo = _build_watched(comm, lambda: dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, delta))
         self._backends: List[Tuple[str, Any]] = [("gloo", gloo)]
         self.pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
         default = dist.ProcessGroup.BackendType.GLOO
@@ -193,17 +190,19 @@ class EpochGroup:
             del group
 
     def _comm_failure(self) -> Optional[str]:
-        """Why the epoch failed, as the communicator knows it: the ranks gone
-        first (the cause), else its abort's reason (perhaps a consequence,
-        such as a peer's shrink)."""
+        """Why the epoch failed, as the communicator knows it: ranks gone
+        (dead, frozen, declared silent). Not its abort's reason: a member
+        that finished the step may already have replaced the communicator
+        (admitting newcomers) while this rank's last bucket, whose data has
+        arrived, is still being completed."""
         try:
             gone = self.comm.gone_ranks()
-            if gone:
-                return f"pycomm: rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} of epoch " \
-                       f"{self.comm.epoch} died or stopped responding"
-            return self.comm.failure
-        except CommError as e:  # replaced or closed meanwhile
+        except CommError as e:  # closed meanwhile
             return str(e)
+        if gone:
+            return f"pycomm: rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} of epoch " \
+                   f"{self.comm.epoch} died or stopped responding"
+        return None
 
     def _fail(self, why: str, *, abort_comm: bool) -> None:
         """Hand every bucket in flight back, abort the communicator (when the
@@ -228,6 +227,35 @@ class EpochGroup:
         backends, self._backends = self._backends, []
         threading.Thread(target=_shut_down, args=(self.pg, backends), name="pycomm-epoch-shutdown",
                          daemon=True).start()
+
+
+def _build_watched(comm: Any, make: Any) -> Any:
+    """``make()`` (Gloo's constructor, which waits on the Store for every
+    member's address) on a thread of its own while this one asks the
+    communicator whether a member is gone: a member that dies meanwhile
+    fails the build at once instead of at the Store's timeout (30 s in the
+    chaos soak). The given-up build ends at that timeout, on its thread."""
+    box: Dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["pg"] = make()
+        except Exception as e:  # noqa: BLE001 - raised below
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="pycomm-epoch-build", daemon=True)
+    t.start()
+    while True:
+        t.join(POLL_S)
+        if not t.is_alive():
+            break
+        gone = comm.gone_ranks()
+        if gone:
+            raise CommError(f"pycomm.elastic: rank(s) {', '.join(map(str, gone))} died while epoch {comm.epoch}'s "
+                            "group was being built")
+    if "error" in box:
+        raise CommError(f"pycomm.elastic: could not build epoch {comm.epoch}'s Gloo group ({box['error']})")
+    return box["pg"]
 
 
 def _shared_gpus(comm: Any, device: torch.device) -> Optional[str]:
