@@ -15,7 +15,7 @@ LONG = os.environ.get("PYCOMM_LONG") == "1"
 
 def test_chaos_soak(tmp_path):
     out = tmp_path / "chaos.json"
-    size = ["--failures", "200", "--world", "8", "--gap", "1.5"] if LONG else ["--failures", "10", "--gap", "0.5"]
+    size = ["--failures", "200", "--world", "8", "--gap", "1.5"] if LONG else ["--failures", "10", "--gap", "0.3"]
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "chaos.py"), *size, "--json", str(out)],
                           capture_output=True, text=True, timeout=3600 if LONG else 600,
                           env=dict(os.environ, PYTHONPATH=ROOT))
