@@ -189,6 +189,14 @@ class Soak:
                 self.procs[uid]["state"] = kind
                 self.reports[uid] = msg
 
+    def recovered(self, t: float, running: List[int], frozen: Dict[int, float]) -> bool:
+        """Whether the failure at ``t`` is behind the training: no process
+        waits to be admitted and every live member completed a step since."""
+        if any(self.procs[u]["state"] in ("joining", "starting") for u in running):
+            return False
+        members = {u for u in running if self.procs[u]["state"] == "member" and u not in frozen}
+        return members <= {u for (tc, u, _, _) in self.completions[-200:] if tc > t}
+
     def alive(self) -> List[int]:
         return [u for u, p in self.procs.items() if p["state"] in ("member", "joining", "starting")]
 
@@ -221,8 +229,10 @@ class Soak:
             if injected == 0 and next_at is None and len(members) == args.world:
                 next_at = now + args.gap  # the first failure once everyone trains
             near_end = self.max_step >= args.steps - 4 * max(1, args.admit_every)
+            if args.calm and self.events and not self.recovered(self.events[-1]["t"], running, frozen):
+                next_at = max(next_at or now, now + 0.05)
             if next_at is not None and now >= next_at and injected < self.failures and not near_end:
-                live = [u for u in running if u not in frozen]
+                live = [u for u in running if u not in frozen and (not args.calm or self.procs[u]["state"] == "member")]
                 if len(members) - sum(1 for u in members if u in frozen) > args.min_world:
                     victim = self.rng.choice(live)
                     freeze = self.rng.random() < 0.25 and self.procs[victim]["state"] == "member"
@@ -241,7 +251,7 @@ class Soak:
                     self.start(next_uid, joining=True)  # its replacement
                     next_uid += 1
                 last = now
-                quick = self.rng.random() < 0.25
+                quick = self.rng.random() < 0.25 and not args.calm
                 next_at = now + (self.rng.uniform(0.0, 0.3) if quick else self.rng.uniform(0.5, 1.5) * args.gap)
             if any(s == "done" for s in states) and all(self.procs[u]["state"] != "member" for u in running):
                 # Members finished: joiners still waiting will never be admitted.
@@ -319,14 +329,18 @@ def main() -> int:
     ap.add_argument("--join-timeout", type=float, default=120.0)
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds of 'compute' added to every step")
     ap.add_argument("--path", choices=("communicator", "group"), default="communicator")
+    ap.add_argument("--calm", action="store_true",
+                    help="the next failure only once the last one is recovered from and its replacement admitted, "
+                         "members only (no failure inside a shrink, heal or join)")
     ap.add_argument("--stall-s", type=float, default=60.0, help="fail if no step completes for this long")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the verdict here")
     args = ap.parse_args()
     if args.steps is None:
         # ~12 ms a step with 4 ranks on 2 cores, and as many again for the
-        # recoveries and joins.
-        args.steps = max(300, int(args.failures * args.gap / 0.006))
+        # recoveries and joins (--calm: ~1 s more per failure for the
+        # replacement's admission).
+        args.steps = max(300, int(args.failures * (args.gap + (1.0 if args.calm else 0.0)) / 0.006))
     t0 = time.monotonic()
     base = Soak(args, 0, args.seed).run()
     t_base = time.monotonic() - t0
