@@ -14,12 +14,14 @@ Example::
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import secrets
 import socket
+import time
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -104,16 +106,146 @@ def key_space(store: "dist.Store", name: str, sub: str = "") -> "dist.Store":
     return dist.PrefixStore(f"pycomm/{name}/{restart_prefix()}{sub}", store)
 
 
-def wait_keys(store: "dist.Store", keys: List[str], timeout: float, what: str) -> None:
-    """Waits for ``keys``, bounded by the communicator's timeout, not the Store's.
+def _proc_stat(pid: int) -> Optional[Tuple[str, str]]:
+    """(state, start time in clock ticks) of process ``pid`` from /proc, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its last ")".
+    fields = text[text.rindex(")") + 2:].split()
+    return fields[0], fields[19]
+
+
+def _pid_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "?"
+
+
+def process_record() -> str:
+    """This process as a peer on its host can check it (JSON): host key, pid
+    namespace, pid and start time (which tells a reused pid apart).
+
+    Example::
+
+        store.set(f"proc/{rank}", process_record())
+    """
+    stat = _proc_stat(os.getpid())
+    return json.dumps(dict(host=_host_key(), pidns=_pid_namespace(), pid=os.getpid(), start=stat[1] if stat else ""))
+
+
+def process_gone(record: str) -> Optional[str]:
+    """Whether the process of ``record`` (:func:`process_record`) is gone:
+    "died" (no such process, another one under its pid, or a zombie),
+    "stopped" (SIGSTOP, a debugger), or None when it runs or lives on another
+    host or in another pid namespace (it cannot be seen from here)."""
+    try:
+        rec = json.loads(record)
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(rec, dict) or "pid" not in rec:
+        return None
+    if rec.get("host") != _host_key() or rec.get("pidns") != _pid_namespace():
+        return None
+    stat = _proc_stat(int(rec["pid"]))
+    if stat is None or (rec.get("start") and stat[1] != rec["start"]) or stat[0] in ("Z", "X"):
+        return "died"
+    return "stopped" if stat[0] in ("T", "t") else None
+
+
+#: Where the ranks of a successor communicator (pycomm.elastic) agree
+#: whether every one of them built it, under the communicator's keys:
+#: "failed" there ends every rank's bootstrap wait at once.
+BUILD_VERDICT_KEY = "built/verdict"
+
+
+class BootstrapWatch:
+    """Tells a bootstrap when a peer on this host has died, or stayed stopped
+    longer than ``stopped_after`` seconds, so that it gives up at once
+    instead of at its timeout (a replacement killed while it joins, a member
+    killed during a shrink: without this, every other rank waited 30 s).
+
+    Each rank publishes :func:`process_record` under ``proc/<rank>`` when it
+    starts; ``known`` gives records of ranks read elsewhere (a joiner's from
+    its ticket), so a rank that dies before it starts is seen too. Peers on
+    other hosts cannot be checked from here: a bootstrap waiting for one
+    waits for its timeout.
+    """
+
+    #: Seconds between two checks while a bootstrap waits.
+    INTERVAL_S = 0.02
+
+    def __init__(self, store: "dist.Store", rank: int, world_size: int, stopped_after: float,
+                 known: Optional[Dict[int, str]] = None) -> None:
+        self._store, self._stopped_after = store, float(stopped_after)
+        self._records: Dict[int, Optional[str]] = {r: v for r, v in (known or {}).items() if r != rank}
+        self._unread = [r for r in range(world_size) if r != rank and r not in self._records]
+        self._stopped_since: Dict[int, float] = {}
+        self._next = 0.0
+
+    def due(self) -> bool:
+        """Whether :meth:`check` should run now (every INTERVAL_S)."""
+        return time.monotonic() >= self._next
+
+    def check(self) -> Optional[str]:
+        """Why the bootstrap should give up ("rank 3 (pid 1234) died"), or None."""
+        now = time.monotonic()
+        self._next = now + self.INTERVAL_S
+        if self._store.check([BUILD_VERDICT_KEY]) and self._store.get(BUILD_VERDICT_KEY) == b"failed":
+            return "another rank gave this communicator up"
+        for r in list(self._unread):
+            if self._store.check([f"proc/{r}"]):
+                self._records[r] = self._store.get(f"proc/{r}").decode()
+                self._unread.remove(r)
+        for r, rec in self._records.items():
+            why = process_gone(rec) if rec else None
+            if why == "stopped":
+                since = self._stopped_since.setdefault(r, now)
+                if now - since < self._stopped_after:
+                    continue
+                why = f"stopped for {now - since:.1f} s"
+            else:
+                self._stopped_since.pop(r, None)
+            if why:
+                self._records[r] = None  # judged once
+                return f"rank {r} (pid {json.loads(rec)['pid']}) {why}"
+        return None
+
+
+def wait_keys(store: "dist.Store", keys: List[str], timeout: float, what: str,
+              watch: Optional[BootstrapWatch] = None) -> None:
+    """Waits for ``keys``, bounded by the communicator's timeout, not the Store's,
+    and by ``watch``: a peer seen dead or stopped ends the wait at once.
 
     Raises :class:`pycomm.CommError` naming ``what`` (and the ranks that
     never arrived, for ``host/<rank>`` keys).
     """
     try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
+        if watch is None:
+            store.wait(keys, datetime.timedelta(seconds=timeout))
+            return
+        # Polled, not one long wait: the watch must run meanwhile (and a
+        # Store wait that times out is not free: it logs and reconnects).
+        deadline, pause = time.monotonic() + timeout, 0.0005
+        while not store.check(keys):
+            if watch.due():
+                why = watch.check()
+                if why:
+                    raise CommError(f"pycomm: bootstrap: gave up waiting for {what}: {why}")
+            if time.monotonic() >= deadline:
+                raise TimeoutError
+            time.sleep(pause)
+            pause = min(pause * 1.5, 0.005)
+    except CommError:
+        raise
     except Exception as e:  # the Store raises its own timeout error types
-        missing = [k for k in keys if not store.check([k])]
+        try:
+            missing = [k for k in keys if not store.check([k])]
+        except Exception:  # noqa: BLE001 - the Store itself is gone: say so below
+            raise CommError(f"pycomm: bootstrap: the Store cannot be reached ({type(e).__name__}: {e})") from e
         ranks = [k.rsplit("/", 1)[-1] for k in missing if k.startswith("host/")]
         detail = f"; ranks {', '.join(ranks)} never arrived" if ranks else ""
         raise CommError(
@@ -192,7 +324,8 @@ def bind_cores(local_rank: int, local_size: int) -> Optional[List[int]]:
 
 
 def exchange_topology(store: "dist.Store", rank: int, world_size: int, timeout: float,
-                      local_size: Optional[int], host_label: Optional[str] = None) -> Topology:
+                      local_size: Optional[int], host_label: Optional[str] = None,
+                      watch: Optional[BootstrapWatch] = None) -> Topology:
     """Which ranks share a host: every rank publishes its host key and reads everyone's.
 
     ``local_size`` (or ``PYCOMM_LOCAL_SIZE``) pretends consecutive blocks of
@@ -203,7 +336,7 @@ def exchange_topology(store: "dist.Store", rank: int, world_size: int, timeout: 
     """
     store.set(f"host/{rank}", _host_key() + (f"#{host_label}" if host_label else ""))
     keys = [f"host/{r}" for r in range(world_size)]
-    wait_keys(store, keys, timeout, "every rank to join")
+    wait_keys(store, keys, timeout, "every rank to join", watch)
     values = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
     hosts = [v.decode() for v in values]
     if local_size is None and os.environ.get("PYCOMM_LOCAL_SIZE"):
@@ -245,9 +378,15 @@ def _inter_host_backend(group: Optional["dist.ProcessGroup"], store: "dist.Store
 
 def connect(store: "dist.Store", rank: int, world_size: int, *, timeout: float, round_bytes: Optional[int],
             transport: str, local_size: Optional[int],
-            inter_host_group: Optional["dist.ProcessGroup"], host_label: Optional[str] = None
+            inter_host_group: Optional["dist.ProcessGroup"], host_label: Optional[str] = None,
+            stopped_after: Optional[float] = None, known_peers: Optional[Dict[int, str]] = None
             ) -> Tuple[Any, Topology, Optional[Any]]:
     """Builds this rank's compiled communicator; every rank calls it with the same ``store`` prefix.
+
+    A peer on this host that dies, or stays stopped ``stopped_after`` seconds
+    (default: ``PYCOMM_HEARTBEAT_S``, else 5), while the others wait for it
+    ends the bootstrap at once on every rank that waits (:class:`BootstrapWatch`;
+    ``known_peers``: records of ranks read elsewhere).
 
     Returns the core communicator, the topology and the private Gloo group
     between hosts it made (None without one, or with ``inter_host_group``).
@@ -257,8 +396,13 @@ def connect(store: "dist.Store", rank: int, world_size: int, *, timeout: float, 
     if transport not in TRANSPORTS:
         raise CommError(f"pycomm: transport={transport!r} is not one of {', '.join(TRANSPORTS)}")
 
-    # 1. Topology: which ranks share a host.
-    topo = exchange_topology(store, rank, world_size, timeout, local_size, host_label)
+    # 1. Topology: which ranks share a host; first, how peers can tell that
+    #    this process died.
+    store.set(f"proc/{rank}", process_record())
+    if stopped_after is None:
+        stopped_after = float(os.environ.get("PYCOMM_HEARTBEAT_S", "") or 5.0) or timeout
+    watch = BootstrapWatch(store, rank, world_size, stopped_after, known_peers)
+    topo = exchange_topology(store, rank, world_size, timeout, local_size, host_label, watch)
     if transport == "shm" and topo.num_hosts > 1:
         raise CommError(f"pycomm: transport='shm' cannot connect the {topo.num_hosts} hosts of this job; "
                         "use 'auto'")
@@ -270,7 +414,7 @@ def connect(store: "dist.Store", rank: int, world_size: int, *, timeout: float, 
     #    check that we attach to this job's segment and no other.
     if rank == 0:
         store.set("token", secrets.token_hex(16))
-    wait_keys(store, ["token"], timeout, "rank 0 to publish the job token")
+    wait_keys(store, ["token"], timeout, "rank 0 to publish the job token", watch)
     token = store.get("token").decode()
     shm_name = f"/pycomm.{token}.{min(local_ranks)}"
     key = f"segment/{min(local_ranks)}"
@@ -299,7 +443,7 @@ def connect(store: "dist.Store", rank: int, world_size: int, *, timeout: float, 
             raise
         store.set(key, "ok")
     else:
-        wait_keys(store, [key], timeout, f"rank {min(local_ranks)} to create the shared segment")
+        wait_keys(store, [key], timeout, f"rank {min(local_ranks)} to create the shared segment", watch)
         status = store.get(key).decode()
         if status != "ok":
             raise CommError(f"pycomm: rank {min(local_ranks)} could not create the shared segment: {status}")

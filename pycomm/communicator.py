@@ -112,6 +112,8 @@ class Communicator(PointToPoint, RegisteredMemory):
         inter_host_group: Optional["dist.ProcessGroup"] = None,
         bind_cores: Optional[bool] = None,
         _host_label: Optional[str] = None,
+        _stopped_after: Optional[float] = None,
+        _known_peers: Optional[Dict[int, str]] = None,
     ) -> None:
         core = load_core()
         store, rank, world_size, group_name = bootstrap.resolve_group(group, store, rank, world_size)
@@ -147,7 +149,8 @@ class Communicator(PointToPoint, RegisteredMemory):
         self._settings = dict(round_bytes=round_bytes, transport=transport, bind_cores=bind_cores)
         self._c, topo, self._own_inter_host = bootstrap.connect(
             store, rank, world_size, timeout=float(timeout), round_bytes=round_bytes, transport=transport,
-            local_size=local_size, inter_host_group=inter_host_group, host_label=_host_label)
+            local_size=local_size, inter_host_group=inter_host_group, host_label=_host_label,
+            stopped_after=_stopped_after, known_peers=_known_peers)
         self.rank: int = rank
         self.world_size: int = world_size
         self.host: int = topo.host

@@ -254,15 +254,19 @@ def _second_death_rank(rank: int, world: int, port: int, conn, first: int, secon
             if rank == second:
                 # Dies in the middle of the shrink: after checking in, before
                 # the new communicator is built.
-                elastic._agreement_store(old, 0).set(f"alive/{rank}", "1")
+                elastic._agreement_store(old, 0).set(f"alive/{rank}", pycomm.bootstrap.process_record())
                 os.kill(os.getpid(), signal.SIGKILL)
             for _ in range(5):
                 report["attempts"] += 1
+                t0 = time.monotonic()
                 try:
-                    comm = elastic.shrink(old, timeout=2.0)
+                    # The full 30 s bootstrap timeout: the dead member's
+                    # check-in record must end the attempt long before.
+                    comm = elastic.shrink(old, timeout=30.0)
                     break
                 except pycomm.CommError as e:
                     report["retry_error"] = str(e)[:300]
+                    report["failed_attempt_s"] = time.monotonic() - t0
             else:
                 raise AssertionError(f"no shrink held in 5 attempts: {report}")
             members = [r for r in comm.parent_ranks]
@@ -273,8 +277,9 @@ def _second_death_rank(rank: int, world: int, port: int, conn, first: int, secon
 
 def second_death_during_shrink(world: int = 4) -> Dict[str, Any]:
     """Rank 0 dies; rank 1 dies during the survivors' shrink (after checking
-    in). The first attempt fails on every survivor with a clear error; the
-    second gives the two that are left one communicator."""
+    in). The first attempt fails on every survivor with a clear error, as
+    soon as they see the process gone; the second gives the two that are
+    left one communicator."""
     import reliability_cases as rc
 
     first, second = 0, 1
@@ -289,3 +294,108 @@ def second_death_during_shrink(world: int = 4) -> Dict[str, Any]:
     hung = rc.reap(pids, time.monotonic() + 10)
     rc.reap([store_pid], 0)
     return dict(reports=reports, hung=len(hung))
+
+
+# --- Newcomers that fail on their way in --------------------------------------------------------------------------
+
+def _admit_member(rank: int, world: int, port: int, conn, tickets: int, heartbeat: float) -> None:
+    """A member: once ``tickets`` newcomers have taken tickets and the driver
+    says go, admit them (the full 30 s timeout); if that fails, shrink."""
+    import reliability_cases as rc
+    from pycomm.elastic import membership
+
+    store, comm = rc._bootstrap(rank, world, port, "admit", 30.0)
+    comm.heartbeat_timeout = heartbeat
+    js = membership._job_store(store, comm.job)
+    while js.add("tickets", 0) < tickets:
+        time.sleep(0.01)
+    conn.send("ready")
+    conn.recv()
+    out: Dict[str, Any] = {}
+    t0 = time.monotonic()
+    try:
+        new = elastic.admit(comm, timeout=30.0)
+        out.update(world=new.world_size)
+    except pycomm.CommError as e:
+        out.update(error=str(e)[:400], failed_s=time.monotonic() - t0)
+        new = elastic.shrink(comm, timeout=30.0)
+        out.update(world=new.world_size, parents=new.parent_ranks)
+    out["seconds"] = time.monotonic() - t0
+    out["ok"] = _sum_check(new, list(range(new.world_size)))
+    new.close()
+    conn.send(out)
+
+
+def _admit_joiner(uid: int, world: int, port: int, conn, fate: str) -> None:
+    """A newcomer: "lives", or dies ("dies") / freezes ("stops") the moment
+    its admission arrives, before its bootstrap (a replacement killed as it
+    joins)."""
+    import datetime
+
+    import torch.distributed as dist
+    from pycomm.elastic import membership
+
+    if fate in ("dies", "stops"):
+        sig = signal.SIGKILL if fate == "dies" else signal.SIGSTOP
+        membership._build = lambda *a, **k: os.kill(os.getpid(), sig)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    comm = elastic.join(store, "admit", timeout=60.0)
+    conn.send(dict(world=comm.world_size, rank=comm.rank, ok=_sum_check(comm, list(range(comm.world_size)))))
+    comm.close()
+
+
+def newcomer_fails(members: int, fate: str, heartbeat: float = 1.0) -> Dict[str, Any]:
+    """``members`` ranks and newcomers that fail on their way in:
+
+    - "killed while waiting": a newcomer takes a ticket and is killed before
+      any admission; a second one lives. The admission takes the live one only.
+    - "dies" / "stops": the only newcomer dies / freezes when its admission
+      arrives. The members' admit fails at once (not at its 30 s timeout),
+      then they shrink back to themselves.
+
+    Returns the members' reports, the live newcomer's and the hung count."""
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+    from harness import free_port
+    from pycomm.elastic import membership
+
+    import reliability_cases as rc
+
+    port = free_port()
+    store_pid, pids, conns = rc.fork_ranks(members, _admit_member, 2 if fate == "killed while waiting" else 1,
+                                           heartbeat, duplex=True, port=port)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    js = membership._job_store(store, "admit")
+    joiners, pipes = [], []
+
+    def newcomer(what: str) -> None:
+        parent, child = mp.Pipe()
+        joiners.append(rc._start_rank(_admit_joiner, len(joiners), 0, port, child, (what,)))
+        child.close()
+        pipes.append(parent)
+
+    if fate == "killed while waiting":
+        newcomer("lives")
+        while js.add("tickets", 0) < 1:
+            time.sleep(0.01)
+        os.kill(joiners[0], signal.SIGKILL)
+        os.waitpid(joiners[0], 0)  # reaped: gone from the process table
+        newcomer("lives")
+    else:
+        newcomer(fate)
+    for c in conns:
+        assert c.poll(rc.START_S) and c.recv() == "ready", "a member did not start"
+    for c in conns:
+        c.send("go")
+    reports = {r: (c.recv() if c.poll(90) else None) for r, c in enumerate(conns)}
+    live = pipes[-1].recv() if fate == "killed while waiting" and pipes[-1].poll(30) else None
+    for pid in joiners:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    hung = rc.reap(pids, time.monotonic() + 10)
+    rc.reap(joiners[1:] if fate == "killed while waiting" else joiners, time.monotonic() + 5)
+    rc.reap([store_pid], 0)
+    return dict(reports=reports, newcomer=live, hung=len(hung))

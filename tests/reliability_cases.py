@@ -199,13 +199,14 @@ _store = dist.TCPStore("127.0.0.1", {port}, {world}, is_master=True, wait_for_wo
 time.sleep(1e9)"""
 
 
-def fork_ranks(world: int, target, *args: Any, duplex: bool = False) -> tuple:
-    """Forks a store process (the TCPStore's host, like torchrun's agent) and
-    `world` ranks running target(rank, world, port, conn, *args) (or spawns
-    them all: RANK_START); returns (store pid, rank pids, connections). The
-    connections carry the ranks' reports to the caller (and, with `duplex`,
-    the caller's messages to the ranks)."""
-    port = free_port()
+def fork_ranks(world: int, target, *args: Any, duplex: bool = False, port: Optional[int] = None) -> tuple:
+    """Forks a store process (the TCPStore's host, like torchrun's agent) on
+    `port` (default: a free one) and `world` ranks running target(rank,
+    world, port, conn, *args) (or spawns them all: RANK_START); returns
+    (store pid, rank pids, connections). The connections carry the ranks'
+    reports to the caller (and, with `duplex`, the caller's messages to the
+    ranks)."""
+    port = port or free_port()
     if RANK_START != "fork":
         store_pid = subprocess.Popen([sys.executable, "-c", _STORE_MAIN.format(port=port, world=world)]).pid
     else:

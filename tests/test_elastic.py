@@ -113,6 +113,7 @@ def test_second_death_during_a_shrink(zygote):
         assert rep and rep["wrong"] == 0, rep
         # One attempt failed on every survivor, with a message saying to retry; the next one held.
         assert rep["attempts"] == 2 and "call shrink() again" in rep["retry_error"], rep
+        assert rep["failed_attempt_s"] < 10, rep  # not the 30 s bootstrap timeout
         assert rep["members"] == [2, 3] and rep["epoch"] == 1, rep
 
 
@@ -125,3 +126,23 @@ def test_shrink_on_simulated_hosts(zygote, victim):
     survivors = [r for r in range(4) if r != victim]
     for r, rep in res["reports"].items():
         assert rep and rep["wrong"] == 0 and rep["members"] == survivors and rep["world"] == 3, (r, rep)
+
+
+@pytest.mark.parametrize("fate", ["killed while waiting", "dies", "stops"])
+def test_newcomer_that_fails_on_its_way_in(zygote, fate):
+    """A replacement killed while it waits for admission is skipped; one
+    that dies or freezes once admitted fails the members' admit as soon as
+    it is seen (1 s heartbeat), not at the 30 s bootstrap timeout, and the
+    members shrink back to themselves."""
+    res = zygote.run(ec.newcomer_fails, 3, fate, timeout=180)
+    assert res["hung"] == 0, res
+    for r, rep in res["reports"].items():
+        assert rep and rep["ok"], (r, rep)
+        if fate == "killed while waiting":
+            assert "error" not in rep and rep["world"] == 4 and rep["seconds"] < 10, (r, rep)
+        else:
+            assert rep["world"] == 3 and rep["parents"] == [0, 1, 2], (r, rep)
+            assert rep["failed_s"] < (10 if fate == "dies" else 12), (r, rep)
+            assert "newcomer" in rep["error"], (r, rep)
+    if fate == "killed while waiting":
+        assert res["newcomer"] == dict(world=4, rank=3, ok=True), res

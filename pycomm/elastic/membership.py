@@ -124,47 +124,59 @@ def _shutdown_quietly(backend: Any) -> None:
 
 
 def _successor(comm: "Communicator", rank: int, world: int, name: str, timeout: float,
-               parent_ranks: List[int]) -> "Communicator":
+               parent_ranks: List[int], known: Dict[int, str]) -> "Communicator":
     """The communicator of epoch ``comm.epoch + 1`` (fresh keys under
     ``name``, the same hosts, settings and job), rank ``rank`` of ``world``;
-    ``comm`` is fenced (it kept what its successor inherits)."""
-    new = _build(comm._root_store, rank, world, name, timeout, comm._host_label, comm._settings)
+    ``comm`` is fenced (it kept what its successor inherits). ``known``: the
+    process records (:func:`pycomm.bootstrap.process_record`) of its ranks
+    read beforehand, so that one dying before its bootstrap starts is seen."""
+    new = _build(comm._root_store, rank, world, name, timeout, comm._host_label, comm._settings,
+                 _kept(comm)["heartbeat_timeout"], known)
     _inherit(new, comm.job, comm.epoch + 1, _kept(comm), parent_ranks, comm._admitted_upto)
     return new
 
 
 def _build(root: "dist.Store", rank: int, world: int, name: str, timeout: float, host_label: Optional[str],
-           settings: Dict[str, Any]) -> "Communicator":
+           settings: Dict[str, Any], heartbeat: float, known: Dict[int, str]) -> "Communicator":
     """A new communicator that every rank of it has, or a CommError on every rank.
 
     Building can fail on some ranks only (a rank dies after the rendezvous):
     each rank then says whether it got one, and one compare-and-set decides
     for all — "ok" only if every rank built it in time — so no rank goes on
-    with a communicator another rank gave up.
+    with a communicator another rank gave up. A rank of this host that dies,
+    or stays stopped ``heartbeat`` seconds, meanwhile ends the build at once
+    (:class:`pycomm.bootstrap.BootstrapWatch`; ``known``: records of ranks
+    read beforehand); one on another host, at ``timeout``.
     """
     from ..communicator import Communicator
 
-    votes = bootstrap.key_space(root, name, "built/")
+    keys = bootstrap.key_space(root, name)
+    stopped_after = heartbeat or timeout  # a heartbeat of 0 judges nobody
     new, error = None, None
     try:
         new = Communicator(store=root, rank=rank, world_size=world, name=name, timeout=timeout,
-                           _host_label=host_label, **settings)
+                           _host_label=host_label, _stopped_after=stopped_after, _known_peers=known, **settings)
     except CommError as e:
         error = e
     verdict = "failed"
     try:
         if new is not None:
-            votes.set(str(rank), "1")
+            keys.set(f"built/{rank}", "1")
             # Every rank's vote, or a verdict already taken (a rank that
             # failed says so at once), or the deadline.
-            everyone = [str(r) for r in range(world)]
+            everyone = [f"built/{r}" for r in range(world)]
             deadline = time.monotonic() + timeout
-            while not votes.check(["verdict"]) and time.monotonic() < deadline:
-                if votes.check(everyone):
+            watch = bootstrap.BootstrapWatch(keys, rank, world, stopped_after, known)
+            while not keys.check([bootstrap.BUILD_VERDICT_KEY]) and time.monotonic() < deadline:
+                if keys.check(everyone):
                     verdict = "ok"
                     break
+                why = watch.check() if watch.due() else None
+                if why:
+                    error = CommError(f"pycomm: {why} before it finished building the communicator")
+                    break
                 time.sleep(_POLL_S)
-        verdict = _first_proposal(votes, "verdict", verdict)
+        verdict = _first_proposal(keys, bootstrap.BUILD_VERDICT_KEY, verdict)
     except Exception as e:
         error = error or CommError(f"the Store cannot be reached ({type(e).__name__}: {e})")
         verdict = "failed"
@@ -240,7 +252,7 @@ def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float 
     _fence(comm, why, sorted(gone - excluded))
     try:
         # 2. Check in, then wait for everybody not known to be gone.
-        store.set(f"alive/{me}", "1")
+        store.set(f"alive/{me}", bootstrap.process_record())
         waiting = [r for r in range(world) if r not in gone and r != me]
         deadline = time.monotonic() + grace
         while waiting and time.monotonic() < deadline and not store.check([_members_key(epoch)]):
@@ -261,10 +273,16 @@ def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float 
                         f"{members} of epoch {epoch}" + (" (it was excluded)" if me in excluded else
                                                          " (it checked in too late)"))
     # 4. The members' new communicator: the old hosts kept (simulated ones
-    #    too), fresh keys, segment and inter-host group.
+    #    too), fresh keys, segment and inter-host group; the members' check-in
+    #    records tell the bootstrap at once if one of them dies meanwhile.
+    try:
+        records = store.multi_get([f"alive/{r}" for r in members])
+        known = {i: v.decode() for i, v in enumerate(records)}
+    except Exception:  # noqa: BLE001 - the bootstrap below reports an unreachable Store
+        known = {}
     try:
         new = _successor(comm, members.index(me), len(members), f"{comm.name}@a{attempt}", timeout,
-                         members)
+                         members, known)
     except CommError as e:
         raise CommError(f"pycomm.shrink: building the communicator of ranks {members} failed ({e}); a member "
                         "may have died meanwhile: call shrink() again") from e
@@ -288,10 +306,21 @@ def admit(comm: "Communicator", *, timeout: float = 30.0) -> "Communicator":
     k = getattr(comm, "_admit_calls", 0)
     comm._admit_calls = k + 1
     try:
-        # 1. Propose the tickets taken so far; one proposal wins.
+        # 1. Propose the tickets taken so far, less those whose process this
+        #    host sees dead (a replacement killed while it waited); one
+        #    proposal wins.
         count = js.add("tickets", 0)
-        proposal = list(range(comm._admitted_upto + 1, count + 1))
-        tickets: List[int] = json.loads(_first_proposal(js, f"admit/{comm.name}/{k}", json.dumps(proposal)))
+        taken = list(range(comm._admitted_upto + 1, count + 1))
+        records = {t: js.get(f"proc/{t}").decode() for t in taken if js.check([f"proc/{t}"])}
+        dead = {t for t, rec in records.items() if bootstrap.process_gone(rec) == "died"}
+        proposal = dict(tickets=[t for t in taken if t not in dead], upto=taken[-1] if taken else comm._admitted_upto)
+        agreed = json.loads(_first_proposal(js, f"admit/{comm.name}/{k}", json.dumps(proposal)))
+        tickets: List[int] = agreed["tickets"]
+        skipped = sorted(set(range(comm._admitted_upto + 1, agreed["upto"] + 1)) - set(tickets))
+        if skipped:
+            logger.info("pycomm: rank %d: tickets %s of %r were not admitted: their processes died", me, skipped,
+                        comm.job)
+        comm._admitted_upto = agreed["upto"]
         if not tickets:
             return comm
         # 2. Tell each newcomer where it goes (one member writes; all read alike).
@@ -302,18 +331,18 @@ def admit(comm: "Communicator", *, timeout: float = 30.0) -> "Communicator":
             for i, t in enumerate(tickets):
                 js.set(f"admitted/{t}", json.dumps(dict(
                     name=name, rank=comm.world_size + i, world=world, epoch=comm.epoch + 1, kept=_kept(comm),
-                    parent_ranks=parents, admitted_upto=tickets[-1], settings=comm._settings)))
+                    parent_ranks=parents, admitted_upto=agreed["upto"], settings=comm._settings)))
     except CommError:
         raise
     except Exception as e:
         raise CommError(f"pycomm.admit: the Store cannot be reached ({type(e).__name__}: {e})") from e
     t0 = time.monotonic()
-    comm._admitted_upto = tickets[-1]
     _fence(comm, f"pycomm: communicator {comm.name!r} (epoch {comm.epoch}) was replaced by an admit; use the "
                  "communicator admit() returns", [])
     # 3. The communicator of epoch e+1, newcomers included.
     try:
-        new = _successor(comm, me, world, name, timeout, parents)
+        new = _successor(comm, me, world, name, timeout, parents,
+                         {comm.world_size + i: records[t] for i, t in enumerate(tickets) if t in records})
     except CommError as e:
         raise CommError(f"pycomm.admit: building the communicator with newcomers {tickets} failed ({e}); a "
                         "newcomer or a member may have died meanwhile: shrink() the old communicator") from e
@@ -336,6 +365,8 @@ def join(store: "dist.Store", job: str, *, timeout: float = 300.0) -> "Communica
     js = _job_store(store, job)
     try:
         ticket = js.add("tickets", 1)
+        # How the members' admit and bootstrap tell that this process died.
+        js.set(f"proc/{ticket}", bootstrap.process_record())
     except Exception as e:
         raise CommError(f"pycomm.join: the Store cannot be reached ({type(e).__name__}: {e})") from e
     key = f"admitted/{ticket}"
@@ -346,7 +377,8 @@ def join(store: "dist.Store", job: str, *, timeout: float = 300.0) -> "Communica
                         "s; its members admit newcomers when they call admit()") from e
     rec = json.loads(js.get(key).decode())
     try:
-        comm = _build(store, rec["rank"], rec["world"], rec["name"], timeout, None, rec["settings"])
+        comm = _build(store, rec["rank"], rec["world"], rec["name"], timeout, None, rec["settings"],
+                      rec["kept"]["heartbeat_timeout"], {})
     except CommError as e:
         raise CommError(f"pycomm.join: building the communicator of {job!r} failed ({e}); join again") from e
     _inherit(comm, job, rec["epoch"], rec["kept"], rec["parent_ranks"], rec["admitted_upto"])
