@@ -35,6 +35,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import importlib
 import datetime
 import hashlib
 import json
@@ -87,17 +88,28 @@ def rank_main(uid: int, world: int, port: int, conn: Any, args: argparse.Namespa
         batch = []
 
     try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
-        if joining:
-            comm = pycomm.elastic.join(store, JOB, timeout=args.join_timeout)
-        else:
-            comm = pycomm.Communicator(store=store, rank=uid, world_size=world, name=JOB, timeout=30)
-        comm.heartbeat_timeout = args.heartbeat
+        # Everything a replacement needs before it joins (data, model), as a
+        # restarted worker would: the members wait for it from its admission
+        # until its first heal.
         xtr, ytr, xte, yte = _digits()
         torch.manual_seed(uid)  # every rank differs: the wrapper's heal makes them equal
         model = digits_mlp()
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
+        if joining:
+            # As an agent restarts a replacement whose admission failed (a
+            # member or another newcomer died while it was being built).
+            for attempt in range(5):
+                try:
+                    comm = pycomm.elastic.join(store, JOB, timeout=args.join_timeout)
+                    break
+                except pycomm.CommError:
+                    if attempt == 4:
+                        raise
+        else:
+            comm = pycomm.Communicator(store=store, rank=uid, world_size=world, name=JOB, timeout=30)
+        comm.heartbeat_timeout = args.heartbeat
         state = hooks.CompressionState(codec=pycomm.Int8(), start_iter=5, path=args.path)
         ft = FaultTolerantDDP(model, opt, comm, hook=hooks.int8_hook, state=state, scheduler=sched,
                               admit_every=args.admit_every, bucket_cap_mb=0.03)
@@ -337,17 +349,34 @@ def main() -> int:
     ap.add_argument("--json", help="write the verdict here")
     args = ap.parse_args()
     if args.steps is None:
-        # ~12 ms a step with 4 ranks on 2 cores, and as many again for the
-        # recoveries and joins (--calm: ~1 s more per failure for the
-        # replacement's admission).
-        args.steps = max(300, int(args.failures * (args.gap + (1.0 if args.calm else 0.0)) / 0.006))
+        # ~4 ms a step with 4 ranks on 2 cores; each failure takes its gap,
+        # ~0.5 s more for the recovery and the replacement's admission (the
+        # failures wait while fewer than --min-world + 1 members train), and
+        # --calm ~1 s more (the next failure once the last was recovered from).
+        args.steps = max(300, int(args.failures * (args.gap + 0.5 + (1.0 if args.calm else 0.0)) / 0.004))
+    # The ranks are forked from here: their imports once, here, so that a
+    # replacement starts within a fraction of a second, like a warm standby
+    # (else ~2 s of imports on 2 busy cores, during which the failures wait:
+    # see --min-world).
+    for module in ("pycomm.elastic", "pycomm.hooks"):
+        importlib.import_module(module)
+    from hooks_cases import _digits, digits_mlp
+    _digits()
+    # The first optimizer and scheduler import more of torch (~2 s here).
+    torch.optim.lr_scheduler.CosineAnnealingLR(torch.optim.SGD(digits_mlp().parameters(), lr=0.1), 10)
     t0 = time.monotonic()
     base = Soak(args, 0, args.seed).run()
     t_base = time.monotonic() - t0
     t0 = time.monotonic()
     res = Soak(args, args.failures, args.seed).run()
     t_soak = time.monotonic() - t0
-    rec = sorted(res["recoveries"])
+
+    def spread(kind: str) -> str:
+        rec = sorted(e["recovery_s"] for e in res["events"] if e["kind"] == kind and "recovery_s" in e)
+        if not rec:
+            return f"{kind}: none measured"
+        return (f"{kind} min {rec[0] * 1e3:.0f} / median {statistics.median(rec) * 1e3:.0f} / max "
+                f"{rec[-1] * 1e3:.0f} ms ({len(rec)})")
     ok = (res["failures"] == args.failures and res["wrong_steps"] == 0 and not res["crashes"] and not res["hung"]
           and not res["leaked"] and not res["not_fenced"] and res["finished"] and base["acc"]
           and len(res["acc"]) == 1 and res["acc"][0] >= base["acc"][0] - 1.0)
@@ -358,9 +387,8 @@ def main() -> int:
           f"crashes {len(res['crashes'])}, hung {len(res['hung'])}, leaked {len(res['leaked'])}; frozen: "
           f"{res['fenced']} fenced out, {res['freezes'] - res['fenced'] - len(res['not_fenced'])} waited for, "
           f"{len(res['not_fenced'])} neither; joiners not admitted before the end {len(res['late_joiners'])}; "
-          + (f"failure to the next step every survivor completed: min {rec[0] * 1e3:.0f} / median "
-             f"{statistics.median(rec) * 1e3:.0f} / max {rec[-1] * 1e3:.0f} ms" if rec else "no recovery measured"),
-          flush=True)
+          f"failure to the next step every survivor completed: {spread('kill')}; {spread('freeze')} (found by the "
+          f"{args.heartbeat:g} s heartbeat)", flush=True)
     for uid, why in list(res["crashes"].items())[:3]:
         print(f"  process {uid} crashed: {why}")
     if args.json:
