@@ -6,10 +6,14 @@
   makes a new communicator of the next membership epoch and fences the old.
 * :mod:`pycomm.elastic.ddp` — :class:`FaultTolerantDDP`: DDP training that
   shrinks, heals and goes on when a rank dies, and heals a replacement.
+* :mod:`pycomm.elastic.pipeline` — :class:`FaultTolerantPipeline`: pipeline x
+  data-parallel training that drops a broken replica, goes on, and admits
+  whole replacement replicas.
 * :mod:`pycomm.elastic.epoch_group` — the process group of one membership
   epoch, for CUDA models (NCCL) and the group path (Gloo).
 """
 from .membership import FencedOut, admit, join, shrink
 from .ddp import FaultTolerantDDP
+from .pipeline import FaultTolerantPipeline
 
-__all__ = ["FaultTolerantDDP", "FencedOut", "admit", "join", "shrink"]
+__all__ = ["FaultTolerantDDP", "FaultTolerantPipeline", "FencedOut", "admit", "join", "shrink"]

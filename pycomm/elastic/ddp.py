@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import io
 import logging
 import time
 import warnings
@@ -77,6 +76,7 @@ from .._loader import CommError
 from ..communicator import Communicator
 from ..hooks.futures import GroupFutures
 from .epoch_group import EpochGroup
+from .heal import broadcast_state
 from .membership import FencedOut, admit, shrink
 
 logger = logging.getLogger("pycomm")
@@ -500,21 +500,10 @@ class FaultTolerantDDP(torch.nn.Module):
 
     def _send_state(self, src: int) -> None:
         """Rank ``src``'s model, optimizer, scheduler and extra state onto every rank."""
-        comm = self.comm
-        payload = None
-        size = torch.zeros(1, dtype=torch.int64)
-        if comm.rank == src:
-            out = io.BytesIO()
-            torch.save({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                        **self._extras()}, out)
-            payload = torch.frombuffer(bytearray(out.getbuffer()), dtype=torch.uint8)
-            size[0] = payload.numel()
-        comm.broadcast(size, src=src)
-        if payload is None:
-            payload = torch.empty(int(size), dtype=torch.uint8)
-        comm.broadcast(payload, src=src)
-        if comm.rank != src:
-            got = torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu", weights_only=False)
+        mine = ({"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), **self._extras()}
+                if self.comm.rank == src else None)
+        got = broadcast_state(self.comm, mine, src)
+        if self.comm.rank != src:
             with torch.no_grad():
                 self.module.load_state_dict(got["model"])
             self.optimizer.load_state_dict(got["optimizer"])

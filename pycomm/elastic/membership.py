@@ -54,7 +54,7 @@ import logging
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -71,8 +71,14 @@ _POLL_S = 0.002
 
 
 class FencedOut(CommError):
-    """Raised by :func:`shrink` on a rank the survivors left out (excluded, or
-    too late to check in): it can never take part in this job again."""
+    """Raised by :func:`shrink` on a rank the survivors left out (excluded, not
+    selected, or too late to check in): it can never take part in this
+    communicator's epochs again (it may :func:`join` the job anew).
+    ``members``: the old ranks the survivors agreed on."""
+
+    def __init__(self, message: str, members: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.members: List[int] = list(members)
 
 
 def _kept(comm: "Communicator") -> Dict[str, float]:
@@ -216,7 +222,7 @@ def _agreement_store(comm: "Communicator", attempt: int) -> "dist.Store":
 
 
 def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float = 30.0,
-           grace: float = 2.0) -> "Communicator":
+           grace: float = 2.0, select: Optional[Callable[[List[int]], List[int]]] = None) -> "Communicator":
     """The survivors of ``comm`` in a new communicator (see the module's docstring).
 
     Args:
@@ -225,6 +231,9 @@ def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float 
         timeout: seconds the new communicator's bootstrap may take (a member
             that died meanwhile makes it fail after this long).
         grace: seconds to wait for ranks not known to be gone to check in.
+        select: which of the ranks that checked in stay (a function of
+            their sorted list, the same on every rank; say, whole pipeline
+            replicas only); the others are fenced out.
 
     Returns the new communicator: its ``epoch`` one more than ``comm``'s, its
     timeout and heartbeat bound ``comm``'s, and ``parent_ranks`` the members' ranks in ``comm``
@@ -260,6 +269,8 @@ def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float 
             if waiting:
                 time.sleep(_POLL_S)
         seen = [r for r in range(world) if r not in excluded and (r == me or store.check([f"alive/{r}"]))]
+        if select is not None:
+            seen = sorted(set(select(seen)) & set(seen))
         # 3. One proposal wins; everybody reads it.
         members: List[int] = json.loads(_first_proposal(store, _members_key(epoch), json.dumps(seen)))
     except CommError:
@@ -271,7 +282,8 @@ def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float 
     if me not in members:
         raise FencedOut(f"pycomm.shrink: rank {me} was fenced out of {comm.name!r}: the survivors agreed on ranks "
                         f"{members} of epoch {epoch}" + (" (it was excluded)" if me in excluded else
-                                                         " (it checked in too late)"))
+                                                         " (it was not selected)" if select is not None
+                                                         else " (it checked in too late)"), members)
     # 4. The members' new communicator: the old hosts kept (simulated ones
     #    too), fresh keys, segment and inter-host group; the members' check-in
     #    records tell the bootstrap at once if one of them dies meanwhile.
@@ -291,7 +303,7 @@ def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float 
     return new
 
 
-def admit(comm: "Communicator", *, timeout: float = 30.0) -> "Communicator":
+def admit(comm: "Communicator", *, timeout: float = 30.0, multiple: int = 1) -> "Communicator":
     """``comm`` grown by the processes waiting in :func:`join` (see the module's docstring).
 
     Collective over ``comm``'s members, all at the same point of their work.
@@ -299,8 +311,12 @@ def admit(comm: "Communicator", *, timeout: float = 30.0) -> "Communicator":
     epoch ``comm.epoch + 1`` (members keep their ranks, ``parent_ranks`` is -1
     for each newcomer) and ``comm`` is fenced. Raises CommError on every member
     if the new communicator cannot be built within ``timeout`` (a newcomer or
-    a member died meanwhile): ``comm`` stays fenced; shrink it.
+    a member died meanwhile): ``comm`` stays fenced; shrink it. ``multiple``:
+    admit newcomers only in groups of this many (whole pipeline replicas), in
+    ticket order; the rest wait for the next call.
     """
+    if multiple < 1:
+        raise ValueError(f"pycomm.admit: multiple must be >= 1, got {multiple}")
     root, me = comm._root_store, comm.rank
     js = _job_store(root, comm.job)
     k = getattr(comm, "_admit_calls", 0)
@@ -313,7 +329,16 @@ def admit(comm: "Communicator", *, timeout: float = 30.0) -> "Communicator":
         taken = list(range(comm._admitted_upto + 1, count + 1))
         records = {t: js.get(f"proc/{t}").decode() for t in taken if js.check([f"proc/{t}"])}
         dead = {t for t, rec in records.items() if bootstrap.process_gone(rec) == "died"}
-        proposal = dict(tickets=[t for t in taken if t not in dead], upto=taken[-1] if taken else comm._admitted_upto)
+        live = [t for t in taken if t not in dead]
+        chosen = live[:len(live) // multiple * multiple]
+        # Dead tickets are passed over for good; live ones not chosen wait.
+        upto = chosen[-1] if chosen else comm._admitted_upto
+        for t in taken:
+            if t > upto:
+                if t not in dead:
+                    break
+                upto = t
+        proposal = dict(tickets=chosen, upto=upto)
         agreed = json.loads(_first_proposal(js, f"admit/{comm.name}/{k}", json.dumps(proposal)))
         tickets: List[int] = agreed["tickets"]
         skipped = sorted(set(range(comm._admitted_upto + 1, agreed["upto"] + 1)) - set(tickets))
