@@ -78,7 +78,7 @@ def _rank(uid: int, world: int, port: int, conn, cfg: Dict[str, Any]) -> None:
         rows: List[tuple] = []
         while ft.steps_done < cfg["steps"]:
             loss = ft.step(batch)
-            rows.append((ft.steps_done, ft.stage, ft.replicas, digest(ft), None if loss is None else float(loss)))
+            rows.append((ft.steps_done, ft.stage, ft.comm.epoch, digest(ft), None if loss is None else float(loss)))
             if rows:
                 conn.send(("steps", uid, rows))
                 rows = []
@@ -131,9 +131,9 @@ def train(schedule: str = "1f1b", *, steps: int = 24, failure: Optional[str] = "
                 ends[uid] = ("vanished", None)
                 continue
             if kind == "steps":
-                for step, stage, replicas, dg, loss in payload:
+                for step, stage, epoch, dg, loss in payload:
                     digests.setdefault((step, stage), set()).add(dg)
-                    completions.append((time.monotonic(), uid, step))
+                    completions.append((time.monotonic(), uid, epoch))
                     if loss is not None:
                         losses.setdefault(step, []).append(loss)
                 if failure and t_fail is None and uid == victim and any(r[0] >= at_step for r in payload):
@@ -160,12 +160,14 @@ def train(schedule: str = "1f1b", *, steps: int = 24, failure: Optional[str] = "
     hung = rc.reap([p["pid"] for p in procs.values()], time.monotonic() + 10)
     rc.reap([store_pid], 0)
     t_fail = abs(t_fail) if t_fail else None
-    others = {u for (_, u, _) in completions} - {victim}
+    # Recovery: the failure to the first step that every rank of the other
+    # replica (it stays a member throughout) completed after the shrink.
+    stayers = [u for u in range(4) if u // 2 != victim // 2]
     recovery = None
     if t_fail:
-        firsts = [min(t for (t, u2, _) in completions if u2 == u and t > t_fail) for u in others
-                  if any(t > t_fail for (t, u2, _) in completions if u2 == u)]
-        recovery = max(firsts) - t_fail if firsts else None
+        firsts = [min((t for (t, u2, e) in completions if u2 == u and t > t_fail and e > 0), default=None)
+                  for u in stayers]
+        recovery = max(firsts) - t_fail if None not in firsts else None
     return dict(victim=victim, at_step=at_step, ends={u: e[0] for u, e in ends.items()},
                 done={u: e[1] for u, e in ends.items() if e[0] == "done"},
                 why={u: e[1] for u, e in ends.items() if e[0] in ("crash", "fenced")},
