@@ -4,6 +4,7 @@ results), a shrink on purpose (the excluded rank is fenced out, the old
 communicator is fenced everywhere), shrinking to one rank, and a Store that
 died (a clear error)."""
 import os
+import time
 
 import pytest
 
@@ -146,3 +147,45 @@ def test_newcomer_that_fails_on_its_way_in(zygote, fate):
             assert "newcomer" in rep["error"], (r, rep)
     if fate == "killed while waiting":
         assert res["newcomer"] == dict(world=4, rank=3, ok=True), res
+
+
+def test_process_records_tell_dead_stopped_and_remote_processes_apart():
+    """What a bootstrap's watch reads: a running process, one stopped
+    (SIGSTOP), a dead one (a zombie, then reaped, then its pid reused by
+    nobody we know), another host's, and garbage."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from pycomm import bootstrap
+
+    assert bootstrap.process_gone(bootstrap.process_record()) is None
+    child = subprocess.Popen([sys.executable, "-c", "import sys; from pycomm import bootstrap; "
+                              "print(bootstrap.process_record(), flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    rec = child.stdout.readline().strip()
+    try:
+        assert json.loads(rec)["pid"] == child.pid and bootstrap.process_gone(rec) is None
+
+        def becomes(what):  # signals are delivered asynchronously
+            deadline = time.monotonic() + 10
+            while bootstrap.process_gone(rec) != what and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return bootstrap.process_gone(rec) == what
+
+        os.kill(child.pid, signal.SIGSTOP)
+        assert becomes("stopped")
+        os.kill(child.pid, signal.SIGKILL)
+        assert becomes("died")  # a zombie until reaped
+    finally:
+        child.kill()
+        child.wait()
+    assert bootstrap.process_gone(rec) == "died"  # reaped: no such process
+    other = dict(json.loads(bootstrap.process_record()), host="another-host|boot|ns")
+    assert bootstrap.process_gone(json.dumps(other)) is None  # cannot be seen from here: not judged
+    reused = dict(json.loads(bootstrap.process_record()), start="1")
+    assert bootstrap.process_gone(json.dumps(reused)) == "died"  # the pid now runs another process
+    for garbage in ("", "1", "null", "{}", "not json"):
+        assert bootstrap.process_gone(garbage) is None
