@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import datetime
 import hashlib
 import json
@@ -138,6 +139,85 @@ def rank_main(uid: int, world: int, port: int, conn: Any, args: argparse.Namespa
         flush("crash", why=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
 
 
+def _digits_stage(i: int) -> torch.nn.Module:
+    """Stage ``i`` of the digits MLP cut in two (64 -> 128 -> 128 | -> 10)."""
+    from torch import nn
+
+    if i == 0:
+        return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU())
+    return nn.Sequential(nn.Linear(128, 10))
+
+
+def pipeline_main(uid: int, world: int, port: int, conn: Any, args: argparse.Namespace, joining: bool) -> None:
+    """One process of the PP x DP job: replicas of a 2-stage pipeline
+    (FaultTolerantPipeline); the rows carry the stage, and the "done"
+    report this rank's stage state (the driver assembles the model)."""
+    import pycomm
+    from pycomm.elastic import FaultTolerantPipeline, FencedOut
+
+    from hooks_cases import _digits
+
+    torch.set_num_threads(1)
+    batch: List[tuple] = []
+
+    def flush(kind: str = "steps", **extra: Any) -> None:
+        nonlocal batch
+        conn.send(dict(kind=kind, uid=uid, steps=batch, **extra))
+        batch = []
+
+    try:
+        xtr, ytr, _, _ = _digits()
+        torch.manual_seed(uid)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
+        comm = (pycomm.elastic.join(store, JOB, timeout=args.join_timeout) if joining else
+                pycomm.Communicator(store=store, rank=uid, world_size=world, name=JOB, timeout=30))
+        comm.heartbeat_timeout = args.heartbeat
+        ft = FaultTolerantPipeline(
+            _digits_stage, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), comm, num_stages=2,
+            num_microbatches=4, schedule=args.schedule, loss_fn=torch.nn.functional.cross_entropy,
+            scheduler_fn=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps),
+            admit_every=args.admit_every, join_timeout=args.join_timeout)
+        flush("member", joined=comm.joined)
+
+        def shard(step: int, replica: int, replicas: int):
+            idx = torch.randint(0, len(xtr), (GLOBAL_BATCH,), generator=torch.Generator().manual_seed(1000 + step))
+            mine = torch.tensor_split(idx, replicas)[replica]
+            return xtr[mine], ytr[mine]
+
+        while ft.steps_done < args.steps:
+            ft.step(shard)
+            batch.append((ft.steps_done, digest(ft), time.monotonic(), ft.comm.world_size, ft.comm.epoch, ft.stage))
+            if len(batch) >= 20:
+                flush()
+        ft.train(args.steps, shard)
+        state = io.BytesIO()  # bytes: a tensor sent through a pipe would travel as a file descriptor
+        torch.save(ft.module.state_dict(), state)
+        flush("done", events=ft.events, world=ft.comm.world_size, stage=ft.stage, state=state.getvalue())
+        ft.comm.close()
+    except FencedOut as e:
+        flush("fenced", why=str(e).splitlines()[0])
+    except BaseException as e:  # noqa: BLE001 - the driver reports it
+        flush("crash", why=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
+
+
+def pipeline_accuracy(reports: Dict[int, Dict[str, Any]]) -> List[float]:
+    """The digits test accuracy of the model the "done" reports' stages make
+    (one per replica of each stage: they are bitwise equal)."""
+    from hooks_cases import _digits
+
+    _, _, xte, yte = _digits()
+    stages = {}
+    for r in reports.values():
+        stages.setdefault(r["stage"], torch.load(io.BytesIO(r["state"]), weights_only=True))
+    if sorted(stages) != [0, 1]:
+        return []
+    model = torch.nn.Sequential(_digits_stage(0), _digits_stage(1))
+    model[0].load_state_dict(stages[0])
+    model[1].load_state_dict(stages[1])
+    with torch.no_grad():
+        return [(model(xte).argmax(1) == yte).float().mean().item() * 100]
+
+
 class Soak:
     """The driver's view: processes, their pipes, what they reported."""
 
@@ -145,11 +225,12 @@ class Soak:
         self.args, self.failures, self.rng = args, failures, random.Random(seed)
         self.port = free_port()
         self.procs: Dict[int, Dict[str, Any]] = {}  # uid -> pid, conn, state
-        self.digests: Dict[int, Dict[str, List[int]]] = {}  # step -> digest -> uids
+        self.digests: Dict[tuple, Dict[str, List[int]]] = {}  # (step, stage) -> digest -> uids
         self.completions: List[tuple] = []  # (time, uid, step, world)
         self.events: List[Dict[str, Any]] = []  # the failures injected
         self.reports: Dict[int, Dict[str, Any]] = {}
         self.max_step = 0
+        self.first_done = 0.0
 
     # ---------------------------------------------------------- processes
 
@@ -170,7 +251,8 @@ class Soak:
             code = 0
             try:
                 parent.close()
-                rank_main(uid, self.args.world, self.port, child, self.args, joining)
+                main = pipeline_main if self.args.job == "pipeline" else rank_main
+                main(uid, self.args.world, self.port, child, self.args, joining)
             except BaseException:  # noqa: BLE001
                 code = 1
             finally:
@@ -190,8 +272,8 @@ class Soak:
                 if self.procs[uid]["state"] not in ("dead", "done", "fenced", "crash"):
                     self.procs[uid]["state"] = "vanished"
                 continue
-            for step, dg, t, world, _epoch in msg["steps"]:
-                self.digests.setdefault(step, {}).setdefault(dg, []).append(uid)
+            for step, dg, t, world, _epoch, *stage in msg["steps"]:
+                self.digests.setdefault((step, stage[0] if stage else 0), {}).setdefault(dg, []).append(uid)
                 self.completions.append((t, uid, step, world))
                 self.max_step = max(self.max_step, step)
             kind = msg["kind"]
@@ -245,6 +327,10 @@ class Soak:
                 next_at = max(next_at or now, now + 0.05)
             if next_at is not None and now >= next_at and injected < self.failures and not near_end:
                 live = [u for u in running if u not in frozen and (not args.calm or self.procs[u]["state"] == "member")]
+                if args.job == "pipeline" and (not self.completions or self.completions[-1][3] < args.world):
+                    # Until the replacement replica is in, only newcomers: a
+                    # member now could be of the one whole replica left.
+                    live = [u for u in live if self.procs[u]["state"] == "joining"]
                 if len(members) - sum(1 for u in members if u in frozen) > args.min_world:
                     victim = self.rng.choice(live)
                     freeze = self.rng.random() < 0.25 and self.procs[victim]["state"] == "member"
@@ -265,6 +351,14 @@ class Soak:
                 last = now
                 quick = self.rng.random() < 0.25 and not args.calm
                 next_at = now + (self.rng.uniform(0.0, 0.3) if quick else self.rng.uniform(0.5, 1.5) * args.gap)
+            if args.job == "pipeline" and any(s == "done" for s in states):
+                # A broken replica's survivor rejoins (a member to us) and may
+                # wait for a partner that never comes: the others are done.
+                self.first_done = self.first_done or now
+                if now - self.first_done > 10:
+                    for u in running:
+                        os.kill(self.procs[u]["pid"], signal.SIGKILL)
+                        self.procs[u]["state"] = "late-joiner"
             if any(s == "done" for s in states) and all(self.procs[u]["state"] != "member" for u in running):
                 # Members finished: joiners still waiting will never be admitted.
                 for u in running:
@@ -307,7 +401,10 @@ class Soak:
         # an admission) it simply goes on as a member. Either is right.
         frozen = [e["uid"] for e in self.events if e["kind"] == "freeze"]
         fenced = [u for u in frozen if self.reports.get(u, {}).get("kind") == "fenced"]
-        not_fenced = [u for u in frozen if self.reports.get(u, {}).get("kind") not in ("fenced", "done")]
+        # (A pipeline's frozen rank, fenced out, rejoins: admitted, or still
+        # waiting for a partner at the end.)
+        ok_ends = ("fenced", "done") + (("late-joiner",) if self.args.job == "pipeline" else ())
+        not_fenced = [u for u in frozen if self.reports.get(u, {}).get("kind", self.procs[u]["state"]) not in ok_ends]
         recoveries = []
         for e in self.events:
             # The ranks that trained before the failure and after it (not the
@@ -319,10 +416,12 @@ class Soak:
             if firsts:
                 recoveries.append(max(firsts) - e["t"])
                 e["recovery_s"] = recoveries[-1]
-        accs = sorted({round(r["acc"], 4) for r in done.values()})
+        accs = ([round(a, 4) for a in pipeline_accuracy(done)] if self.args.job == "pipeline" else
+                sorted({round(r["acc"], 4) for r in done.values()}))
         return dict(failures=injected, kills=sum(e["kind"] == "kill" for e in self.events),
-                    freezes=len(frozen), fenced=len(fenced), steps=max(self.digests) if self.digests else 0,
-                    checked_steps=len(self.digests), wrong_steps=len(wrong), wrong=dict(list(wrong.items())[:3]),
+                    freezes=len(frozen), fenced=len(fenced), steps=max(s for s, _ in self.digests) if self.digests else 0,
+                    checked_steps=len({s for s, _ in self.digests}), wrong_steps=len({s for s, _ in wrong}),
+                    wrong={str(k): v for k, v in list(wrong.items())[:3]},
                     finished=sorted(done), acc=accs, crashes=crashes, not_fenced=not_fenced, hung=hung,
                     leaked=leaked, recoveries=recoveries, events=self.events,
                     during=sorted({e["during"] for e in self.events}),
@@ -341,6 +440,9 @@ def main() -> int:
     ap.add_argument("--join-timeout", type=float, default=120.0)
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds of 'compute' added to every step")
     ap.add_argument("--path", choices=("communicator", "group"), default="communicator")
+    ap.add_argument("--job", choices=("ddp", "pipeline"), default="ddp",
+                    help="DDP with the int8 hook, or PP x DP: replicas of a 2-stage pipeline (FaultTolerantPipeline)")
+    ap.add_argument("--schedule", default="1f1b", help="the pipeline's schedule (--job pipeline)")
     ap.add_argument("--calm", action="store_true",
                     help="the next failure only once the last one is recovered from and its replacement admitted, "
                          "members only (no failure inside a shrink, heal or join)")
@@ -348,6 +450,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the verdict here")
     args = ap.parse_args()
+    if args.job == "pipeline" and args.world % 2:
+        ap.error("--job pipeline runs 2-stage pipelines: --world must be even")
     if args.steps is None:
         # ~4 ms a step with 4 ranks on 2 cores; each failure takes its gap,
         # ~0.5 s more for the recovery and the replacement's admission (the
@@ -380,7 +484,9 @@ def main() -> int:
     ok = (res["failures"] == args.failures and res["wrong_steps"] == 0 and not res["crashes"] and not res["hung"]
           and not res["leaked"] and not res["not_fenced"] and res["finished"] and base["acc"]
           and len(res["acc"]) == 1 and res["acc"][0] >= base["acc"][0] - 1.0)
-    print(f"chaos soak ({args.path} path, int8 hook, world {args.world}, {args.steps} steps, seed {args.seed}): "
+    what = (f"PP x DP, {args.world // 2} replicas of a 2-stage {args.schedule} pipeline" if args.job == "pipeline"
+            else f"{args.path} path, int8 hook, world {args.world}")
+    print(f"chaos soak ({what}, {args.steps} steps, seed {args.seed}): "
           f"{res['failures']} failures ({res['kills']} kill -9, {res['freezes']} SIGSTOP; hit while "
           f"{', '.join(res['during'])}) in {t_soak:.0f} s; {res['checked_steps']} steps checked, {res['wrong_steps']} "
           f"wrong; accuracy {res['acc']} vs {base['acc']} without failures ({t_base:.0f} s); "
