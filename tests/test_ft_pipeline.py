@@ -7,6 +7,8 @@ rejoins and forms a new replica with a replacement process, healed stage by
 stage; every step, each stage's parameters and optimizer state are
 bitwise identical on every replica, and the final loss is the loss of the
 same training without a failure."""
+import copy
+
 import pytest
 import torch
 
@@ -91,7 +93,7 @@ def test_drop_skips_the_failed_step(zygote, baseline):
     assert res["final_loss"] != baseline("1f1b") and abs(res["final_loss"] - baseline("1f1b")) < 0.1
 
 
-def test_bad_arguments_are_refused():
+def test_bad_arguments_are_refused_and_a_checkpoint_restores():
     store = torch.distributed.HashStore()
     comm = pycomm.Communicator(store=store, rank=0, world_size=1, name="ftpp-args")
     try:
@@ -104,5 +106,18 @@ def test_bad_arguments_are_refused():
         with pytest.raises(TypeError, match="pycomm.Communicator"):
             elastic.FaultTolerantPipeline(fp._stage, lambda p: torch.optim.SGD(p, lr=0.1), object(), num_stages=1,
                                           num_microbatches=2)
+        # One rank, one stage: trains, and restores a checkpoint bitwise.
+        ft = elastic.FaultTolerantPipeline(fp._stage, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), comm,
+                                           num_stages=1, num_microbatches=2, loss_fn=torch.nn.functional.mse_loss)
+        x, y = fp._data(4)
+        ft.train(2, lambda step, replica, replicas: (x[step], y[step]))
+        ckpt = copy.deepcopy(ft.state_dict())  # as torch.save would: the tensors train on
+        saved = fp.digest(ft)
+        ft.train(4, lambda step, replica, replicas: (x[step], y[step]))
+        assert fp.digest(ft) != saved and ft.steps_done == 4
+        ft.load_state_dict(ckpt)
+        assert fp.digest(ft) == saved and ft.steps_done == 2
+        with pytest.raises(ValueError, match="holds stage 1"):
+            ft.load_state_dict(dict(ckpt, stage=1))
     finally:
         comm.close()

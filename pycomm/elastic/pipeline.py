@@ -201,6 +201,15 @@ class FaultTolerantPipeline:
         """This rank's stages, optimizer, scheduler and step count (a checkpoint)."""
         return dict(self._state(), steps_done=self.steps_done, stage=self.stage)
 
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` of a rank that held the same stage (a
+        restart from a checkpoint; every rank loads its own, then trains)."""
+        if state.get("stage") != self.stage:
+            raise ValueError(f"pycomm.elastic.FaultTolerantPipeline: this checkpoint holds stage {state.get('stage')}; "
+                             f"this rank runs stage {self.stage}")
+        self._load(state)
+        self.steps_done = int(state["steps_done"])
+
     def _state(self) -> Dict[str, Any]:
         return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
