@@ -292,7 +292,9 @@ class Soak:
         return members <= {u for (tc, u, _, _) in self.completions[-200:] if tc > t}
 
     def alive(self) -> List[int]:
-        return [u for u, p in self.procs.items() if p["state"] in ("member", "joining", "starting")]
+        # "continued": a frozen process woken up, until it reports how it
+        # ended (fenced out, or done as a member its peers had waited for).
+        return [u for u, p in self.procs.items() if p["state"] in ("member", "joining", "starting", "continued")]
 
     # ---------------------------------------------------------- the soak
 
@@ -319,6 +321,8 @@ class Soak:
                 if now >= when:
                     os.kill(self.procs[uid]["pid"], signal.SIGCONT)
                     del frozen[uid]
+                    if self.procs[uid]["state"] == "frozen":
+                        self.procs[uid]["state"] = "continued"
             members = [u for u in running if self.procs[u]["state"] == "member"]
             if injected == 0 and next_at is None and len(members) == args.world:
                 next_at = now + args.gap  # the first failure once everyone trains
@@ -351,14 +355,16 @@ class Soak:
                 last = now
                 quick = self.rng.random() < 0.25 and not args.calm
                 next_at = now + (self.rng.uniform(0.0, 0.3) if quick else self.rng.uniform(0.5, 1.5) * args.gap)
-            if args.job == "pipeline" and any(s == "done" for s in states):
-                # A broken replica's survivor rejoins (a member to us) and may
-                # wait for a partner that never comes: the others are done.
+            if any(s == "done" for s in states):
+                # The others are done: a pipeline's broken-replica survivor
+                # that rejoined (a member to us) may wait for a partner that
+                # never comes; anything else still running is stuck.
                 self.first_done = self.first_done or now
-                if now - self.first_done > 10:
+                if now - self.first_done > 20:
                     for u in running:
                         os.kill(self.procs[u]["pid"], signal.SIGKILL)
-                        self.procs[u]["state"] = "late-joiner"
+                        late = args.job == "pipeline" or self.procs[u]["state"] == "joining"
+                        self.procs[u]["state"] = "late-joiner" if late else "stuck"
             if any(s == "done" for s in states) and all(self.procs[u]["state"] != "member" for u in running):
                 # Members finished: joiners still waiting will never be admitted.
                 for u in running:
@@ -370,7 +376,7 @@ class Soak:
                                    f"{ {u: p['state'] for u, p in self.procs.items()} }")
             if self.completions and self.completions[-1][0] > last:
                 last = self.completions[-1][0]
-        hung = self.reap()
+        hung = self.reap() + [self.procs[u]["pid"] for u in self.procs if self.procs[u]["state"] == "stuck"]
         os.kill(self.store_pid, signal.SIGKILL)
         os.waitpid(self.store_pid, 0)
         leaked = sorted({f for f in os.listdir("/dev/shm") if f.startswith("pycomm.")} - before)
@@ -425,7 +431,8 @@ class Soak:
                     finished=sorted(done), acc=accs, crashes=crashes, not_fenced=not_fenced, hung=hung,
                     leaked=leaked, recoveries=recoveries, events=self.events,
                     during=sorted({e["during"] for e in self.events}),
-                    late_joiners=[u for u, p in self.procs.items() if p["state"] == "late-joiner"])
+                    late_joiners=[u for u, p in self.procs.items() if p["state"] == "late-joiner"],
+                    frozen_ends={u: self.reports.get(u, {}).get("kind", self.procs[u]["state"]) for u in frozen})
 
 
 def main() -> int:
@@ -453,11 +460,13 @@ def main() -> int:
     if args.job == "pipeline" and args.world % 2:
         ap.error("--job pipeline runs 2-stage pipelines: --world must be even")
     if args.steps is None:
-        # ~4 ms a step with 4 ranks on 2 cores; each failure takes its gap,
-        # ~0.5 s more for the recovery and the replacement's admission (the
-        # failures wait while fewer than --min-world + 1 members train), and
-        # --calm ~1 s more (the next failure once the last was recovered from).
-        args.steps = max(300, int(args.failures * (args.gap + 0.5 + (1.0 if args.calm else 0.0)) / 0.004))
+        # ~1 ms a step per rank on 2 cores (4 ms with 4 ranks, 9 with 8);
+        # each failure takes its gap, ~0.5 s more for the recovery and the
+        # replacement's admission (the failures wait while fewer than
+        # --min-world + 1 members train), and --calm ~1 s more (the next
+        # failure once the last was recovered from).
+        per_step = 0.001 * args.world
+        args.steps = max(300, int(args.failures * (args.gap + 0.5 + (1.0 if args.calm else 0.0)) / per_step))
     # The ranks are forked from here: their imports once, here, so that a
     # replacement starts within a fraction of a second, like a warm standby
     # (else ~2 s of imports on 2 busy cores, during which the failures wait:

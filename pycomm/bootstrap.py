@@ -449,6 +449,17 @@ def connect(store: "dist.Store", rank: int, world_size: int, *, timeout: float, 
             raise CommError(f"pycomm: rank {min(local_ranks)} could not create the shared segment: {status}")
         c = core.Communicator(create=False, **args)
     # Return only once every local rank has mapped the segment (which is
-    # then unlinked): a fast rank must not leave before a slow one joined.
-    c.wait_ready()
+    # then unlinked): a fast rank must not leave before a slow one joined;
+    # nor wait out the timeout for one that died before it attached, or
+    # after every other rank gave the build up.
+    deadline = time.monotonic() + timeout
+    while not c.wait_ready_for(BootstrapWatch.INTERVAL_S):
+        why = watch.check()
+        if why or time.monotonic() >= deadline:
+            attached = c.abandon_ready()
+            if why:
+                raise CommError(f"pycomm: bootstrap: gave up waiting for the local ranks to map the shared segment "
+                                f"({attached} of {topo.local_size} did): {why}")
+            raise CommError(f"pycomm: only {attached} of {topo.local_size} local ranks joined the shared memory "
+                            f"segment within {timeout:g} s (did every rank create the communicator?)")
     return c, topo, (backend if inter_host_group is None else None)

@@ -399,3 +399,41 @@ def newcomer_fails(members: int, fate: str, heartbeat: float = 1.0) -> Dict[str,
     rc.reap(joiners[1:] if fate == "killed while waiting" else joiners, time.monotonic() + 5)
     rc.reap([store_pid], 0)
     return dict(reports=reports, newcomer=live, hung=len(hung))
+
+
+def _dies_before_attaching(rank: int, world: int, port: int, conn) -> None:
+    """The last rank dies once the segment exists, before it maps it."""
+    import reliability_cases as rc
+    from pycomm import bootstrap
+
+    if rank == world - 1:
+        real = bootstrap.load_core()
+
+        class Core:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+            def Communicator(self, **kwargs: Any) -> None:  # noqa: N802 - the core's constructor
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        bootstrap.load_core = lambda: Core()
+    t0 = time.monotonic()
+    try:
+        _, comm = rc._bootstrap(rank, world, port, "attach", 30.0)
+        conn.send(dict(ok=True))
+        comm.close()
+    except pycomm.CommError as e:
+        conn.send(dict(error=str(e)[:300], seconds=time.monotonic() - t0))
+
+
+def death_before_attaching(world: int = 3) -> Dict[str, Any]:
+    """A rank dies between the segment's creation and its own attach: the
+    others, waiting for every local rank to map the segment, give up at once
+    (not at the 30 s timeout)."""
+    import reliability_cases as rc
+
+    store_pid, pids, conns = rc.fork_ranks(world, _dies_before_attaching)
+    reports = {r: (c.recv() if c.poll(60) else None) for r, c in enumerate(conns[:-1])}
+    hung = rc.reap(pids, time.monotonic() + 10)
+    rc.reap([store_pid], 0)
+    return dict(reports=reports, hung=len(hung))

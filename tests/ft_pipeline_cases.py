@@ -93,9 +93,10 @@ def _rank(uid: int, world: int, port: int, conn, cfg: Dict[str, Any]) -> None:
         conn.send(("crash", uid, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
 
 
-def _trains(uid: int, completions: List[tuple], t_fail: Optional[float]) -> bool:
-    """Whether ``uid`` completed a step since the failure (a member now)."""
-    return any(u == uid and t > abs(t_fail or 0) for (t, u, _) in completions)
+def _trains(uid: int, completions: List[tuple]) -> bool:
+    """Whether ``uid`` completed a step after the first change of membership
+    (a member now; rows still in the pipe when the victim was hit are older)."""
+    return any(u == uid and epoch > 0 for (_, u, epoch) in completions)
 
 
 def train(schedule: str = "1f1b", *, steps: int = 24, failure: Optional[str] = "kill", victim: Optional[int] = None,
@@ -119,7 +120,7 @@ def train(schedule: str = "1f1b", *, steps: int = 24, failure: Optional[str] = "
     digests: Dict[tuple, set] = {}
     losses: Dict[int, List[float]] = {}
     ends: Dict[int, tuple] = {}
-    t_fail, completions = None, []
+    t_fail, completions, continued = None, [], False
     deadline = time.monotonic() + 120
     while len(ends) < len(procs) and time.monotonic() < deadline:
         live = [p["conn"] for u, p in procs.items() if u not in ends]
@@ -149,17 +150,17 @@ def train(schedule: str = "1f1b", *, steps: int = 24, failure: Optional[str] = "
             elif kind in ("done", "fenced", "crash"):
                 ends[uid] = (kind, payload)
         finished = [u for u, e in ends.items() if e[0] == "done"]
-        if finished and all(u in ends or not _trains(u, completions, t_fail) for u in procs):
+        if t_fail is not None and finished and all(u in ends or not _trains(u, completions) for u in procs):
             for u in procs:  # members are done: a process still waiting to be admitted never will be
                 if u not in ends:
                     os.kill(procs[u]["pid"], signal.SIGKILL)
                     ends[u] = ("late-joiner", None)
-        if failure == "freeze" and t_fail is not None and victim not in ends and time.monotonic() > t_fail + 4:
+        if failure == "freeze" and t_fail is not None and not continued and victim not in ends and \
+                time.monotonic() > t_fail + 4:
             os.kill(procs[victim]["pid"], signal.SIGCONT)  # it finds itself fenced out and rejoins
-            t_fail = -t_fail
+            continued = True
     hung = rc.reap([p["pid"] for p in procs.values()], time.monotonic() + 10)
     rc.reap([store_pid], 0)
-    t_fail = abs(t_fail) if t_fail else None
     # Recovery: the failure to the first step that every rank of the other
     # replica (it stays a member throughout) completed after the shrink.
     stayers = [u for u in range(4) if u // 2 != victim // 2]

@@ -189,3 +189,13 @@ def test_process_records_tell_dead_stopped_and_remote_processes_apart():
     assert bootstrap.process_gone(json.dumps(reused)) == "died"  # the pid now runs another process
     for garbage in ("", "1", "null", "{}", "not json"):
         assert bootstrap.process_gone(garbage) is None
+
+
+def test_death_before_attaching_the_segment_ends_the_bootstrap(zygote):
+    """The segment's creator and the ranks that attached wait for every local
+    rank to map it; one that died first is seen within milliseconds."""
+    res = zygote.run(ec.death_before_attaching, 3, timeout=120)
+    assert res["hung"] == 0
+    for r, rep in res["reports"].items():
+        assert rep and "error" in rep and "rank 2" in rep["error"] and "died" in rep["error"], (r, rep)
+        assert rep["seconds"] < 10, (r, rep)  # not the 30 s timeout

@@ -301,6 +301,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return c.resolve(to_coll(coll), to_algo(algo), bytes);
            })
       .def("wait_ready", &Communicator::wait_ready, py::call_guard<py::gil_scoped_release>())
+      .def("wait_ready_for", &Communicator::wait_ready_for, py::arg("seconds"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("abandon_ready", &Communicator::abandon_ready)
       .def("reject", &Communicator::reject, py::arg("why"), py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Communicator::shutdown, py::call_guard<py::gil_scoped_release>())
       .def(

@@ -140,6 +140,8 @@ class Communicator {
 
   // Returns once every local rank has joined (see ShmTransport::wait_all_attached).
   void wait_ready() { transports_.wait_ready(); }
+  bool wait_ready_for(double seconds) { return transports_.wait_ready_for(seconds); }
+  uint32_t abandon_ready() { return transports_.abandon_ready(); }
 
   // Finishes queued ops, then tells peers this rank is gone. Idempotent.
   void shutdown();

@@ -99,6 +99,14 @@ void Transports::wait_ready() {
   if (local_) local_->wait_all_attached();
 }
 
+bool Transports::wait_ready_for(double seconds) {
+  return !local_ || local_->wait_all_attached_for(seconds);
+}
+
+uint32_t Transports::abandon_ready() {
+  return local_ ? local_->abandon_attach() : 0;
+}
+
 void Transports::shutdown() {
   // Sends to other hosts may still wait for their receivers (see
   // pg_channels.h); leaving now would close the connections under them.

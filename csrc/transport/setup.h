@@ -76,6 +76,10 @@ class Transports {
   std::string name() const;
   // Blocks until every local rank has mapped the segment.
   void wait_ready();
+  // The same for at most `seconds`: true once every local rank has mapped
+  // it. abandon_ready() gives the bootstrap up and says how many had.
+  bool wait_ready_for(double seconds);
+  uint32_t abandon_ready();
   // Tells peers this rank is gone (after the caller finished its queued
   // operations): unlinks channel names nobody mapped, marks the rank exited.
   void shutdown();

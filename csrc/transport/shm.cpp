@@ -227,20 +227,27 @@ void ShmTransport::wait_all_attached() {
   // segment: otherwise a fast rank could finish (or fail) and leave while a
   // slow one still needs the name to attach.
   const double timeout_s = timeout();
-  const auto deadline = deadline_after(timeout_s);
+  if (wait_all_attached_for(timeout_s)) return;
+  const uint32_t v = abandon_attach();
+  throw CommError("pycomm: only " + std::to_string(v) + " of " + std::to_string(world_) +
+                  " local ranks joined the shared memory segment within " + std::to_string(timeout_s) +
+                  " s (did every rank create the communicator?)");
+}
+
+bool ShmTransport::wait_all_attached_for(double seconds) {
+  const auto deadline = deadline_after(seconds);
   while (true) {
     const uint32_t v = header_->attached.load(std::memory_order_acquire);
-    if (v >= static_cast<uint32_t>(world_)) return;
-    if (std::chrono::steady_clock::now() >= deadline) {
-      // Nobody else may attach to a job that failed to start.
-      shm_unlink(name_.c_str());
-      throw CommError("pycomm: only " + std::to_string(v) + " of " + std::to_string(world_) +
-                      " local ranks joined the shared memory segment within " + std::to_string(timeout_s) +
-                      " s (did every rank create the communicator?)");
-    }
+    if (v >= static_cast<uint32_t>(world_)) return true;
+    if (std::chrono::steady_clock::now() >= deadline) return false;
     timespec ts{0, kFutexSleepNs};
     futex_op(&header_->attached, FUTEX_WAIT, v, &ts);
   }
+}
+
+uint32_t ShmTransport::abandon_attach() {
+  shm_unlink(name_.c_str());
+  return header_->attached.load(std::memory_order_acquire);
 }
 
 ShmTransport::~ShmTransport() {

@@ -114,6 +114,13 @@ class ShmTransport : public Transport {
   // a rank that returned earlier could finish, or fail, and leave while a
   // slow one still needs the segment's name to attach.
   void wait_all_attached();
+  // The same in slices, so that the caller can watch for a peer that died
+  // before it attached: true once every local rank has mapped the segment,
+  // false after `seconds`.
+  bool wait_all_attached_for(double seconds);
+  // Gives the bootstrap up: unlinks the segment's name (nobody may attach to
+  // a job that failed to start); returns how many local ranks had attached.
+  uint32_t abandon_attach();
 
   // Runs one collective of user call `seq` (see Transport). Throws CommError.
   void run(const CollectiveDesc& desc, uint64_t seq) override;
