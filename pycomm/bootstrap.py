@@ -215,6 +215,14 @@ class BootstrapWatch:
         return None
 
 
+def peer_lost(error: CommError) -> CommError:
+    """``error``, marked as a bootstrap that ended because a peer was lost
+    (seen dead or stopped, or another rank gave the build up): retrying
+    with the ranks that remain can succeed (``error.peer_lost``)."""
+    error.peer_lost = True
+    return error
+
+
 def wait_keys(store: "dist.Store", keys: List[str], timeout: float, what: str,
               watch: Optional[BootstrapWatch] = None) -> None:
     """Waits for ``keys``, bounded by the communicator's timeout, not the Store's,
@@ -234,7 +242,7 @@ def wait_keys(store: "dist.Store", keys: List[str], timeout: float, what: str,
             if watch.due():
                 why = watch.check()
                 if why:
-                    raise CommError(f"pycomm: bootstrap: gave up waiting for {what}: {why}")
+                    raise peer_lost(CommError(f"pycomm: bootstrap: gave up waiting for {what}: {why}"))
             if time.monotonic() >= deadline:
                 raise TimeoutError
             time.sleep(pause)
@@ -458,8 +466,8 @@ def connect(store: "dist.Store", rank: int, world_size: int, *, timeout: float, 
         if why or time.monotonic() >= deadline:
             attached = c.abandon_ready()
             if why:
-                raise CommError(f"pycomm: bootstrap: gave up waiting for the local ranks to map the shared segment "
-                                f"({attached} of {topo.local_size} did): {why}")
+                raise peer_lost(CommError(f"pycomm: bootstrap: gave up waiting for the local ranks to map the shared "
+                                          f"segment ({attached} of {topo.local_size} did): {why}"))
             raise CommError(f"pycomm: only {attached} of {topo.local_size} local ranks joined the shared memory "
                             f"segment within {timeout:g} s (did every rank create the communicator?)")
     return c, topo, (backend if inter_host_group is None else None)

@@ -77,7 +77,7 @@ from ..communicator import Communicator
 from ..hooks.futures import GroupFutures
 from .epoch_group import EpochGroup
 from .heal import broadcast_state
-from .membership import FencedOut, admit, shrink
+from .membership import FencedOut, admit, attempt_cost, shrink
 
 logger = logging.getLogger("pycomm")
 
@@ -139,7 +139,9 @@ class FaultTolerantDDP(torch.nn.Module):
             ``load_state_dict()`` that must match on every rank: healed with
             the model.
         shrink_timeout, grace: passed to :func:`~pycomm.elastic.shrink`.
-        max_recoveries: raise after this many shrinks in one step's recovery.
+        max_recoveries: raise after this many failed shrinks in one step's
+            recovery (one that failed because a further peer was lost
+            meanwhile counts a quarter: see ``membership.attempt_cost``).
         **ddp_kwargs: for ``DistributedDataParallel`` (``bucket_cap_mb``,
             ``gradient_as_bucket_view``, ``static_graph``, ...).
 
@@ -444,23 +446,27 @@ class FaultTolerantDDP(torch.nn.Module):
         t0 = time.monotonic()
         logger.warning("pycomm.elastic: rank %d of %d: step %d failed (%s); shrinking", self.comm.rank,
                        self.comm.world_size, self.steps_done, str(error).splitlines()[0][:200])
-        for _ in range(self.max_recoveries):
+        budget = float(self.max_recoveries)
+        while budget > 0:
             try:
                 new = shrink(self.comm, timeout=self.shrink_timeout, grace=self.grace)
             except FencedOut:
                 raise
             except CommError as e:
                 logger.warning("pycomm.elastic: shrink failed (%s); again", e)
+                budget -= attempt_cost(e)
                 continue
             try:
                 self._rebind(new)
                 self._heal()
             except CommError as e:
                 logger.warning("pycomm.elastic: healing failed (%s); shrinking again", e)
+                budget -= attempt_cost(e)
                 continue
             self._event("shrink", t0, cause=str(error).splitlines()[0][:300])
             return
-        raise CommError(f"pycomm.elastic: could not recover after {self.max_recoveries} shrinks; first failure: "
+        raise CommError(f"pycomm.elastic: could not recover within {self.max_recoveries} failed shrinks; first "
+                        f"failure: "
                         f"{error}")
 
     def _event(self, kind: str, t0: float, cause: str = "") -> None:

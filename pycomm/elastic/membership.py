@@ -179,7 +179,8 @@ def _build(root: "dist.Store", rank: int, world: int, name: str, timeout: float,
                     break
                 why = watch.check() if watch.due() else None
                 if why:
-                    error = CommError(f"pycomm: {why} before it finished building the communicator")
+                    error = bootstrap.peer_lost(
+                        CommError(f"pycomm: {why} before it finished building the communicator"))
                     break
                 time.sleep(_POLL_S)
         verdict = _first_proposal(keys, bootstrap.BUILD_VERDICT_KEY, verdict)
@@ -190,8 +191,27 @@ def _build(root: "dist.Store", rank: int, world: int, name: str, timeout: float,
         if new is not None:
             new.abort("a rank did not finish building this communicator", name_rank=False)
             new.close()
-        raise error or CommError("a rank did not finish building the communicator in time")
+        # Without an error of its own, another rank gave the build up (its
+        # own reason is its own): most often a peer it saw lost.
+        raise error or bootstrap.peer_lost(CommError("another rank did not finish building the communicator"))
     return new
+
+
+def attempt_cost(error: BaseException) -> float:
+    """What a failed recovery attempt costs a wrapper's ``max_recoveries``:
+    1, or a quarter when it failed because another peer was lost meanwhile
+    (its build or its heal saw one die or freeze): the next attempt, without
+    that peer, can succeed, and a run of failures keeps the training going
+    for as long as each one removes somebody."""
+    lost = getattr(error, "peer_lost", False) or getattr(error, "failure", None) in ("died", "silent")
+    return 0.25 if lost else 1.0
+
+
+def _as_lost(cause: BaseException, error: CommError) -> CommError:
+    """``error`` keeps ``cause``'s mark of a lost peer (see :func:`pycomm.bootstrap.peer_lost`)."""
+    if getattr(cause, "peer_lost", False):
+        bootstrap.peer_lost(error)
+    return error
 
 
 def _inherit(new: "Communicator", job: str, epoch: int, kept: Dict[str, float], parent_ranks: List[int],
@@ -296,8 +316,8 @@ def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float 
         new = _successor(comm, members.index(me), len(members), f"{comm.name}@a{attempt}", timeout,
                          members, known)
     except CommError as e:
-        raise CommError(f"pycomm.shrink: building the communicator of ranks {members} failed ({e}); a member "
-                        "may have died meanwhile: call shrink() again") from e
+        raise _as_lost(e, CommError(f"pycomm.shrink: building the communicator of ranks {members} failed ({e}); a "
+                                    "member may have died meanwhile: call shrink() again")) from e
     logger.info("pycomm: rank %d shrank %r to ranks %s (epoch %d) in %.3f s", me, comm.name, members, epoch,
                 time.monotonic() - t0)
     return new
@@ -369,8 +389,9 @@ def admit(comm: "Communicator", *, timeout: float = 30.0, multiple: int = 1) -> 
         new = _successor(comm, me, world, name, timeout, parents,
                          {comm.world_size + i: records[t] for i, t in enumerate(tickets) if t in records})
     except CommError as e:
-        raise CommError(f"pycomm.admit: building the communicator with newcomers {tickets} failed ({e}); a "
-                        "newcomer or a member may have died meanwhile: shrink() the old communicator") from e
+        raise _as_lost(e, CommError(f"pycomm.admit: building the communicator with newcomers {tickets} failed "
+                                    f"({e}); a newcomer or a member may have died meanwhile: shrink() the old "
+                                    "communicator")) from e
     logger.info("pycomm: rank %d admitted %d newcomer(s) into %r: world %d (epoch %d) in %.3f s", me, len(tickets),
                 comm.job, world, new.epoch, time.monotonic() - t0)
     return new

@@ -56,7 +56,7 @@ from .._loader import CommError
 from ..communicator import Communicator
 from ..pipeline import Pipeline, get_schedule, stages_of
 from .heal import broadcast_state
-from .membership import FencedOut, _fence, admit, join, shrink
+from .membership import FencedOut, _fence, admit, attempt_cost, join, shrink
 
 logger = logging.getLogger("pycomm")
 
@@ -320,7 +320,8 @@ class FaultTolerantPipeline:
         # (across hosts, in a process group) raises now and comes to shrink,
         # instead of after the grace, left out with its whole replica.
         self._close_pipeline()
-        for _ in range(self.max_recoveries):
+        budget = float(self.max_recoveries)
+        while budget > 0:
             try:
                 new = shrink(self.comm, timeout=self.shrink_timeout, grace=self.grace, select=self._whole_replicas)
             except FencedOut as e:
@@ -333,16 +334,19 @@ class FaultTolerantPipeline:
                 return
             except CommError as e:
                 logger.warning("pycomm.elastic: shrink failed (%s); again", e)
+                budget -= attempt_cost(e)
                 continue
             try:
                 self._setup(new)
                 self._heal()
             except CommError as e:
                 logger.warning("pycomm.elastic: healing failed (%s); shrinking again", e)
+                budget -= attempt_cost(e)
                 continue
             self._event("shrink", t0, cause=str(error).splitlines()[0][:300])
             return
-        raise CommError(f"pycomm.elastic: could not recover after {self.max_recoveries} shrinks; first failure: "
+        raise CommError(f"pycomm.elastic: could not recover within {self.max_recoveries} failed shrinks; first "
+                        f"failure: "
                         f"{error}")
 
     def _rejoin(self, t0: float) -> None:
@@ -350,18 +354,25 @@ class FaultTolerantPipeline:
         self._close_pipeline()
         root, job = self.comm._root_store, self.comm.job
         logger.warning("pycomm.elastic: rank %d: its pipeline replica broke; joining %r again", self.comm.rank, job)
-        for attempt in range(self.max_recoveries):
+        for _ in range(self.max_recoveries):
             try:
                 comm = join(root, job, timeout=self.join_timeout)
-                self._newcomer = True
-                self._setup(comm)
-                self._heal()
-                self._event("rejoin", t0)
-                return
             except CommError as e:
                 logger.warning("pycomm.elastic: rejoining failed (%s); again", e)
-                self._close_pipeline()
-        raise CommError(f"pycomm.elastic: rank could not rejoin {job!r} in {self.max_recoveries} attempts")
+                continue
+            self._newcomer = True
+            try:
+                self._setup(comm)
+                self._heal()
+            except CommError as e:
+                # A member of the new epoch now: recover with the others
+                # (still a newcomer until a heal completes).
+                self.comm = comm
+                self._recover(e)
+                return
+            self._event("rejoin", t0)
+            return
+        raise CommError(f"pycomm.elastic: this rank could not rejoin {job!r} in {self.max_recoveries} attempts")
 
     def _heal(self) -> None:
         """Every rank at the same step with its stage's state (collective).
