@@ -330,7 +330,9 @@ class Soak:
             if args.calm and self.events and not self.recovered(self.events[-1]["t"], running, frozen):
                 next_at = max(next_at or now, now + 0.05)
             if next_at is not None and now >= next_at and injected < self.failures and not near_end:
-                live = [u for u in running if u not in frozen and (not args.calm or self.procs[u]["state"] == "member")]
+                # (Not a frozen process woken up: how it ends is what it is checked on.)
+                live = [u for u in running if u not in frozen and self.procs[u]["state"] != "continued"
+                        and (not args.calm or self.procs[u]["state"] == "member")]
                 if args.job == "pipeline" and (not self.completions or self.completions[-1][3] < args.world):
                     # Until the replacement replica is in, only newcomers: a
                     # member now could be of the one whole replica left.
