@@ -196,6 +196,9 @@ def test_death_before_attaching_the_segment_ends_the_bootstrap(zygote):
     rank to map it; one that died first is seen within milliseconds."""
     res = zygote.run(ec.death_before_attaching, 3, timeout=120)
     assert res["hung"] == 0
-    for r, rep in res["reports"].items():
-        assert rep and "error" in rep and "rank 2" in rep["error"] and "died" in rep["error"], (r, rep)
+    reps = res["reports"]
+    for r, rep in reps.items():
+        # Rank 2, or a rank that gave up before this one and left (dead too by then).
+        assert rep and "error" in rep and "died" in rep["error"], (r, rep)
         assert rep["seconds"] < 10, (r, rep)  # not the 30 s timeout
+    assert any("rank 2 " in rep["error"] for rep in reps.values()), reps  # the first to see it names it
