@@ -77,7 +77,7 @@ from ..communicator import Communicator
 from ..hooks.futures import GroupFutures
 from .epoch_group import EpochGroup
 from .heal import broadcast_state
-from .membership import FencedOut, admit, attempt_cost, shrink
+from .membership import admit, shrink_and_adopt
 
 logger = logging.getLogger("pycomm")
 
@@ -446,28 +446,13 @@ class FaultTolerantDDP(torch.nn.Module):
         t0 = time.monotonic()
         logger.warning("pycomm.elastic: rank %d of %d: step %d failed (%s); shrinking", self.comm.rank,
                        self.comm.world_size, self.steps_done, str(error).splitlines()[0][:200])
-        budget = float(self.max_recoveries)
-        while budget > 0:
-            try:
-                new = shrink(self.comm, timeout=self.shrink_timeout, grace=self.grace)
-            except FencedOut:
-                raise
-            except CommError as e:
-                logger.warning("pycomm.elastic: shrink failed (%s); again", e)
-                budget -= attempt_cost(e)
-                continue
-            try:
-                self._rebind(new)
-                self._heal()
-            except CommError as e:
-                logger.warning("pycomm.elastic: healing failed (%s); shrinking again", e)
-                budget -= attempt_cost(e)
-                continue
-            self._event("shrink", t0, cause=str(error).splitlines()[0][:300])
-            return
-        raise CommError(f"pycomm.elastic: could not recover within {self.max_recoveries} failed shrinks; first "
-                        f"failure: "
-                        f"{error}")
+        shrink_and_adopt(lambda: self.comm, self._adopt, error, max_recoveries=self.max_recoveries,
+                         timeout=self.shrink_timeout, grace=self.grace)
+        self._event("shrink", t0, cause=str(error).splitlines()[0][:300])
+
+    def _adopt(self, comm: Communicator) -> None:
+        self._rebind(comm)
+        self._heal()
 
     def _event(self, kind: str, t0: float, cause: str = "") -> None:
         self.events.append(dict(kind=kind, step=self.steps_done, world=self.comm.world_size, epoch=self.comm.epoch,

@@ -207,6 +207,35 @@ def attempt_cost(error: BaseException) -> float:
     return 0.25 if lost else 1.0
 
 
+def shrink_and_adopt(current: Callable[[], "Communicator"], adopt: Callable[["Communicator"], None],
+                     error: BaseException, *, max_recoveries: int, timeout: float, grace: float,
+                     select: Optional[Callable[[List[int]], List[int]]] = None) -> None:
+    """A wrapper's recovery from ``error``: :func:`shrink` the current
+    communicator (``current()``) and ``adopt`` the result (rebind, heal),
+    again while attempts fail, within ``max_recoveries`` (see
+    :func:`attempt_cost`). FencedOut is raised as it is; CommError when the
+    budget runs out."""
+    budget = float(max_recoveries)
+    while budget > 0:
+        try:
+            new = shrink(current(), timeout=timeout, grace=grace, select=select)
+        except FencedOut:
+            raise
+        except CommError as e:
+            logger.warning("pycomm.elastic: shrink failed (%s); again", e)
+            budget -= attempt_cost(e)
+            continue
+        try:
+            adopt(new)
+        except CommError as e:
+            logger.warning("pycomm.elastic: healing failed (%s); shrinking again", e)
+            budget -= attempt_cost(e)
+            continue
+        return
+    raise CommError(f"pycomm.elastic: could not recover within {max_recoveries} failed shrinks; first failure: "
+                    f"{error}")
+
+
 def _as_lost(cause: BaseException, error: CommError) -> CommError:
     """``error`` keeps ``cause``'s mark of a lost peer (see :func:`pycomm.bootstrap.peer_lost`)."""
     if getattr(cause, "peer_lost", False):

@@ -56,7 +56,7 @@ from .._loader import CommError
 from ..communicator import Communicator
 from ..pipeline import Pipeline, get_schedule, stages_of
 from .heal import broadcast_state
-from .membership import FencedOut, _fence, admit, attempt_cost, join, shrink
+from .membership import FencedOut, _fence, admit, join, shrink_and_adopt
 
 logger = logging.getLogger("pycomm")
 
@@ -320,34 +320,22 @@ class FaultTolerantPipeline:
         # (across hosts, in a process group) raises now and comes to shrink,
         # instead of after the grace, left out with its whole replica.
         self._close_pipeline()
-        budget = float(self.max_recoveries)
-        while budget > 0:
-            try:
-                new = shrink(self.comm, timeout=self.shrink_timeout, grace=self.grace, select=self._whole_replicas)
-            except FencedOut as e:
-                if not self.rejoin:
-                    raise
-                if not e.members:
-                    raise CommError("pycomm.elastic.FaultTolerantPipeline: no pipeline replica survived whole; "
-                                    "the training cannot go on (restart it from a checkpoint)") from e
-                self._rejoin(t0)
-                return
-            except CommError as e:
-                logger.warning("pycomm.elastic: shrink failed (%s); again", e)
-                budget -= attempt_cost(e)
-                continue
-            try:
-                self._setup(new)
-                self._heal()
-            except CommError as e:
-                logger.warning("pycomm.elastic: healing failed (%s); shrinking again", e)
-                budget -= attempt_cost(e)
-                continue
-            self._event("shrink", t0, cause=str(error).splitlines()[0][:300])
+        try:
+            shrink_and_adopt(lambda: self.comm, self._adopt, error, max_recoveries=self.max_recoveries,
+                             timeout=self.shrink_timeout, grace=self.grace, select=self._whole_replicas)
+        except FencedOut as e:
+            if not self.rejoin:
+                raise
+            if not e.members:
+                raise CommError("pycomm.elastic.FaultTolerantPipeline: no pipeline replica survived whole; "
+                                "the training cannot go on (restart it from a checkpoint)") from e
+            self._rejoin(t0)
             return
-        raise CommError(f"pycomm.elastic: could not recover within {self.max_recoveries} failed shrinks; first "
-                        f"failure: "
-                        f"{error}")
+        self._event("shrink", t0, cause=str(error).splitlines()[0][:300])
+
+    def _adopt(self, comm: Communicator) -> None:
+        self._setup(comm)
+        self._heal()
 
     def _rejoin(self, t0: float) -> None:
         """This rank's replica broke: join the job again as a newcomer."""
