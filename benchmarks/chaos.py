@@ -48,7 +48,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -71,72 +71,100 @@ def digest(ft: Any) -> str:
     return h.hexdigest()[:16]
 
 
+class Reporter:
+    """What one process tells the driver: the rows of its completed steps,
+    in batches, then its last word (done, fenced or crash)."""
+
+    def __init__(self, uid: int, conn: Any) -> None:
+        self.uid, self.conn, self.rows = uid, conn, []
+
+    def row(self, *row: Any) -> None:
+        self.rows.append(row)
+        if len(self.rows) >= 20:
+            self.flush()
+
+    def flush(self, kind: str = "steps", **extra: Any) -> None:
+        self.conn.send(dict(kind=kind, uid=self.uid, steps=self.rows, **extra))
+        self.rows = []
+
+
+def reporting(uid: int, conn: Any, body: Callable[[Reporter], None]) -> None:
+    """Runs one process's ``body``; a fence or any failure is its last word."""
+    from pycomm.elastic import FencedOut
+
+    torch.set_num_threads(1)
+    report = Reporter(uid, conn)
+    try:
+        body(report)
+    except FencedOut as e:
+        report.flush("fenced", why=str(e).splitlines()[0])
+    except BaseException as e:  # noqa: BLE001 - the driver reports it
+        report.flush("crash", why=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
+
+
+def connect(uid: int, world: int, port: int, args: argparse.Namespace, joining: bool) -> Any:
+    """The job's communicator: a founding member's, or a replacement's
+    admission, retried as an agent restarts a replacement whose admission
+    failed (a member or another newcomer died while it was being built)."""
+    import pycomm
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
+    if joining:
+        for attempt in range(5):
+            try:
+                comm = pycomm.elastic.join(store, JOB, timeout=args.join_timeout)
+                break
+            except pycomm.CommError:
+                if attempt == 4:
+                    raise
+    else:
+        comm = pycomm.Communicator(store=store, rank=uid, world_size=world, name=JOB, timeout=30)
+    comm.heartbeat_timeout = args.heartbeat
+    return comm
+
+
 def rank_main(uid: int, world: int, port: int, conn: Any, args: argparse.Namespace, joining: bool) -> None:
     """One process: train until ``args.steps`` steps are done, sending the
     driver (step, digest, time, world) of every completed step in batches."""
+    reporting(uid, conn, lambda report: _ddp_job(uid, world, port, report, args, joining))
+
+
+def _ddp_job(uid: int, world: int, port: int, report: Reporter, args: argparse.Namespace, joining: bool) -> None:
     import pycomm
     from pycomm import hooks
-    from pycomm.elastic import FaultTolerantDDP, FencedOut
+    from pycomm.elastic import FaultTolerantDDP
 
     from hooks_cases import _digits, digits_mlp
 
-    torch.set_num_threads(1)
-    batch: List[tuple] = []
+    # Everything a replacement needs before it joins (data, model), as a
+    # restarted worker would: the members wait for it from its admission
+    # until its first heal.
+    xtr, ytr, xte, yte = _digits()
+    torch.manual_seed(uid)  # every rank differs: the wrapper's heal makes them equal
+    model = digits_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps)
+    comm = connect(uid, world, port, args, joining)
+    state = hooks.CompressionState(codec=pycomm.Int8(), start_iter=5, path=args.path)
+    ft = FaultTolerantDDP(model, opt, comm, hook=hooks.int8_hook, state=state, scheduler=sched,
+                          admit_every=args.admit_every, bucket_cap_mb=0.03)
+    report.flush("member", joined=comm.joined)
 
-    def flush(kind: str = "steps", **extra: Any) -> None:
-        nonlocal batch
-        conn.send(dict(kind=kind, uid=uid, steps=batch, **extra))
-        batch = []
+    def step_fn(step: int) -> None:
+        idx = torch.randint(0, len(xtr), (GLOBAL_BATCH,), generator=torch.Generator().manual_seed(1000 + step))
+        mine = torch.tensor_split(idx, ft.world_size)[ft.rank]
+        torch.nn.functional.cross_entropy(ft(xtr[mine]), ytr[mine]).backward()
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
 
-    try:
-        # Everything a replacement needs before it joins (data, model), as a
-        # restarted worker would: the members wait for it from its admission
-        # until its first heal.
-        xtr, ytr, xte, yte = _digits()
-        torch.manual_seed(uid)  # every rank differs: the wrapper's heal makes them equal
-        model = digits_mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps)
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
-        if joining:
-            # As an agent restarts a replacement whose admission failed (a
-            # member or another newcomer died while it was being built).
-            for attempt in range(5):
-                try:
-                    comm = pycomm.elastic.join(store, JOB, timeout=args.join_timeout)
-                    break
-                except pycomm.CommError:
-                    if attempt == 4:
-                        raise
-        else:
-            comm = pycomm.Communicator(store=store, rank=uid, world_size=world, name=JOB, timeout=30)
-        comm.heartbeat_timeout = args.heartbeat
-        state = hooks.CompressionState(codec=pycomm.Int8(), start_iter=5, path=args.path)
-        ft = FaultTolerantDDP(model, opt, comm, hook=hooks.int8_hook, state=state, scheduler=sched,
-                              admit_every=args.admit_every, bucket_cap_mb=0.03)
-        flush("member", joined=comm.joined)
-
-        def step_fn(step: int) -> None:
-            idx = torch.randint(0, len(xtr), (GLOBAL_BATCH,), generator=torch.Generator().manual_seed(1000 + step))
-            mine = torch.tensor_split(idx, ft.world_size)[ft.rank]
-            torch.nn.functional.cross_entropy(ft(xtr[mine]), ytr[mine]).backward()
-            if args.step_sleep:
-                time.sleep(args.step_sleep)
-
-        while ft.steps_done < args.steps:
-            ft.step(lambda: step_fn(ft.steps_done))
-            batch.append((ft.steps_done, digest(ft), time.monotonic(), ft.world_size, ft.comm.epoch))
-            if len(batch) >= 20:
-                flush()
-        ft.train(args.steps, step_fn)  # every rank agrees that all steps are done
-        with torch.no_grad():
-            acc = (ft.module(xte).argmax(1) == yte).float().mean().item() * 100
-        flush("done", acc=acc, events=ft.events, world=ft.world_size)
-        ft.comm.close()
-    except FencedOut as e:
-        flush("fenced", why=str(e).splitlines()[0])
-    except BaseException as e:  # noqa: BLE001 - the driver reports it
-        flush("crash", why=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
+    while ft.steps_done < args.steps:
+        ft.step(lambda: step_fn(ft.steps_done))
+        report.row(ft.steps_done, digest(ft), time.monotonic(), ft.world_size, ft.comm.epoch)
+    ft.train(args.steps, step_fn)  # every rank agrees that all steps are done
+    with torch.no_grad():
+        acc = (ft.module(xte).argmax(1) == yte).float().mean().item() * 100
+    report.flush("done", acc=acc, events=ft.events, world=ft.world_size)
+    ft.comm.close()
 
 
 def _digits_stage(i: int) -> torch.nn.Module:
@@ -152,52 +180,38 @@ def pipeline_main(uid: int, world: int, port: int, conn: Any, args: argparse.Nam
     """One process of the PP x DP job: replicas of a 2-stage pipeline
     (FaultTolerantPipeline); the rows carry the stage, and the "done"
     report this rank's stage state (the driver assembles the model)."""
-    import pycomm
-    from pycomm.elastic import FaultTolerantPipeline, FencedOut
+    reporting(uid, conn, lambda report: _pipeline_job(uid, world, port, report, args, joining))
+
+
+def _pipeline_job(uid: int, world: int, port: int, report: Reporter, args: argparse.Namespace,
+                  joining: bool) -> None:
+    from pycomm.elastic import FaultTolerantPipeline
 
     from hooks_cases import _digits
 
-    torch.set_num_threads(1)
-    batch: List[tuple] = []
+    xtr, ytr, _, _ = _digits()
+    torch.manual_seed(uid)
+    comm = connect(uid, world, port, args, joining)
+    ft = FaultTolerantPipeline(
+        _digits_stage, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), comm, num_stages=2,
+        num_microbatches=4, schedule=args.schedule, loss_fn=torch.nn.functional.cross_entropy,
+        scheduler_fn=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps),
+        admit_every=args.admit_every, join_timeout=args.join_timeout)
+    report.flush("member", joined=comm.joined)
 
-    def flush(kind: str = "steps", **extra: Any) -> None:
-        nonlocal batch
-        conn.send(dict(kind=kind, uid=uid, steps=batch, **extra))
-        batch = []
+    def shard(step: int, replica: int, replicas: int):
+        idx = torch.randint(0, len(xtr), (GLOBAL_BATCH,), generator=torch.Generator().manual_seed(1000 + step))
+        mine = torch.tensor_split(idx, replicas)[replica]
+        return xtr[mine], ytr[mine]
 
-    try:
-        xtr, ytr, _, _ = _digits()
-        torch.manual_seed(uid)
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
-        comm = (pycomm.elastic.join(store, JOB, timeout=args.join_timeout) if joining else
-                pycomm.Communicator(store=store, rank=uid, world_size=world, name=JOB, timeout=30))
-        comm.heartbeat_timeout = args.heartbeat
-        ft = FaultTolerantPipeline(
-            _digits_stage, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), comm, num_stages=2,
-            num_microbatches=4, schedule=args.schedule, loss_fn=torch.nn.functional.cross_entropy,
-            scheduler_fn=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps),
-            admit_every=args.admit_every, join_timeout=args.join_timeout)
-        flush("member", joined=comm.joined)
-
-        def shard(step: int, replica: int, replicas: int):
-            idx = torch.randint(0, len(xtr), (GLOBAL_BATCH,), generator=torch.Generator().manual_seed(1000 + step))
-            mine = torch.tensor_split(idx, replicas)[replica]
-            return xtr[mine], ytr[mine]
-
-        while ft.steps_done < args.steps:
-            ft.step(shard)
-            batch.append((ft.steps_done, digest(ft), time.monotonic(), ft.comm.world_size, ft.comm.epoch, ft.stage))
-            if len(batch) >= 20:
-                flush()
-        ft.train(args.steps, shard)
-        state = io.BytesIO()  # bytes: a tensor sent through a pipe would travel as a file descriptor
-        torch.save(ft.module.state_dict(), state)
-        flush("done", events=ft.events, world=ft.comm.world_size, stage=ft.stage, state=state.getvalue())
-        ft.comm.close()
-    except FencedOut as e:
-        flush("fenced", why=str(e).splitlines()[0])
-    except BaseException as e:  # noqa: BLE001 - the driver reports it
-        flush("crash", why=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
+    while ft.steps_done < args.steps:
+        ft.step(shard)
+        report.row(ft.steps_done, digest(ft), time.monotonic(), ft.comm.world_size, ft.comm.epoch, ft.stage)
+    ft.train(args.steps, shard)
+    state = io.BytesIO()  # bytes: a tensor sent through a pipe would travel as a file descriptor
+    torch.save(ft.module.state_dict(), state)
+    report.flush("done", events=ft.events, world=ft.comm.world_size, stage=ft.stage, state=state.getvalue())
+    ft.comm.close()
 
 
 def pipeline_accuracy(reports: Dict[int, Dict[str, Any]]) -> List[float]:

@@ -52,6 +52,23 @@ void MultiHostTransport::run(const CollectiveDesc& desc, uint64_t seq) {
   //    the whole job agrees before any data moves. A host whose ranks
   //    disagree still joins the check between hosts, as "invalid": that
   //    fails every cross group, so every rank of the job raises.
+  //    Skipped when the caller already checked the call (a later step of
+  //    a compressed all-reduce): one round trip between hosts fewer.
+  if (!desc.checked) entry_check(desc, seq);
+  if (desc.check_only || desc.coll == Collective::kBarrier || desc.coll == Collective::kInvalid) return;
+  CollectiveDesc d = desc;
+  d.checked = true;
+  try {
+    dispatch(d, seq);
+  } catch (const CommError& e) {
+    // The host's other ranks may wait on us inside the host: fail them now
+    // rather than at their timeout.
+    c_.local->abort(e.what(), e.blame());
+    throw;
+  }
+}
+
+void MultiHostTransport::entry_check(const CollectiveDesc& desc, uint64_t seq) {
   CollectiveDesc check = desc;
   check.check_only = true;
   std::optional<CommError> local_error;
@@ -71,17 +88,6 @@ void MultiHostTransport::run(const CollectiveDesc& desc, uint64_t seq) {
     } catch (const CommError&) {
     }
     throw *local_error;
-  }
-  if (desc.check_only || desc.coll == Collective::kBarrier || desc.coll == Collective::kInvalid) return;
-  CollectiveDesc d = desc;
-  d.checked = true;
-  try {
-    dispatch(d, seq);
-  } catch (const CommError& e) {
-    // The host's other ranks may wait on us inside the host: fail them now
-    // rather than at their timeout.
-    c_.local->abort(e.what(), e.blame());
-    throw;
   }
 }
 

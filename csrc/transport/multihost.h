@@ -49,6 +49,8 @@ class MultiHostTransport : public Transport {
   int uniform_local_size() const { return c_.cross ? local_size_ : 0; }
 
  private:
+  // The ranks of each host agree, then the hosts (throws CommError).
+  void entry_check(const CollectiveDesc& desc, uint64_t seq);
   void dispatch(const CollectiveDesc& d, uint64_t seq);
   void all_reduce_shard(const CollectiveDesc& d, uint64_t seq);
   void all_reduce_leader(const CollectiveDesc& d, uint64_t seq);
