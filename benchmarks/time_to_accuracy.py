@@ -16,7 +16,8 @@ Configs (``--configs``; every one by default):
     torch-bf16          torch's bf16_compress_hook
     torch-powersgd-1/4  torch's powerSGD_hook, rank 1 / 4 (one bucket: with several it
                         hangs on Gloo; see docs/low_communication.md)
-    int8, int4, topk    pycomm's int8_hook, int4_hook, topk_hook (1 %), error feedback
+    int8, int4, topk    pycomm's int8_hook, int4_hook, topk_hook (1 %), error feedback;
+                        int8-b64, int4-b32, ...: another block size (one scale per block)
     bf16                pycomm's bf16_hook
     stale1-int8         pycomm's stale_hook: staleness 1, int8 on the wire
     powersgd-1/4        pycomm's powersgd_hook, rank 1 / 4 (DDP's buckets)
@@ -77,6 +78,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ALL_CONFIGS = ("ddp,torch-bf16,torch-powersgd-1,torch-powersgd-4,int8,topk,stale1-int8,powersgd-1,powersgd-4,"
                "powersgd-1-int8,powersgd-4-int8,diloco-16,diloco-64,streaming-diloco")
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ."
+BLOCKS = ("32", "64", "128", "256", "512")  # int8-b<block> / int4-b<block>: the codec's block size
 
 
 # ------------------------------------------------------------------ the task
@@ -244,10 +246,12 @@ def build(name: str, model: torch.nn.Module, args, comm):
         state = hooks.PowerSGDState(rank=int(name.split("-")[1]), start_iter=args.start_iter, communicator=comm,
                                     wire=pycomm.Int8() if name.endswith("-int8") else None)
         ddp.register_comm_hook(state, hooks.powersgd_hook)
-    elif name in ("int8", "int4"):
-        state = hooks.CompressionState(codec=pycomm.Int8() if name == "int8" else pycomm.Int4(),
+    elif name.partition("-b")[0] in ("int8", "int4") and name.partition("-b")[2] in ("", *BLOCKS):
+        base, _, block = name.partition("-b")
+        kind = pycomm.Int8 if base == "int8" else pycomm.Int4
+        state = hooks.CompressionState(codec=kind(block=int(block)) if block else kind(),
                                        start_iter=args.start_iter, communicator=comm)
-        ddp.register_comm_hook(state, hooks.int8_hook if name == "int8" else hooks.int4_hook)
+        ddp.register_comm_hook(state, hooks.int8_hook if base == "int8" else hooks.int4_hook)
     elif name == "bf16":
         ddp.register_comm_hook(hooks.HookState(communicator=comm), hooks.bf16_hook)
     elif name == "topk":
