@@ -61,12 +61,16 @@ struct Communicator::Lane {
     busy = true;
     return true;
   }
-  // Notifies under the lock: a lane being destroyed waits (in loop) for
-  // busy to clear, and may be freed as soon as this caller lets go of mu.
+  // Wakes the lane's thread only when it waits for busy to clear: a message
+  // queued behind this one, or a lane being destroyed (notified under the
+  // lock: it may be freed as soon as this caller lets go of mu). Waking an
+  // idle lane's thread for nothing cost every synchronous message two futex
+  // calls and a context switch on the caller's core (~8 us of a 4 KB
+  // message's ~11 us one way, bound to a core).
   void release() {
     std::lock_guard<std::mutex> lk(mu);
     busy = false;
-    cv.notify_one();
+    if (stopping || !queue.empty()) cv.notify_one();
   }
 
   // The caller waits on `work`, a receive nobody has started: it runs here,
