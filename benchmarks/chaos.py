@@ -71,6 +71,15 @@ def digest(ft: Any) -> str:
     return h.hexdigest()[:16]
 
 
+def step_shard(x: torch.Tensor, y: torch.Tensor, step: int, parts: int, part: int):
+    """Part ``part`` of ``parts`` of step ``step``'s global batch: the same
+    global batch whatever the world, so that a step's result does not
+    depend on who was there."""
+    idx = torch.randint(0, len(x), (GLOBAL_BATCH,), generator=torch.Generator().manual_seed(1000 + step))
+    mine = torch.tensor_split(idx, parts)[part]
+    return x[mine], y[mine]
+
+
 class Reporter:
     """What one process tells the driver: the rows of its completed steps,
     in batches, then its last word (done, fenced or crash)."""
@@ -151,9 +160,8 @@ def _ddp_job(uid: int, world: int, port: int, report: Reporter, args: argparse.N
     report.flush("member", joined=comm.joined)
 
     def step_fn(step: int) -> None:
-        idx = torch.randint(0, len(xtr), (GLOBAL_BATCH,), generator=torch.Generator().manual_seed(1000 + step))
-        mine = torch.tensor_split(idx, ft.world_size)[ft.rank]
-        torch.nn.functional.cross_entropy(ft(xtr[mine]), ytr[mine]).backward()
+        x, y = step_shard(xtr, ytr, step, ft.world_size, ft.rank)
+        torch.nn.functional.cross_entropy(ft(x), y).backward()
         if args.step_sleep:
             time.sleep(args.step_sleep)
 
@@ -200,9 +208,7 @@ def _pipeline_job(uid: int, world: int, port: int, report: Reporter, args: argpa
     report.flush("member", joined=comm.joined)
 
     def shard(step: int, replica: int, replicas: int):
-        idx = torch.randint(0, len(xtr), (GLOBAL_BATCH,), generator=torch.Generator().manual_seed(1000 + step))
-        mine = torch.tensor_split(idx, replicas)[replica]
-        return xtr[mine], ytr[mine]
+        return step_shard(xtr, ytr, step, replicas, replica)
 
     while ft.steps_done < args.steps:
         ft.step(shard)

@@ -235,6 +235,7 @@ def build(name: str, model: torch.nn.Module, args, comm):
         name = name[:-3]
     one_bucket = full_name.endswith("-1b") or name.startswith("torch-powersgd")
     ddp = DDP(model, gradient_as_bucket_view=True, **(dict(bucket_cap_mb=1 << 16) if one_bucket else {}))
+    quantizer, _, block = name.partition("-b")  # int8 / int4, and a block size if given
     state = None
     if name == "torch-bf16":
         ddp.register_comm_hook(None, torch_bf16_hook)
@@ -246,12 +247,11 @@ def build(name: str, model: torch.nn.Module, args, comm):
         state = hooks.PowerSGDState(rank=int(name.split("-")[1]), start_iter=args.start_iter, communicator=comm,
                                     wire=pycomm.Int8() if name.endswith("-int8") else None)
         ddp.register_comm_hook(state, hooks.powersgd_hook)
-    elif name.partition("-b")[0] in ("int8", "int4") and name.partition("-b")[2] in ("", *BLOCKS):
-        base, _, block = name.partition("-b")
-        kind = pycomm.Int8 if base == "int8" else pycomm.Int4
+    elif quantizer in ("int8", "int4") and block in ("", *BLOCKS):
+        kind = pycomm.Int8 if quantizer == "int8" else pycomm.Int4
         state = hooks.CompressionState(codec=kind(block=int(block)) if block else kind(),
                                        start_iter=args.start_iter, communicator=comm)
-        ddp.register_comm_hook(state, hooks.int8_hook if base == "int8" else hooks.int4_hook)
+        ddp.register_comm_hook(state, hooks.int8_hook if quantizer == "int8" else hooks.int4_hook)
     elif name == "bf16":
         ddp.register_comm_hook(hooks.HookState(communicator=comm), hooks.bf16_hook)
     elif name == "topk":
@@ -425,10 +425,6 @@ def summarize(runs: Dict[str, List[Dict]], out: str) -> str:
                 return "not reached in " + str(sum(v is None for v in vals)) + "/" + str(len(vals))
             v = sorted(vals)
             return " / ".join(fmt.format(x) for x in (v[0], statistics.median(v), v[-1]))
-
-        def med_time(c):
-            t = [r["time_to_target_s"] for r in by[c]]
-            return statistics.median(t) if None not in t else float("inf")
 
         base_loss = statistics.median(r["final_loss"] for r in by["ddp"]) if "ddp" in by else None
         target = launches[0]["args"]["target"]
