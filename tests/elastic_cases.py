@@ -349,6 +349,9 @@ def newcomer_fails(members: int, fate: str, heartbeat: float = 1.0) -> Dict[str,
 
     - "killed while waiting": a newcomer takes a ticket and is killed before
       any admission; a second one lives. The admission takes the live one only.
+    - "killed before its record": a ticket whose process vanished between
+      taking it and publishing its process record (taken here, by nobody);
+      a second newcomer lives. The same outcome.
     - "dies" / "stops": the only newcomer dies / freezes when its admission
       arrives. The members' admit fails at once (not at its 30 s timeout),
       then they shrink back to themselves.
@@ -363,7 +366,8 @@ def newcomer_fails(members: int, fate: str, heartbeat: float = 1.0) -> Dict[str,
     import reliability_cases as rc
 
     port = free_port()
-    store_pid, pids, conns = rc.fork_ranks(members, _admit_member, 2 if fate == "killed while waiting" else 1,
+    two = fate in ("killed while waiting", "killed before its record")
+    store_pid, pids, conns = rc.fork_ranks(members, _admit_member, 2 if two else 1,
                                            heartbeat, duplex=True, port=port)
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     js = membership._job_store(store, "admit")
@@ -382,6 +386,10 @@ def newcomer_fails(members: int, fate: str, heartbeat: float = 1.0) -> Dict[str,
         os.kill(joiners[0], signal.SIGKILL)
         os.waitpid(joiners[0], 0)  # reaped: gone from the process table
         newcomer("lives")
+    elif fate == "killed before its record":
+        js.add("tickets", 1)
+        joiners.append(None)  # nobody to reap
+        newcomer("lives")
     else:
         newcomer(fate)
     for c in conns:
@@ -389,14 +397,14 @@ def newcomer_fails(members: int, fate: str, heartbeat: float = 1.0) -> Dict[str,
     for c in conns:
         c.send("go")
     reports = {r: (c.recv() if c.poll(90) else None) for r, c in enumerate(conns)}
-    live = pipes[-1].recv() if fate == "killed while waiting" and pipes[-1].poll(30) else None
-    for pid in joiners:
+    live = pipes[-1].recv() if two and pipes[-1].poll(30) else None
+    for pid in joiners[1:] if two else joiners:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     hung = rc.reap(pids, time.monotonic() + 10)
-    rc.reap(joiners[1:] if fate == "killed while waiting" else joiners, time.monotonic() + 5)
+    rc.reap(joiners[1:] if two else joiners, time.monotonic() + 5)
     rc.reap([store_pid], 0)
     return dict(reports=reports, newcomer=live, hung=len(hung))
 

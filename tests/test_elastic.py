@@ -129,24 +129,45 @@ def test_shrink_on_simulated_hosts(zygote, victim):
         assert rep and rep["wrong"] == 0 and rep["members"] == survivors and rep["world"] == 3, (r, rep)
 
 
-@pytest.mark.parametrize("fate", ["killed while waiting", "dies", "stops"])
+@pytest.mark.parametrize("fate", ["killed while waiting", "killed before its record", "dies", "stops"])
 def test_newcomer_that_fails_on_its_way_in(zygote, fate):
-    """A replacement killed while it waits for admission is skipped; one
-    that dies or freezes once admitted fails the members' admit as soon as
-    it is seen (1 s heartbeat), not at the 30 s bootstrap timeout, and the
-    members shrink back to themselves."""
+    """A replacement killed while it waits for admission is skipped, also
+    one killed between taking its ticket and publishing its process record
+    (1 s grace, not the 30 s bootstrap timeout); one that dies or freezes
+    once admitted fails the members' admit as soon as it is seen (1 s
+    heartbeat), and the members shrink back to themselves."""
     res = zygote.run(ec.newcomer_fails, 3, fate, timeout=180)
     assert res["hung"] == 0, res
     for r, rep in res["reports"].items():
         assert rep and rep["ok"], (r, rep)
-        if fate == "killed while waiting":
+        if fate.startswith("killed"):
             assert "error" not in rep and rep["world"] == 4 and rep["seconds"] < 10, (r, rep)
         else:
             assert rep["world"] == 3 and rep["parents"] == [0, 1, 2], (r, rep)
             assert rep["failed_s"] < (10 if fate == "dies" else 12), (r, rep)
             assert "newcomer" in rep["error"], (r, rep)
-    if fate == "killed while waiting":
+    if fate.startswith("killed"):
         assert res["newcomer"] == dict(world=4, rank=3, ok=True), res
+
+
+def test_a_newcomer_passed_over_raises_in_join_at_once():
+    """Members that took a newcomer for dead (its record came too late, or
+    it was frozen) tell it so: its join raises instead of waiting for an
+    admission that never comes."""
+    import datetime
+    import json
+
+    import pycomm
+    import torch.distributed as dist
+    from pycomm.elastic import membership
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
+    js = membership._job_store(store, "passed")
+    js.set("admitted/1", json.dumps(dict(passed_over=True)))  # what admit() writes for ticket 1
+    t0 = time.monotonic()
+    with pytest.raises(pycomm.CommError, match="passed this process over \\(ticket 1\\).*join again"):
+        membership.join(store, "passed", timeout=60)
+    assert time.monotonic() - t0 < 5
 
 
 def test_process_records_tell_dead_stopped_and_remote_processes_apart():

@@ -68,6 +68,11 @@ logger = logging.getLogger("pycomm")
 
 # How often a waiting survivor polls the Store for the others' check-ins.
 _POLL_S = 0.002
+# A joiner publishes its process record right after taking its ticket (two
+# Store calls): a ticket still without one after this long belongs to a
+# process that died in between, and its admission would hold every member's
+# bootstrap for the whole timeout.
+_RECORD_GRACE_S = 1.0
 
 
 class FencedOut(CommError):
@@ -376,8 +381,8 @@ def admit(comm: "Communicator", *, timeout: float = 30.0, multiple: int = 1) -> 
         #    proposal wins.
         count = js.add("tickets", 0)
         taken = list(range(comm._admitted_upto + 1, count + 1))
-        records = {t: js.get(f"proc/{t}").decode() for t in taken if js.check([f"proc/{t}"])}
-        dead = {t for t, rec in records.items() if bootstrap.process_gone(rec) == "died"}
+        records = _ticket_records(js, taken)
+        dead = {t for t in taken if t not in records or bootstrap.process_gone(records[t]) == "died"}
         live = [t for t in taken if t not in dead]
         chosen = live[:len(live) // multiple * multiple]
         # Dead tickets are passed over for good; live ones not chosen wait.
@@ -394,6 +399,9 @@ def admit(comm: "Communicator", *, timeout: float = 30.0, multiple: int = 1) -> 
         if skipped:
             logger.info("pycomm: rank %d: tickets %s of %r were not admitted: their processes died", me, skipped,
                         comm.job)
+            if me == 0:  # one alive after all (frozen, or slow to publish its record) raises in join()
+                for t in skipped:
+                    js.set(f"admitted/{t}", json.dumps(dict(passed_over=True)))
         comm._admitted_upto = agreed["upto"]
         if not tickets:
             return comm
@@ -426,6 +434,20 @@ def admit(comm: "Communicator", *, timeout: float = 30.0, multiple: int = 1) -> 
     return new
 
 
+def _ticket_records(js: "dist.Store", tickets: List[int]) -> Dict[int, str]:
+    """The process record of each ticket that has one, waiting up to
+    ``_RECORD_GRACE_S`` for those not published yet."""
+    records: Dict[int, str] = {}
+    deadline = time.monotonic() + _RECORD_GRACE_S
+    while True:
+        for t in tickets:
+            if t not in records and js.check([f"proc/{t}"]):
+                records[t] = js.get(f"proc/{t}").decode()
+        if len(records) == len(tickets) or time.monotonic() >= deadline:
+            return records
+        time.sleep(0.01)
+
+
 def join(store: "dist.Store", job: str, *, timeout: float = 300.0) -> "Communicator":
     """A communicator of the running job ``job``, once its members :func:`admit` this process.
 
@@ -451,6 +473,10 @@ def join(store: "dist.Store", job: str, *, timeout: float = 300.0) -> "Communica
         raise CommError(f"pycomm.join: job {job!r} did not admit this process (ticket {ticket}) within {timeout:g} "
                         "s; its members admit newcomers when they call admit()") from e
     rec = json.loads(js.get(key).decode())
+    if rec.get("passed_over"):
+        raise CommError(f"pycomm.join: job {job!r} passed this process over (ticket {ticket}): it was taken for "
+                        f"dead (no process record within {_RECORD_GRACE_S:g} s of its ticket, or its process "
+                        "seen gone); join again")
     try:
         comm = _build(store, rec["rank"], rec["world"], rec["name"], timeout, None, rec["settings"],
                       rec["kept"]["heartbeat_timeout"], {})
