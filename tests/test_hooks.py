@@ -308,3 +308,45 @@ def test_teardown_right_after_backward_does_not_deadlock():
     assert proc.returncode == 0, out
     # The two ranks' lines can interleave on the shared stdout.
     assert sorted(re.findall(r"rank (\d): 20 teardowns", out)) == ["0", "1"], out
+
+
+_EXIT_AFTER_COMPLETION = r"""
+import threading, time
+import torch
+from pycomm.hooks.futures import GroupFutures
+
+class DoneWork:  # a finished collective's work, as the hook futures see it
+    def __init__(self, value):
+        self.future = torch.futures.Future()
+        self.future.set_result([value])
+    def wait(self): return True
+    def is_completed(self): return True
+    def get_future(self): return self.future
+
+value = torch.randn(1000)
+callback_added = threading.Event()
+futures = GroupFutures(poll=POLL)
+fut = futures.complete(DoneWork(value), lambda f: (callback_added.wait(), f.value()[0])[1])
+# The serving thread is still inside set_result (running this callback, GIL
+# released in the sleep) when the main thread sees the future done and exits.
+fut.add_done_callback(lambda _: time.sleep(0.2))
+callback_added.set()
+while not fut.done():
+    time.sleep(0.001)
+assert torch.equal(fut.value(), value)
+print("exiting")
+"""
+
+
+@pytest.mark.parametrize("poll", [False, True])
+def test_exit_right_after_a_hook_future_completes(poll):
+    """The main thread exits while the thread that completed its hook's future
+    is still inside the future's C++ (set_result, its callbacks): before the
+    exit joined that thread, the interpreter's finalization ended it there
+    and aborted the process ("terminate called without an active exception",
+    once in CI after test_teardown_right_after_backward_does_not_deadlock)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(filter(None, [os.path.dirname(here), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", _EXIT_AFTER_COMPLETION.replace("POLL", str(poll))],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=path))
+    assert proc.returncode == 0 and proc.stdout == "exiting\n", proc.stdout + proc.stderr

@@ -28,6 +28,13 @@ exception"). ``GroupFutures(poll=True)`` waits by polling instead
 (:func:`pycomm.group.wait_work`), so its thread sits in ``time.sleep``, which a
 finalizing interpreter ends cleanly.
 
+The same abort awaits a thread that is still inside the future's C++ when
+the main thread, done with its last step, starts finalizing: ``set_result``
+releases the GIL while it completes the future (and runs its callbacks), and
+takes it back after the waiting main thread has already moved on. So at exit
+every serving thread is stopped and joined (1 s for all together; a polling
+thread still waiting for a given-up work is left to its ``sleep``).
+
 Example::
 
     futures = GroupFutures()
@@ -36,8 +43,10 @@ Example::
 """
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import time
 import weakref
 from typing import Any, Callable, Optional, Tuple
 
@@ -48,11 +57,35 @@ from ..group import wait_work
 Done = Callable[[torch.futures.Future], Any]
 
 
+Job = Tuple[Any, Done, torch.futures.Future]
+
 #: The last call of each thread that ended (see _serve).
 _PARKED: list = []
 
+#: (jobs, thread, polling) of each serving thread that may still run:
+#: ``polling[0]`` is true while a polling thread waits for a work.
+_LIVE: list = []
 
-def _serve(jobs: "queue.Queue[Optional[Tuple[Any, Done, torch.futures.Future]]]", poll: bool) -> None:
+#: How long the exit waits for serving threads, all together.
+_EXIT_JOIN_S = 1.0
+
+
+def _join_at_exit() -> None:
+    """Stops every serving thread and waits (GIL released) until it ended,
+    so none is inside C++ when the interpreter finalizes (see above)."""
+    live = [entry for entry in _LIVE if entry[1].is_alive()]
+    for jobs, _, _ in live:
+        jobs.put(None)
+    deadline = time.monotonic() + _EXIT_JOIN_S
+    for _, thread, polling in live:
+        if not polling[0]:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_join_at_exit)
+
+
+def _serve(jobs: "queue.Queue[Optional[Job]]", poll: bool, polling: list) -> None:
     last = None
     while True:
         job = jobs.get()
@@ -67,7 +100,11 @@ def _serve(jobs: "queue.Queue[Optional[Tuple[Any, Done, torch.futures.Future]]]"
         work, done, fut = last = job
         job = None
         try:
-            wait_work(work, poll)  # releases the GIL; raises the collective's error
+            polling[0] = poll
+            try:
+                wait_work(work, poll)  # releases the GIL; raises the collective's error
+            finally:
+                polling[0] = False
             fut.set_result(done(work.get_future()))
         except BaseException as e:  # noqa: BLE001 - DDP reports it from the hook's future
             fut.set_exception(e)
@@ -80,16 +117,19 @@ class GroupFutures:
 
     def __init__(self, poll: bool = False) -> None:
         self.poll = poll
-        self._jobs: "queue.Queue[Optional[Tuple[Any, Done, torch.futures.Future]]]" = queue.Queue()
+        self._jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
 
     def complete(self, work: Any, done: Done) -> torch.futures.Future:
         """A future of ``done(work.get_future())``, set once ``work`` finished
         (or of its error)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=_serve, args=(self._jobs, self.poll), name="pycomm-hook-futures",
-                                            daemon=True)
+            polling = [False]
+            self._thread = threading.Thread(target=_serve, args=(self._jobs, self.poll, polling),
+                                            name="pycomm-hook-futures", daemon=True)
             self._thread.start()
+            _LIVE[:] = [entry for entry in _LIVE if entry[1].is_alive()]
+            _LIVE.append((self._jobs, self._thread, polling))
             # The thread holds the queue, not this object: it ends when the
             # hook state that owns this object is collected.
             weakref.finalize(self, self._jobs.put, None)
