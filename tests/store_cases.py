@@ -11,9 +11,10 @@ import torch
 from collective_cases import digest, make_input
 from harness import make_comm
 
-# Counts from below the tuner's smallest size class (256 KiB) to several
-# 1 MiB rounds, odd so that chunks end off cache lines.
-COUNTS = [1021, 70001, 300007]
+# Counts from below the tuner's smallest size class (16 KiB) through the
+# small classes to several 1 MiB rounds, odd so that chunks end off cache
+# lines.
+COUNTS = [1021, 9001, 70001, 300007]
 CASES = [("all_reduce", algo, dtype, op) for algo in ("ring", "tree", "direct", "auto")
          for dtype, op in ((torch.float32, "sum"), (torch.float32, "avg"), (torch.float32, "max"),
                            (torch.bfloat16, "sum"), (torch.int64, "sum"), (torch.float64, "avg"))]

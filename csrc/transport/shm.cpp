@@ -502,7 +502,13 @@ void ShmTransport::execute(const CollectiveDesc& d, const OpContext& ctx, std::v
     const size_t call_bytes = (layout.sharded ? d.count * world_ : layout.out_count) * es;
     const StoreMode stores = stores_.choose(call_bytes);
     const bool streaming = stores == StoreMode::kStreaming;
-    std::chrono::steady_clock::time_point arrived{};  // when the first wait on a peer returned
+    // The call's time less its first wait for a peer: what the writes and
+    // reads cost in this mode, not how late a peer came. (Timing only from
+    // that wait on missed the mailbox writes before it, which are what the
+    // store mode changes most in a one-shot call.)
+    using Clock = std::chrono::steady_clock;
+    const Clock::time_point began = Clock::now();
+    Clock::time_point waiting{}, arrived{};  // the first wait on a peer: began, returned
     for (uint64_t j = 0; j < rounds; ++j) {
       const uint64_t R = round_base_ + j;
       // 1. Lay out this round's chunks in the caller's buffers.
@@ -539,8 +545,10 @@ void ShmTransport::execute(const CollectiveDesc& d, const OpContext& ctx, std::v
               srcs.push_back(where(src.self_loc, c));
               continue;
             }
+            const bool first_wait = arrived.time_since_epoch().count() == 0;
+            if (first_wait) waiting = Clock::now();
             wait_step(src.peer, step_base_ + src.sent_step, ctx);
-            if (arrived.time_since_epoch().count() == 0) arrived = std::chrono::steady_clock::now();
+            if (first_wait) arrived = Clock::now();
             if (!checked[src.peer]) {
               // Never read a peer's data before knowing it runs the same op.
               check_header(src.peer, seq, ctx);
@@ -571,7 +579,7 @@ void ShmTransport::execute(const CollectiveDesc& d, const OpContext& ctx, std::v
     round_base_ += rounds;
     if (arrived.time_since_epoch().count() != 0)
       stores_.record(call_bytes, stores,
-                     std::chrono::duration<double>(std::chrono::steady_clock::now() - arrived).count());
+                     std::chrono::duration<double>((Clock::now() - began) - (arrived - waiting)).count());
   }
   finish_average(d, world_);
 }

@@ -20,8 +20,11 @@
 // much slower than the class's usual also trigger a sample of the other mode
 // at once, so that the switch follows a change of regime within a few calls;
 // a single slow call (a preempted rank) does not. A switch in one size class
-// makes the others re-time and sample at once. Calls are timed from the
-// moment every peer has arrived. Exploring calls sit at the same call counts
+// makes the others re-time and sample at once. A call is timed whole, less
+// its first wait for a peer: a late peer is not the mode's cost, but the
+// writes before that wait are (in a one-shot call they are most of what the
+// mode changes; timing only from the first peer's arrival missed them, and
+// 16-32 KiB calls stayed cached through the slow regime). Exploring calls sit at the same call counts
 // on every rank (every rank makes the same calls), so that ranks sample the
 // other mode together; each rank then decides from its own clock, and ranks
 // that disagree for a while only cost time: the mode changes no result bit.
@@ -41,9 +44,13 @@ class StoreTuner {
   // mode pinned with cached / streaming.
   enum class Policy : uint8_t { kAuto, kCached, kStreaming };
 
-  // Calls below this size run cached: their mailbox lines are read while
-  // still in cache, and a timing is too noisy to steer by.
-  static constexpr size_t kMinBytes = size_t{1} << 18;
+  // Calls below this size run cached: they are mostly synchronisation, and
+  // streaming stores cost them 0.3-0.5 us while the cores share a cache. From
+  // 16 KiB the slow regime matters as much as for large calls (2 ranks, the
+  // development machine: 16 KiB 11.8 us cached against 5.5 streaming, 64 KiB
+  // 44 against 10; benchmarks/RESULTS.md), and with a whole call timed (below)
+  // the tuner tells the modes apart at these sizes too.
+  static constexpr size_t kMinBytes = size_t{1} << 14;
   // Every kExplorePeriod-th call of a size class samples the other mode:
   // where that mode keeps losing (the common case) this costs about
   // 0.6 / kExplorePeriod of the calls' mean time.
