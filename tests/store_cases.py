@@ -11,7 +11,7 @@ import torch
 from collective_cases import digest, make_input
 from harness import make_comm
 
-# Counts from below the tuner's smallest size class (16 KiB) through the
+# Counts from below the tuner's smallest size class (4 KiB) through the
 # small classes to several 1 MiB rounds, odd so that chunks end off cache
 # lines.
 COUNTS = [1021, 9001, 70001, 300007]

@@ -44,13 +44,15 @@ class StoreTuner {
   // mode pinned with cached / streaming.
   enum class Policy : uint8_t { kAuto, kCached, kStreaming };
 
-  // Calls below this size run cached: they are mostly synchronisation, and
-  // streaming stores cost them 0.3-0.5 us while the cores share a cache. From
-  // 16 KiB the slow regime matters as much as for large calls (2 ranks, the
-  // development machine: 16 KiB 11.8 us cached against 5.5 streaming, 64 KiB
-  // 44 against 10; benchmarks/RESULTS.md), and with a whole call timed (below)
-  // the tuner tells the modes apart at these sizes too.
-  static constexpr size_t kMinBytes = size_t{1} << 14;
+  // Calls below this size run cached: at 1 KiB the modes tie in the slow
+  // regime and streaming stores cost 0.3 us while the cores share a cache.
+  // From 4 KiB the slow regime matters (2 ranks, the development machine,
+  // cached against streaming: 4 KiB 5.4 against 4.0 us, 16 KiB 11.7 against
+  // 5.4, 64 KiB 44 against 10; benchmarks/RESULTS.md), and with a whole call
+  // timed (below) the tuner tells the modes apart at these sizes too. The
+  // price: after a slow spell a small class may stay streaming (4 KiB 3.6
+  // instead of 3.2 us), as the other mode must win by kSwitchBelow to switch.
+  static constexpr size_t kMinBytes = size_t{1} << 12;
   // Every kExplorePeriod-th call of a size class samples the other mode:
   // where that mode keeps losing (the common case) this costs about
   // 0.6 / kExplorePeriod of the calls' mean time.

@@ -54,7 +54,7 @@ Run simulate(StoreTuner& t, size_t bytes, int calls, double cached, double strea
 
 void tuner_cases() {
   std::mt19937 rng(7);
-  const size_t big = 1 << 20, small = 8 << 10;
+  const size_t big = 1 << 20, small = 2 << 10;
 
   StoreTuner cached(StoreTuner::Policy::kCached), streaming(StoreTuner::Policy::kStreaming);
   for (int i = 0; i < 200; ++i) {
