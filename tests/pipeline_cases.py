@@ -97,6 +97,41 @@ def p2p_crossing_large(rank: int, name: str) -> bool:
     return bool(torch.all(got == float(peer + 1)))
 
 
+def p2p_on_one_cpu(rank: int, name: str, pinned: bool) -> Dict[str, object]:
+    """Two ranks that start on one CPU exchange 300 round trips of fresh
+    random messages. ``pinned``: both may run only there (waits must yield
+    to the peer instead of spinning); else their affinity is the machine
+    and a waiter that finds its peer on its CPU moves itself off it, and
+    must leave its affinity as it found it."""
+    import os
+
+    original = os.sched_getaffinity(0)
+    cpu = min(original)
+    comm = make_comm(rank, 2, name, timeout=60)
+    peer = 1 - rank
+    gen = torch.Generator().manual_seed(1234)
+    wrong = 0
+    try:
+        os.sched_setaffinity(0, {cpu})
+        if not pinned:
+            os.sched_setaffinity(0, original)  # both start on `cpu`, free to move
+        for i in range(300):
+            n = 1024 if i % 10 else 1 << 18
+            msgs = [torch.randn(n, generator=gen) for _ in range(2)]  # the same on both ranks
+            if rank == 0:
+                comm.send(msgs[0], peer)
+                got = comm.recv(peer)
+            else:
+                got = comm.recv(peer)
+                comm.send(msgs[1], peer)
+            wrong += int(not torch.equal(got, msgs[peer]))
+        after = os.sched_getaffinity(0)
+    finally:
+        os.sched_setaffinity(0, original)
+        comm.close()
+    return {"wrong": wrong, "affinity_kept": after == ({cpu} if pinned else original)}
+
+
 def p2p_errors(rank: int, name: str, **comm_kwargs) -> Dict[str, str]:
     """Bad calls raise on the caller with a clear message, and a failed send
     or a tag mismatch reaches the receiver instead of leaving it waiting."""

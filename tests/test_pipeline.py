@@ -182,6 +182,12 @@ def test_p2p_between_hosts(pool, world, kwargs):
     assert [r["checked"] for r in res] == [per_peer * (world - 1)] * world
 
 
+@pytest.mark.parametrize("pinned", [True, False])
+def test_p2p_when_both_ranks_share_a_cpu(pool, pinned):
+    res = pool.run(pipeline_cases.p2p_on_one_cpu, pool.new_name("p2pcpu"), pinned, world=2)
+    assert res == [{"wrong": 0, "affinity_kept": True}] * 2
+
+
 def test_p2p_errors_between_hosts(pool):
     r0, r1 = pool.run(pipeline_cases.p2p_errors, pool.new_name("p2peh"), world=2, local_size=1)
     assert "must be a dense tensor" in r0["bad_send"]

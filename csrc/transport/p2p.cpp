@@ -1,6 +1,7 @@
 #include "p2p.h"
 
 #include <errno.h>
+#include <sched.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -26,6 +27,38 @@ constexpr size_t kGrainBytes = 256 * 1024;
 // step's worth at once), so a waiting lane spins only briefly: a longer spin
 // would take the core from the computation that produces the data.
 constexpr auto kMaxSpin = std::chrono::microseconds(50);
+// Unbound, the scheduler at times puts both ends of a channel on one CPU (it
+// pulls a woken task to its waker's CPU) and leaves them there for ms to
+// seconds. Every message then costs a switch between the two processes,
+// ~30 us on the development VM, and a spin only delays the peer it waits
+// for: 4 KiB one way took 50-155 us (2 ranks unbound: both ranks on one CPU
+// in 1-10 % of 20-round-trip samples, and in most of them in some launches).
+// So each side records the CPU it last wrote or read on, and a waiter that
+// finds the peer's on its own CPU moves itself to another CPU its affinity
+// allows (its affinity is left as it was), at most every kMoveEvery; where
+// it cannot, it skips the spin and yields (each yield runs the peer).
+constexpr int kSharedCpuYields = 16;
+constexpr auto kMoveEvery = std::chrono::milliseconds(1);
+
+// 1 + the CPU this thread runs on now (0 is left for "not yet known").
+uint32_t this_cpu() { return static_cast<uint32_t>(sched_getcpu()) + 1; }
+
+// Moves this thread off CPU `cpu` - 1 when its affinity allows another one:
+// the kernel migrates a thread at once when its mask drops its CPU, and
+// restoring the mask leaves it where it landed. False if it stayed.
+bool move_off_cpu(uint32_t cpu) {
+  thread_local std::chrono::steady_clock::time_point last{};
+  const auto now = std::chrono::steady_clock::now();
+  if (now - last < kMoveEvery) return false;
+  last = now;
+  cpu_set_t mask;
+  if (sched_getaffinity(0, sizeof(mask), &mask) != 0 || CPU_COUNT(&mask) < 2) return false;
+  cpu_set_t elsewhere = mask;
+  CPU_CLR(static_cast<int>(cpu - 1), &elsewhere);
+  if (CPU_COUNT(&elsewhere) == 0 || sched_setaffinity(0, sizeof(elsewhere), &elsewhere) != 0) return false;
+  sched_setaffinity(0, sizeof(mask), &mask);
+  return this_cpu() != cpu;
+}
 
 constexpr uint32_t kMessageMagic = 0x50325031u;  // "1P2P": a tensor of a message follows
 constexpr uint32_t kFailureMagic = 0x52524550u;  // "PERR": the sender failed; its reason follows
@@ -54,8 +87,12 @@ struct ChannelSegment {
   uint64_t capacity;
   char token[64];
   std::atomic<uint32_t> attached;
+  // Each side's CPU (1 + its number, see this_cpu) sits in the line it
+  // publishes anyway, so that the peer reads it at no extra transfer.
   alignas(64) std::atomic<uint32_t> written;
+  std::atomic<uint32_t> writer_cpu;
   alignas(64) std::atomic<uint32_t> consumed;
+  std::atomic<uint32_t> reader_cpu;
   alignas(64) std::atomic<uint32_t> writer_waiting;
   alignas(64) std::atomic<uint32_t> reader_waiting;
 };
@@ -150,18 +187,23 @@ ShmChannels::Channel& ShmChannels::channel(int src, int dst, const OpContext& ct
 }
 
 template <typename Ready>
-void ShmChannels::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* waiters, int peer, const OpContext& ctx,
-                       const char* what, Ready ready) {
+void ShmChannels::wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* waiters,
+                       const std::atomic<uint32_t>& peer_cpu, int peer, const OpContext& ctx, const char* what,
+                       Ready ready) {
   // Lanes run concurrently, so each wait keeps its own liveness timer.
   auto next_liveness = std::chrono::steady_clock::now();
-  shm_.wait_until(word, waiters, peer, ctx, std::min<std::chrono::steady_clock::duration>(shm_.spin_, kMaxSpin),
-                  &next_liveness, ready, [&] {
+  const uint32_t cpu = this_cpu();
+  const bool shared_cpu = peer_cpu.load(std::memory_order_relaxed) == cpu && !move_off_cpu(cpu);
+  const auto spin = shared_cpu ? std::chrono::steady_clock::duration::zero()
+                               : std::min<std::chrono::steady_clock::duration>(shm_.spin_, kMaxSpin);
+  shm_.wait_until(word, waiters, peer, ctx, spin, &next_liveness, ready, [&] {
                     std::ostringstream os;
                     os << "pycomm: " << collective_name(ctx.coll) << " #" << ctx.seq << " on rank "
                        << shm_.name(shm_.rank_) << ": " << timed_out_waiting(ctx.timeout_s) << " for rank "
                        << shm_.name(peer) << " (" << what << ")";
                     return os.str();
-                  });
+                  },
+                  shared_cpu ? kSharedCpuYields : -1);
 }
 
 void ShmChannels::write(int peer, const void* data, size_t n, const OpContext& ctx) {
@@ -170,11 +212,13 @@ void ShmChannels::write(int peer, const void* data, size_t n, const OpContext& c
   const auto* src = static_cast<const char*>(data);
   const uint32_t cap = static_cast<uint32_t>(capacity_);
   uint32_t w = s.written.load(std::memory_order_relaxed);
+  s.writer_cpu.store(this_cpu(), std::memory_order_relaxed);
   while (n > 0) {
     const uint32_t want = static_cast<uint32_t>(std::min({n, kGrainBytes, capacity_}));
     auto free_bytes = [&] { return cap - (w - s.consumed.load(std::memory_order_acquire)); };
     if (free_bytes() < want)
-      wait(&s.consumed, &s.writer_waiting, peer, ctx, "it to read earlier data", [&] { return free_bytes() >= want; });
+      wait(&s.consumed, &s.writer_waiting, s.reader_cpu, peer, ctx, "it to read earlier data",
+           [&] { return free_bytes() >= want; });
     const uint32_t k = std::min<uint32_t>(want, free_bytes());
     const uint32_t pos = w & (cap - 1);
     const uint32_t first = std::min(k, cap - pos);
@@ -194,9 +238,11 @@ void ShmChannels::read(int peer, void* data, size_t n, const OpContext& ctx) {
   auto* dst = static_cast<char*>(data);
   const uint32_t cap = static_cast<uint32_t>(capacity_);
   uint32_t c = s.consumed.load(std::memory_order_relaxed);
+  s.reader_cpu.store(this_cpu(), std::memory_order_relaxed);
   while (n > 0) {
     auto avail = [&] { return s.written.load(std::memory_order_acquire) - c; };
-    if (avail() == 0) wait(&s.written, &s.reader_waiting, peer, ctx, "its data", [&] { return avail() > 0; });
+    if (avail() == 0)
+      wait(&s.written, &s.reader_waiting, s.writer_cpu, peer, ctx, "its data", [&] { return avail() > 0; });
     const uint32_t k = static_cast<uint32_t>(std::min<size_t>(n, avail()));
     const uint32_t pos = c & (cap - 1);
     const uint32_t first = std::min(k, cap - pos);

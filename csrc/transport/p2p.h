@@ -132,8 +132,8 @@ class ShmChannels : public MessageChannels {
   };
   Channel& channel(int src, int dst, const OpContext& ctx);
   template <typename Ready>
-  void wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* waiters, int peer, const OpContext& ctx,
-            const char* what, Ready ready);
+  void wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* waiters, const std::atomic<uint32_t>& peer_cpu,
+            int peer, const OpContext& ctx, const char* what, Ready ready);
 
   ShmTransport& shm_;
   std::string prefix_;

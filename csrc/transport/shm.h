@@ -198,7 +198,7 @@ class ShmTransport : public Transport {
   template <typename Ready, typename TimeoutMessage>
   void wait_until(std::atomic<uint32_t>* word, std::atomic<uint32_t>* waiters, int peer, const OpContext& ctx,
                   std::chrono::steady_clock::duration spin, std::chrono::steady_clock::time_point* next_liveness,
-                  Ready ready, TimeoutMessage timeout_message);
+                  Ready ready, TimeoutMessage timeout_message, int yields = -1);
   // A sleeping waiter re-checks abort, timeout and peer liveness this often
   // even if nobody wakes it.
   static constexpr long kFutexSleepNs = 5 * 1000 * 1000;
@@ -265,7 +265,7 @@ template <typename Ready, typename TimeoutMessage>
 void ShmTransport::wait_until(std::atomic<uint32_t>* word, std::atomic<uint32_t>* waiters, int peer,
                               const OpContext& ctx, std::chrono::steady_clock::duration spin,
                               std::chrono::steady_clock::time_point* next_liveness, Ready ready,
-                              TimeoutMessage timeout_message) {
+                              TimeoutMessage timeout_message, int yields) {
   if (ready()) return;
   // 1. Spin, for a time rather than a count: `pause` lasts 3 to 140 cycles
   //    depending on the CPU.
@@ -275,8 +275,10 @@ void ShmTransport::wait_until(std::atomic<uint32_t>* word, std::atomic<uint32_t>
     if (ready()) return;
     if (i % 64 == 0 && std::chrono::steady_clock::now() >= spin_until) break;
   }
-  // 2. Then yield a few times, then sleep on the futex, waking at least every
-  //    kFutexSleepNs to check abort, liveness and the deadline.
+  // 2. Then yield a few times (`yields`, or this transport's number), then
+  //    sleep on the futex, waking at least every kFutexSleepNs to check
+  //    abort, liveness and the deadline.
+  if (yields < 0) yields = yield_iters_;
   for (int i = 0;; ++i) {
     check_abort();
     const auto now = std::chrono::steady_clock::now();
@@ -294,7 +296,7 @@ void ShmTransport::wait_until(std::atomic<uint32_t>* word, std::atomic<uint32_t>
       *next_liveness = now + kLivenessPeriod;
     }
     if (now >= ctx.deadline) fail(timeout_message(), Blame{FailureKind::kWaiting, name(peer)});
-    if (i < yield_iters_) {
+    if (i < yields) {
       sched_yield();
     } else {
       // Dekker pair with the poster: either it sees our waiter count and
