@@ -154,7 +154,10 @@ ShmChannels::Channel& ShmChannels::channel(int src, int dst, const OpContext& ct
                       " has the wrong size: ranks disagree on PYCOMM_P2P_BYTES");
     }
   }
-  void* base = mmap(nullptr, ch.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  // Populated now, as the collective segment: otherwise every message until
+  // the ring first wraps (~1000 of 4 KiB in the default 4 MiB) takes a page
+  // fault on each side, 4 KiB one way 9 us instead of 3.
+  void* base = mmap(nullptr, ch.size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   const int map_err = errno;
   ::close(fd);
   if (base == MAP_FAILED) {
