@@ -3,6 +3,7 @@
 the pipelines run on pycomm communicators over subsets of the pool."""
 from __future__ import annotations
 
+import os
 import time
 from typing import Dict, List
 
@@ -103,8 +104,6 @@ def p2p_on_one_cpu(rank: int, name: str, pinned: bool) -> Dict[str, object]:
     to the peer instead of spinning); else their affinity is the machine
     and a waiter that finds its peer on its CPU moves itself off it, and
     must leave its affinity as it found it."""
-    import os
-
     original = os.sched_getaffinity(0)
     cpu = min(original)
     comm = make_comm(rank, 2, name, timeout=60)

@@ -24,10 +24,11 @@
 // its first wait for a peer: a late peer is not the mode's cost, but the
 // writes before that wait are (in a one-shot call they are most of what the
 // mode changes; timing only from the first peer's arrival missed them, and
-// 16-32 KiB calls stayed cached through the slow regime). Exploring calls sit at the same call counts
-// on every rank (every rank makes the same calls), so that ranks sample the
-// other mode together; each rank then decides from its own clock, and ranks
-// that disagree for a while only cost time: the mode changes no result bit.
+// 16-32 KiB calls stayed cached through the slow regime). Exploring calls
+// sit at the same call counts on every rank (every rank makes the same
+// calls), so that ranks sample the other mode together; each rank then
+// decides from its own clock, and ranks that disagree for a while only cost
+// time: the mode changes no result bit.
 #pragma once
 
 #include <array>
