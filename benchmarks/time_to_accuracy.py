@@ -17,9 +17,11 @@ Configs (``--configs``; every one by default):
     torch-powersgd-1/4  torch's powerSGD_hook, rank 1 / 4 (one bucket: with several it
                         hangs on Gloo; see docs/low_communication.md)
     int8, int4, topk    pycomm's int8_hook, int4_hook, topk_hook (1 %), error feedback;
-                        int8-b64, int4-b32, ...: another block size (one scale per block)
+                        int8-b64, int4-b32, ...: another block size (one scale per block);
+                        -noef (e.g. int4-b64-noef): without error feedback
     bf16                pycomm's bf16_hook
-    stale1-int8         pycomm's stale_hook: staleness 1, int8 on the wire
+    stale1-int8         pycomm's stale_hook: staleness 1, int8 on the wire (stale<S>[-bf16|-int8|-int4]:
+                        any staleness and wire; none: float32)
     powersgd-1/4        pycomm's powersgd_hook, rank 1 / 4 (DDP's buckets)
     powersgd-1/4-int8   the same with int8 factors
     diloco-16/64        pycomm.DiLoCo, H = 16 / 64, plain pseudo-gradients
@@ -235,7 +237,8 @@ def build(name: str, model: torch.nn.Module, args, comm):
         name = name[:-3]
     one_bucket = full_name.endswith("-1b") or name.startswith("torch-powersgd")
     ddp = DDP(model, gradient_as_bucket_view=True, **(dict(bucket_cap_mb=1 << 16) if one_bucket else {}))
-    quantizer, _, block = name.partition("-b")  # int8 / int4, and a block size if given
+    feedback = not name.endswith("-noef")
+    quantizer, _, block = name.removesuffix("-noef").partition("-b")  # int8 / int4, and a block size if given
     state = None
     if name == "torch-bf16":
         ddp.register_comm_hook(None, torch_bf16_hook)
@@ -250,15 +253,19 @@ def build(name: str, model: torch.nn.Module, args, comm):
     elif quantizer in ("int8", "int4") and block in ("", *BLOCKS):
         kind = pycomm.Int8 if quantizer == "int8" else pycomm.Int4
         state = hooks.CompressionState(codec=kind(block=int(block)) if block else kind(),
-                                       start_iter=args.start_iter, communicator=comm)
+                                       start_iter=args.start_iter, error_feedback=feedback, communicator=comm)
         ddp.register_comm_hook(state, hooks.int8_hook if quantizer == "int8" else hooks.int4_hook)
     elif name == "bf16":
         ddp.register_comm_hook(hooks.HookState(communicator=comm), hooks.bf16_hook)
     elif name == "topk":
         state = hooks.CompressionState(codec=pycomm.TopK(0.01), start_iter=args.start_iter, communicator=comm)
         ddp.register_comm_hook(state, hooks.topk_hook)
-    elif name == "stale1-int8":
-        state = hooks.StaleState(staleness=1, wire=pycomm.Int8(), communicator=comm)
+    elif name.startswith("stale") and name[5:].partition("-")[0].isdigit():
+        staleness, _, wire = name[5:].partition("-")
+        wires = {"": None, "bf16": torch.bfloat16, "int8": pycomm.Int8(), "int4": pycomm.Int4()}
+        if wire not in wires:
+            raise SystemExit(f"unknown config {full_name!r}: stale<S>[-bf16|-int8|-int4]")
+        state = hooks.StaleState(staleness=int(staleness), wire=wires[wire], communicator=comm)
         ddp.register_comm_hook(state, hooks.stale_hook)
     elif name != "ddp":
         raise SystemExit(f"unknown config {full_name!r}; known: {ALL_CONFIGS}")

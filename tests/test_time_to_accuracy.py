@@ -100,19 +100,19 @@ def test_summary_times_targets_from_curves_and_compares_the_best_of_each_side(tm
 
 def test_ranks_train_every_kind_of_config_and_write_their_rows(tmp_path):
     """A short run on one host (2 ranks): a hook of torch's, two of pycomm's
-    (one with blocks of 64 in a single bucket), and streaming DiLoCo, a few steps each."""
+    (one with blocks of 64, no error feedback, in a single bucket), and streaming DiLoCo, a few steps each."""
     out = tmp_path / "run.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "benchmarks", "time_to_accuracy.py"), "--worker", "--json", str(out),
-           "--configs", "torch-powersgd-4,powersgd-4-int8,int4-b64-1b,streaming-diloco", "--steps", "6",
+           "--configs", "torch-powersgd-4,powersgd-4-int8,int4-b64-noef-1b,streaming-diloco", "--steps", "6",
            "--eval-every", "3",
            "--start-iter", "2", "--target", "100", "--corpus-chars", "20000", "--width", "32", "--layers", "1"]
     p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:]
     got = json.loads(out.read_text())
-    assert [r["config"] for r in got["rows"]] == ["torch-powersgd-4", "powersgd-4-int8", "int4-b64-1b",
+    assert [r["config"] for r in got["rows"]] == ["torch-powersgd-4", "powersgd-4-int8", "int4-b64-noef-1b",
                                                   "streaming-diloco"]
     for r in got["rows"]:
         assert [c[0] for c in r["curve"]] == [3, 6]
