@@ -30,7 +30,8 @@ Configs (``--configs``; every one by default):
 
 A gradient config with ``-1b`` (e.g. ``int4-1b``) puts the whole model in one
 DDP bucket: one call per step instead of DDP's two here, no overlap with the
-backward pass (torch's PowerSGD hook always runs so).
+backward pass (torch's PowerSGD hook always runs so); ``-bc<MB>`` (e.g.
+``int4-bc1.5``) caps every bucket, the first too, at that many MB.
 
 Any DiLoCo variant by name: ``diloco-<H>`` and, in any order, ``-f<F>``
 (fragments), ``-int8`` / ``-int4`` / ``-bf16`` (the wire), ``-overlap``,
@@ -233,10 +234,16 @@ def build(name: str, model: torch.nn.Module, args, comm):
                             **diloco_options(name))
         return model, opt, None
     full_name = name
+    bucket_mb = None
+    head, _, cap = name.rpartition("-bc")
+    if head and cap.replace(".", "", 1).isdigit():
+        name, bucket_mb = head, float(cap)  # every bucket (the first too) up to this many MB
     if name.endswith("-1b"):
         name = name[:-3]
     one_bucket = full_name.endswith("-1b") or name.startswith("torch-powersgd")
-    ddp = DDP(model, gradient_as_bucket_view=True, **(dict(bucket_cap_mb=1 << 16) if one_bucket else {}))
+    if one_bucket:
+        bucket_mb = 1 << 16
+    ddp = DDP(model, gradient_as_bucket_view=True, **(dict(bucket_cap_mb=bucket_mb) if bucket_mb else {}))
     feedback = not name.endswith("-noef")
     quantizer, _, block = name.removesuffix("-noef").partition("-b")  # int8 / int4, and a block size if given
     state = None

@@ -178,6 +178,39 @@ def compose(rank: int, world: int, hook: str, option: str, iters: int = 3, path:
             "routes": state.routes()}
 
 
+def without_error_feedback(rank: int, world: int, path: str = "auto") -> Dict[str, object]:
+    """int4 in blocks of 64 with ``error_feedback=False`` over several buckets:
+    the same batch gives the same averaged gradients whatever came before
+    (with error feedback the second time would carry the first's residual),
+    each close to DDP's exact average, and no residuals anywhere."""
+    g, comm = _group(world)
+    if rank >= world:
+        return {}
+    ref = DDP(make_model("mlp"), process_group=g, bucket_cap_mb=0.002)
+    ours = DDP(make_model("mlp"), process_group=g, bucket_cap_mb=0.002)
+    where = dict(communicator=comm) if path == "auto" else dict(process_group=g, path=path)
+    state = hooks.CompressionState(codec=pycomm.Int4(block=64), error_feedback=False, start_iter=0, **where)
+    ours.register_comm_hook(state, hooks.int4_hook)
+    gen = torch.Generator().manual_seed(3000 + rank)
+    a, b = make_batch("mlp", gen), make_batch("mlp", gen)
+    got, errs = [], []
+    # The first step runs on DDP's first bucket layout (rebuilt after it, so
+    # blocks of 64 cut the gradients elsewhere): compare from the second.
+    for batch in (b, a, b, a, a):
+        for m in (ref, ours):
+            for p in m.parameters():
+                p.grad = None
+            torch.nn.functional.mse_loss(m(batch[0]), batch[1]).backward()
+        exact = _grads(ref.module)
+        got.append(_grads(ours.module))
+        errs.append(((got[-1] - exact).norm() / exact.norm()).item())
+    sd = state.state_dict()
+    return {"repeat_equal": [bool(torch.equal(got[1], got[i])) for i in (3, 4)], "rel_err": max(errs),
+            "differs_from_b": not torch.equal(got[1], got[2]), "grads": got[1], "routes": state.routes(),
+            "no_residuals": state.error_feedback is None and all(r is None for r in sd["worker_residuals"])
+            and not sd["server_residuals"], "buckets": state.stats()["buckets"]}
+
+
 def completion_threads(rank: int, world: int) -> Dict[str, object]:
     """Which thread runs the hook, and which completes its future when it
     was still pending on return (rank 1 starts backward late, so rank 0's

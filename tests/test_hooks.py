@@ -81,6 +81,24 @@ def test_every_hook_composes_with_ddp_options(pool, hook, option, path):
             assert torch.equal(a, b), f"rank {rank}'s averaged gradients differ from rank 0's"
 
 
+@pytest.mark.parametrize("path", ["auto", "group"])
+def test_compression_without_error_feedback_is_memoryless(pool, path):
+    """error_feedback=False (docs/low_communication.md recommends it for int4
+    with Adam): a batch seen again averages to the same bits, every rank gets
+    the same bits, nothing is kept for the next step."""
+    world = 2
+    res = pool.run(hooks_cases.without_error_feedback, world, path=path)[:world]
+    want = "communicator" if path == "auto" else "group"
+    for rank in range(world):
+        r = res[rank]
+        assert r["repeat_equal"] == [True, True], r["repeat_equal"]
+        assert r["differs_from_b"] and r["no_residuals"]
+        assert r["buckets"] >= 10, r["buckets"]  # several buckets per step, 5 steps
+        assert 0 < r["rel_err"] <= BOUNDS["int4"], r["rel_err"]
+        assert set(r["routes"].values()) == {want}, r["routes"]
+        assert torch.equal(r["grads"], res[0]["grads"])
+
+
 def test_futures_complete_on_the_progress_thread(pool):
     results = pool.run(hooks_cases.completion_threads, 2)[:2]
     assert results[0]["pending"] > 0, results  # rank 0 waited for late rank 1
