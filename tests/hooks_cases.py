@@ -75,8 +75,9 @@ def _state(hook: str, comm, path: str = "auto", group=None, device: str = "cpu",
         return hooks.LocalSGDState(**where, **kw)
     if hook == "powersgd":
         return hooks.PowerSGDState(rank=2, start_iter=kw.get("start_iter", 2), **where)
-    codec = {"int8": pycomm.Int8(), "int4": pycomm.Int4(), "topk": pycomm.TopK(0.25)}[hook]
-    return hooks.CompressionState(codec=codec, start_iter=kw.get("start_iter", 0), **where)
+    codec = kw.get("codec") or {"int8": pycomm.Int8(), "int4": pycomm.Int4(), "topk": pycomm.TopK(0.25)}[hook]
+    return hooks.CompressionState(codec=codec, start_iter=kw.get("start_iter", 0),
+                                  error_feedback=kw.get("error_feedback", True), **where)
 
 
 HOOKS = {"allreduce": hooks.allreduce_hook, "bf16": hooks.allreduce_hook, "allreduce_reg": hooks.allreduce_hook, "int8": hooks.int8_hook,
@@ -188,8 +189,7 @@ def without_error_feedback(rank: int, world: int, path: str = "auto") -> Dict[st
         return {}
     ref = DDP(make_model("mlp"), process_group=g, bucket_cap_mb=0.002)
     ours = DDP(make_model("mlp"), process_group=g, bucket_cap_mb=0.002)
-    where = dict(communicator=comm) if path == "auto" else dict(process_group=g, path=path)
-    state = hooks.CompressionState(codec=pycomm.Int4(block=64), error_feedback=False, start_iter=0, **where)
+    state = _state("int4", comm, path, g, codec=pycomm.Int4(block=64), error_feedback=False)
     ours.register_comm_hook(state, hooks.int4_hook)
     gen = torch.Generator().manual_seed(3000 + rank)
     a, b = make_batch("mlp", gen), make_batch("mlp", gen)
