@@ -193,3 +193,36 @@ def reduce_reference(xs, op):
     if op == "avg":
         out = (out.to(acc_dtype) / len(xs)).to(xs[0].dtype)
     return out
+
+
+def program_sweep(rank: int, world: int, name: str) -> List[Tuple[str, Optional[str]]]:
+    """The CUDA executor's program (every rank's, run on the CPU in this
+    process: ``simulate_program``) against this communicator's all-reduce with
+    the same algorithm and round size: the bits must be equal. Rank 0 checks;
+    the others only take part. Returns (case, error or None) per case."""
+    from pycomm import load_core
+    from pycomm._tables import REDUCE_OPS
+    core = load_core()
+    comm = make_comm(rank, world, name, round_bytes=64 * 1024, timeout=60)
+    all_reduce = core.collectives.index("all_reduce")
+    results = []
+    seed = 0
+    for algo in ("ring", "tree", "direct"):
+        for dtype in DTYPES:
+            for count in COUNTS + [LARGE_COUNT]:
+                for op in ops_for(dtype):
+                    seed += 1
+                    key = f"{algo}/{str(dtype)[6:]}/{count}/{op}"
+                    x = make_input(seed, rank, count, dtype)
+                    comm.all_reduce(x, op, algorithm=algo)
+                    if rank != 0:
+                        continue
+                    # "direct" as the communicator resolves it (the tuner sees the bytes).
+                    concrete = core.tune(core.algorithms[algo], all_reduce, count * x.element_size(), world)
+                    xs = [make_input(seed, r, count, dtype) for r in range(world)]
+                    outs = [torch.full_like(x, 7) for _ in range(world)]
+                    core.simulate_program(concrete, all_reduce, 0, REDUCE_OPS[op], xs, outs, comm.round_bytes)
+                    wrong = [r for r in range(world) if not torch.equal(outs[r].view(torch.uint8), x.view(torch.uint8))]
+                    results.append((key, f"ranks {wrong} of the program differ from the communicator" if wrong else None))
+    comm.close()
+    return results

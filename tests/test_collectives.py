@@ -4,7 +4,7 @@ divide evenly into chunks or rounds; results checked against a float64
 reference and required to be bitwise identical on every rank."""
 import pytest
 
-from collective_cases import matrix_failures, sweep
+from collective_cases import matrix_failures, program_sweep, sweep
 
 ALGOS = {
     "all_reduce": ["ring", "tree", "direct", "auto"],
@@ -20,3 +20,14 @@ def test_collective_matrix(pool8, coll, world):
     per_rank = pool8.run(sweep, world, pool8.new_name(), coll, ALGOS[coll], world=world)
     failures = matrix_failures(per_rank)
     assert not failures, f"{len(failures)} failing cases of {len(per_rank[0])}:\n" + "\n".join(failures[:20])
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 8])
+def test_device_program_matches_the_shared_memory_executor(pool8, world):
+    """The program the CUDA executor of schedules runs (ring, tree, direct),
+    run on the CPU, gives the communicator's all-reduce bits: every dtype,
+    sum/avg/max/min, counts across chunk and round boundaries."""
+    results = pool8.run(program_sweep, world, pool8.new_name(), world=world)[0]
+    failures = [f"{key}: {err}" for key, err in results if err]
+    assert len(results) > 100
+    assert not failures, f"{len(failures)} of {len(results)} cases differ:\n" + "\n".join(failures[:20])

@@ -11,9 +11,11 @@
 #include "../compression/compressed_allreduce.h"
 #include "../compression/quantized_allreduce.h"
 #include "../compression/sparse_allreduce.h"
+#include "../transport/program_sim.h"
 #include "../kernels/quant.h"
 #include "backend.h"
 #include "communicator.h"
+#include "dtype.h"
 #include "tensor_checks.h"
 
 #ifdef PYCOMM_WITH_CUDA
@@ -341,6 +343,41 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rounding_seed", &rounding_seed, py::arg("user_seed"), py::arg("seq"), py::arg("rank"), py::arg("which"));
   m.def("schedule_ops", &schedule_ops, py::arg("algorithm"), py::arg("collective"), py::arg("rank"),
         py::arg("world"), py::arg("root"), py::arg("step"));
+  m.def(
+      "simulate_program",
+      [](int algo, int coll, int root, int op, const std::vector<at::Tensor>& inputs,
+         const std::vector<at::Tensor>& outputs, size_t round_bytes) {
+        TORCH_CHECK(!inputs.empty() && inputs.size() == outputs.size(),
+                    "pycomm: simulate_program takes one input and one output per rank");
+        std::vector<const void*> in;
+        std::vector<void*> out;
+        for (size_t r = 0; r < inputs.size(); ++r) {
+          for (const at::Tensor* t : {&inputs[r], &outputs[r]}) {
+            const std::string why = check_tensor(*t, "tensor", to_coll(coll));
+            TORCH_CHECK(why.empty(), why);
+            TORCH_CHECK(t->scalar_type() == inputs[0].scalar_type(), "pycomm: every tensor must have one dtype");
+          }
+          in.push_back(inputs[r].data_ptr());
+          out.push_back(outputs[r].data_ptr());
+        }
+        // The count is per rank's shard for the sharded collectives, as in
+        // a CollectiveDesc.
+        const Collective c = to_coll(coll);
+        const int64_t world = static_cast<int64_t>(inputs.size());
+        const int64_t count = c == Collective::kReduceScatter ? outputs[0].numel() : inputs[0].numel();
+        const int64_t in_n = c == Collective::kReduceScatter ? count * world : count;
+        const int64_t out_n = c == Collective::kAllGather ? count * world : count;
+        for (size_t r = 0; r < inputs.size(); ++r)
+          TORCH_CHECK(inputs[r].numel() == in_n && outputs[r].numel() == out_n,
+                      "pycomm: simulate_program: inputs of ", in_n, " and outputs of ", out_n, " elements expected");
+        DType dt = DType::kFloat32;
+        to_dtype(inputs[0].scalar_type(), &dt);
+        py::gil_scoped_release nogil;
+        simulate_program(to_algo(algo), c, root, dt, to_op(op), static_cast<size_t>(count), in, out, round_bytes);
+      },
+      py::arg("algorithm"), py::arg("collective"), py::arg("root"), py::arg("op"), py::arg("inputs"),
+      py::arg("outputs"), py::arg("round_bytes"),
+      "Every rank's program of the CUDA executor of schedules run on the CPU, in this process (tests).");
   m.def("schedule_shape", [](int algo, int coll, int world, int root) {
     Schedule s{to_algo(algo), to_coll(coll), world, root};
     return std::make_pair(s.num_chunks(), s.num_steps());

@@ -1,43 +1,40 @@
-// CUDA IPC all-reduce (cuda_ipc.h). NOT YET RUN ON A GPU: written and
-// compiled without one.
-//
-// Memory ordering. A block publishes with __syncthreads() (its threads'
-// writes are ordered before the barrier at block scope), then one thread per
-// peer stores the flag with st.release.sys: release is cumulative, so the
-// whole block's writes are visible to a peer that reads the flag with
-// ld.acquire.sys and then passes its own __syncthreads(). This is vLLM's
-// protocol; it needs sm_70 or newer.
-//
-// Flags never reset: launch e writes e (a host counter the same on every
-// rank) and waiters wait until the slot reaches e, compared modulo 2^32.
-// Each phase has its own row, so a fast peer already in the next launch's
-// start barrier cannot disturb a slow one still waiting at this launch's end.
+// CUDA IPC all-reduce (cuda_ipc.h): the one-shot and two-shot kernels, and
+// the group's setup, watchdog and failure reporting. NOT YET RUN ON A GPU
+// since the bounded waits were added: written and compiled without one.
+// The flag protocol and its memory ordering are in cuda_ipc_detail.cuh.
+// Each phase has its own flag row, so a fast peer already in the next
+// launch's start barrier cannot disturb a slow one still waiting at this
+// launch's end.
 #include "cuda_ipc.h"
 
 #include <cuda_runtime.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <chrono>
 #include <cstring>
 
+#include "../algorithms/schedule.h"
 #include "../kernels/cuda/common.cuh"
 #include "../kernels/reduce.h"
+#include "cuda_ipc_detail.cuh"
 
 namespace pycomm {
 namespace {
 
-// 512 threads: 16 warps per block keep enough 16-byte loads in flight.
-constexpr int kThreads = 512;
-constexpr int kPhases = 3;  // start, middle (two-shot), end
-
-struct IpcSignal {
-  // flag[phase][block][src]: written by rank src into this rank's block.
-  alignas(128) uint32_t flag[kPhases][kIpcMaxBlocks][kIpcMaxRanks];
-};
+using ipc_detail::IpcSignal;
+using ipc_detail::kPhases;
+using ipc_detail::kThreads;
+using ipc_detail::st_release;
+using ipc_detail::WaitCtx;
 
 struct IpcArgs {
   const void* buf[kIpcMaxRanks];  // every rank's staging buffer (ours at [rank])
   void* own;
   IpcSignal* sig[kIpcMaxRanks];
+  WaitCtx wait;
   int rank;
   int world;
   uint32_t epoch;
@@ -50,30 +47,19 @@ using kernels::cuda_detail::Pack;
 using kernels::cuda_detail::reduce_elem;
 using kernels::cuda_detail::reduce_pack;
 
-__device__ __forceinline__ void st_release(uint32_t* p, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%1], %0;" ::"r"(v), "l"(p) : "memory");
-}
-
-__device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 // Block b of every rank meets block b of every other rank. Only the same
 // block index ever exchanges data across ranks (the element-to-thread
 // mapping is identical on every rank), so this is all the ordering needed.
-__device__ void barrier(const IpcArgs& a, int phase) {
+// False: a peer did not come within the timeout (or the host aborted); the
+// block leaves the kernel and the failure is in the status.
+__device__ bool barrier(const IpcArgs& a, int phase) {
   __syncthreads();
-  if (threadIdx.x < a.world) {
-    const int q = threadIdx.x;
-    st_release(&a.sig[q]->flag[phase][blockIdx.x][a.rank], a.epoch);
-    const uint32_t* mine = &a.sig[a.rank]->flag[phase][blockIdx.x][q];
-    // Ranks sharing a GPU time-slice: back off so a waiting kernel yields
-    // issue slots (it cannot yield the GPU to the peer's context).
-    while (static_cast<int32_t>(ld_acquire(mine) - a.epoch) < 0) __nanosleep(256);
+  uint32_t* slots[kIpcMaxRanks];
+  for (int q = 0; q < a.world; ++q) {
+    if (threadIdx.x == q) st_release(&a.sig[q]->flag[phase][blockIdx.x][a.rank], a.epoch);
+    slots[q] = &a.sig[a.rank]->flag[phase][blockIdx.x][q];
   }
-  __syncthreads();
+  return ipc_detail::block_wait_each(a.wait, slots, a.world, a.epoch, kIpcWaitBarrier);
 }
 
 // The CPU transports' bits: sum in the accumulator type, store, and for avg
@@ -117,7 +103,7 @@ __global__ void __launch_bounds__(kThreads) ipc_all_reduce_kernel(IpcArgs a, T* 
   const bool aligned = (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
 
   // 1. Every rank's buffer holds its input.
-  barrier(a, 0);
+  if (!barrier(a, 0)) return;
   if (!a.two_shot) {
     // 2. One-shot: reduce everything from every buffer.
     for (size_t i = tid; i < nvec; i += stride) store_pack(out, i, reduce_ranks<T, kOp>(a, i), aligned);
@@ -130,7 +116,7 @@ __global__ void __launch_bounds__(kThreads) ipc_all_reduce_kernel(IpcArgs a, T* 
       if (i < nvec) static_cast<Pack<T>*>(a.own)[i] = reduce_ranks<T, kOp>(a, i);
     }
     // 3. Every part is reduced (by the same thread index that reads it next).
-    barrier(a, 1);
+    if (!barrier(a, 1)) return;
     // 4. All-gather: part q from rank q's buffer.
     for (int q = 0; q < a.world; ++q)
       for (size_t j = tid; j < part; j += stride) {
@@ -144,7 +130,7 @@ __global__ void __launch_bounds__(kThreads) ipc_all_reduce_kernel(IpcArgs a, T* 
     out[i] = finish<T>(reduce_elem<T, kOp>(a.buf, a.world, i), a.avg, a.world);
   // 6. Nobody refills its buffer (the next launch's copy) before every rank
   //    has read it.
-  barrier(a, 2);
+  if (!barrier(a, 2)) return;
 }
 
 template <typename T>
@@ -169,16 +155,27 @@ IpcAlgo CudaIpcAllReduce::choose(size_t bytes, int world) {
   return bytes <= one_shot_max ? IpcAlgo::kOneShot : IpcAlgo::kTwoShot;
 }
 
-CudaIpcAllReduce::CudaIpcAllReduce(int rank, int world, size_t buffer_bytes)
+CudaIpcAllReduce::CudaIpcAllReduce(int rank, int world, size_t buffer_bytes, size_t round_bytes, double timeout_s)
     : rank_(rank), world_(world), buffer_bytes_(buffer_bytes / 16 * 16) {
   if (world < 1 || world > kIpcMaxRanks || rank < 0 || rank >= world)
     throw CommError("pycomm: a CUDA IPC group holds 1.." + std::to_string(kIpcMaxRanks) + " ranks; got rank " +
                     std::to_string(rank) + " of " + std::to_string(world));
   if (buffer_bytes_ < 4096) throw CommError("pycomm: the CUDA IPC staging buffer must be at least 4 KiB");
+  // Two halves (round parity) of kNumPhases regions hold one round each.
+  const size_t most = buffer_bytes_ / (2 * kNumPhases) / 64 * 64;
+  round_bytes_ = round_bytes == 0 ? most : round_bytes;
+  if (round_bytes_ < 4096 || round_bytes_ > most)
+    throw CommError("pycomm: the CUDA IPC round size must be 4 KiB to a quarter of the staging buffer (" +
+                    std::to_string(most) + " bytes), got " + std::to_string(round_bytes_));
+  if (!(timeout_s > 0)) throw CommError("pycomm: the CUDA IPC timeout must be positive");
+  timeout_ns_ = static_cast<uint64_t>(timeout_s * 1e9);
   check(cudaGetDevice(&device_), "current device");
   check(cudaMalloc(&buffer_, buffer_bytes_), "staging buffer");
   check(cudaMalloc(&signal_, sizeof(IpcSignal)), "signal block");
   check(cudaMemset(signal_, 0, sizeof(IpcSignal)), "signal block");
+  check(cudaHostAlloc(reinterpret_cast<void**>(&status_), sizeof(IpcStatus), cudaHostAllocMapped), "status block");
+  std::memset(status_, 0, sizeof(IpcStatus));
+  check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&status_dev_), status_, 0), "status block");
   check(cudaDeviceSynchronize(), "signal block");
   peer_buffers_.assign(world_, nullptr);
   peer_signals_.assign(world_, nullptr);
@@ -187,8 +184,11 @@ CudaIpcAllReduce::CudaIpcAllReduce(int rank, int world, size_t buffer_bytes)
 }
 
 CudaIpcAllReduce::~CudaIpcAllReduce() {
+  stop_watch_ = true;
+  if (watch_.joinable()) watch_.join();
   // Errors are ignored here: a destructor cannot report them, and the
   // process may be tearing down its context already.
+  for (auto& kv : programs_) cudaFree(kv.second.ops);
   for (int q = 0; q < world_; ++q) {
     if (q == rank_) continue;
     if (peer_buffers_[q]) cudaIpcCloseMemHandle(peer_buffers_[q]);
@@ -196,13 +196,16 @@ CudaIpcAllReduce::~CudaIpcAllReduce() {
   }
   if (buffer_) cudaFree(buffer_);
   if (signal_) cudaFree(signal_);
+  if (status_) cudaFreeHost(status_);
 }
 
 std::string CudaIpcAllReduce::handles() const {
   cudaIpcMemHandle_t h[2];
   check(cudaIpcGetMemHandle(&h[0], buffer_), "handle of the staging buffer");
   check(cudaIpcGetMemHandle(&h[1], signal_), "handle of the signal block");
-  return std::string(reinterpret_cast<const char*>(h), sizeof h);
+  const int32_t pid = static_cast<int32_t>(getpid());
+  return std::string(reinterpret_cast<const char*>(h), sizeof h) +
+         std::string(reinterpret_cast<const char*>(&pid), sizeof pid);
 }
 
 void CudaIpcAllReduce::open(const std::vector<std::string>& all) {
@@ -210,10 +213,15 @@ void CudaIpcAllReduce::open(const std::vector<std::string>& all) {
   if (static_cast<int>(all.size()) != world_)
     throw CommError("pycomm: CUDA IPC open() needs " + std::to_string(world_) + " ranks' handles, got " +
                     std::to_string(all.size()));
+  peer_pids_.assign(world_, 0);
   for (int q = 0; q < world_; ++q) {
-    if (all[q].size() != 2 * sizeof(cudaIpcMemHandle_t))
+    if (all[q].size() != 2 * sizeof(cudaIpcMemHandle_t) + sizeof(int32_t))
       throw CommError("pycomm: rank " + std::to_string(q) + "'s CUDA IPC handles are malformed");
+    std::memcpy(&peer_pids_[q], all[q].data() + 2 * sizeof(cudaIpcMemHandle_t), sizeof(int32_t));
     if (q == rank_) continue;
+    // A peer in another process namespace is not visible from here: the
+    // watchdog leaves it to the timeout instead of taking it for dead.
+    if (::kill(peer_pids_[q], 0) != 0 && errno == ESRCH) peer_pids_[q] = 0;
     cudaIpcMemHandle_t h[2];
     std::memcpy(h, all[q].data(), sizeof h);
     // Lazy peer access: ranks on other GPUs of the host are reached over
@@ -224,11 +232,61 @@ void CudaIpcAllReduce::open(const std::vector<std::string>& all) {
           ("opening rank " + std::to_string(q) + "'s signal block").c_str());
   }
   opened_ = true;
+  // The watchdog: the ranks share this host, so a peer's death is seen from
+  // its process id at once (its kernels' flags would just stop moving).
+  // 20 ms keeps its cost nil and a survivor's wait short.
+  watch_ = std::thread([this] {
+    while (!stop_watch_) {
+      for (int q = 0; q < world_; ++q) {
+        if (q == rank_ || peer_pids_[q] <= 0) continue;
+        if (::kill(peer_pids_[q], 0) != 0 && errno == ESRCH) {
+          abort("rank " + std::to_string(q) + " (process " + std::to_string(peer_pids_[q]) + ") is gone");
+          return;
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+}
+
+void CudaIpcAllReduce::abort(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (abort_why_.empty()) abort_why_ = why;
+  }
+  reinterpret_cast<volatile IpcStatus*>(status_)->abort = 1;
+}
+
+std::string CudaIpcAllReduce::failure() const {
+  const volatile IpcStatus* s = status_;
+  if (s->code == 0) return "";
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    why = abort_why_;
+  }
+  std::string out = "pycomm: a CUDA IPC all-reduce on rank " + std::to_string(rank_) + " gave up";
+  if (s->code == kIpcTimedOut)
+    out += ": it waited more than the timeout for rank " + std::to_string(s->peer) +
+           (s->what == kIpcWaitBarrier ? " to reach the same call" : " to hand over its data");
+  if (!why.empty()) out += ": " + why;
+  return out + "; its result is not whole, and the group cannot be used any more (make a new one)";
+}
+
+void CudaIpcAllReduce::throw_if_failed() const {
+  std::string why = failure();
+  if (why.empty() && reinterpret_cast<const volatile IpcStatus*>(status_)->abort != 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    why = "pycomm: the CUDA IPC group of rank " + std::to_string(rank_) + " was aborted: " + abort_why_ +
+          " (make a new group)";
+  }
+  if (!why.empty()) throw CommError(why);
 }
 
 void CudaIpcAllReduce::all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, IpcAlgo algo,
                                   cudaStream_t stream) {
   if (!opened_) throw CommError("pycomm: CUDA IPC all-reduce called before open()");
+  throw_if_failed();
   if (op == RedOp::kAvg && !dtype_is_floating(dtype))
     throw CommError("pycomm: avg is only defined for floating-point dtypes");
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -238,6 +296,10 @@ void CudaIpcAllReduce::all_reduce(const void* in, void* out, size_t count, DType
         "pycomm: a CUDA IPC all-reduce cannot be captured in a CUDA graph yet: each launch carries its barrier "
         "epoch as an argument, which every replay would repeat; run the all-reduce outside the captured region");
   if (count == 0) return;
+  if (algo == IpcAlgo::kRing || algo == IpcAlgo::kTree || algo == IpcAlgo::kDirect) {
+    run_schedule(in, out, count, dtype, op, static_cast<int>(algo), stream);
+    return;
+  }
   const size_t es = dtype_size(dtype);
   const size_t per_launch = buffer_bytes_ / es;
   IpcArgs a{};
@@ -246,6 +308,7 @@ void CudaIpcAllReduce::all_reduce(const void* in, void* out, size_t count, DType
     a.sig[q] = static_cast<IpcSignal*>(peer_signals_[q]);
   }
   a.own = buffer_;
+  a.wait = WaitCtx{status_dev_, timeout_ns_};
   a.rank = rank_;
   a.world = world_;
   a.avg = op == RedOp::kAvg;

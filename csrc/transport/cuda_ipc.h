@@ -5,15 +5,30 @@
 // the peers' buffers directly. Several ranks may share one GPU (NCCL refuses
 // that); their kernels then time-slice, which the flag waits tolerate.
 //
-// Torch-free: device pointers, an explicit stream. NOT YET RUN ON A GPU:
-// written and compiled without one; tests/test_cuda.py and
-// benchmarks/gpu/run.sh are where it will first run.
+// Besides the hand-written one-shot and two-shot kernels, the group runs
+// the schedules of algorithms/ (ring, tree, direct) with one kernel per call
+// (cuda_schedule.cu), each rank's reduction in the order of the CPU executor
+// of the same schedule, hence its bits.
+//
+// No wait spins forever: every wait on a peer gives up after the timeout,
+// or at once when the host's watchdog sees a peer process gone; the kernel
+// then returns, the group is failed for good, and the next call (or
+// check()) raises CommError naming the peer.
+//
+// Torch-free: device pointers, an explicit stream. The one-shot and
+// two-shot kernels ran on one H100 (2 and 4 ranks sharing it); the bounded
+// waits and the executor of schedules are written and compiled without a
+// GPU: tests/test_cuda.py and benchmarks/gpu/run.sh are where they first run.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../core/common.h"
@@ -28,6 +43,23 @@ constexpr int kIpcMaxRanks = 8;
 // blocks of 512 threads read enough in flight to saturate HBM on one GPU.
 constexpr int kIpcMaxBlocks = 36;
 
+// Why a kernel gave up, in the host-mapped status block.
+constexpr uint32_t kIpcTimedOut = 1;
+constexpr uint32_t kIpcAborted = 2;
+// What it was waiting for.
+constexpr int kIpcWaitBarrier = 0;
+constexpr int kIpcWaitStep = 1;
+constexpr int kIpcWaitRound = 2;
+
+// Host-mapped (pinned) memory every launch of the group can read and write.
+struct IpcStatus {
+  uint32_t abort;  // set by the host: every wait gives up
+  uint32_t code;   // 0, or why the first wait gave up
+  int32_t peer;    // whom it waited for
+  int32_t what;    // kIpcWait*
+  uint32_t target;
+};
+
 enum class IpcAlgo : uint8_t {
   kAuto = 0,
   // Every rank reads every buffer and reduces all of it: one barrier, world
@@ -36,22 +68,42 @@ enum class IpcAlgo : uint8_t {
   // Reduce-scatter then all-gather through the buffers: each rank reduces
   // 1/world of the data; two more barriers, far fewer bytes.
   kTwoShot = 2,
+  // The schedules of algorithms/, run by the device executor: bit for bit
+  // the CPU communicator's result with the same algorithm and round size.
+  kRing = 3,
+  kTree = 4,
+  kDirect = 5,  // resolved to the one-shot or two-shot schedule by the tuner
 };
+constexpr int kLastIpcAlgo = static_cast<int>(IpcAlgo::kDirect);
 
 class CudaIpcAllReduce {
  public:
   // Allocates this rank's staging buffer (`buffer_bytes`, the most one
   // kernel launch reduces; larger calls run in several) and its signal
-  // block, on the current device.
-  CudaIpcAllReduce(int rank, int world, size_t buffer_bytes);
+  // block, on the current device. The schedules cut a call into rounds of
+  // `round_bytes` (0: the most the buffer holds, a quarter of it: two
+  // halves of two phases), as a CPU communicator with that round size does.
+  // A wait on a peer gives up after `timeout_s`.
+  CudaIpcAllReduce(int rank, int world, size_t buffer_bytes, size_t round_bytes = 0, double timeout_s = 300.0);
   ~CudaIpcAllReduce();
   CudaIpcAllReduce(const CudaIpcAllReduce&) = delete;
   CudaIpcAllReduce& operator=(const CudaIpcAllReduce&) = delete;
 
-  // This rank's IPC handles as bytes, to publish; then open() with every
-  // rank's, in rank order (this rank's own entry is not opened).
+  // This rank's IPC handles (and process id) as bytes, to publish; then
+  // open() with every rank's, in rank order (this rank's own entry is not
+  // opened). open() starts the watchdog: a peer process gone aborts every
+  // wait of this group.
   std::string handles() const;
   void open(const std::vector<std::string>& all);
+
+  // Makes every wait of this group give up now (and every later call fail),
+  // with `why` as the reason.
+  void abort(const std::string& why);
+  // "" unless a wait of a launch gave up (a peer gone or late, or abort()):
+  // then why. Reads the host-mapped status: called once the stream is done,
+  // "" says that every result so far is whole. After an abort() or a
+  // failure every call raises CommError.
+  std::string failure() const;
 
   // out = in reduced over the ranks (`count` elements of `dtype`; avg
   // divides the sum, like the CPU transports). Every rank calls with the
@@ -66,6 +118,7 @@ class CudaIpcAllReduce {
   static IpcAlgo choose(size_t bytes, int world);
 
   int rank() const { return rank_; }
+  size_t round_bytes() const { return round_bytes_; }
   int world() const { return world_; }
   size_t buffer_bytes() const { return buffer_bytes_; }
 
@@ -79,6 +132,30 @@ class CudaIpcAllReduce {
   // Flag value of the next launch: the same on every rank, because every
   // rank makes the same launches in the same order.
   uint32_t epoch_ = 0;
+
+  // The executor of schedules (cuda_schedule.cu).
+  struct DeviceProgram {
+    void* ops = nullptr;  // ProgOp[nops] in device memory
+    int nops = 0, num_chunks = 0, num_steps = 0;
+  };
+  const DeviceProgram& program(int algo);
+  void run_schedule(const void* in, void* out, size_t count, DType dtype, RedOp op, int algo, cudaStream_t stream);
+  size_t round_bytes_;
+  std::map<int, DeviceProgram> programs_;
+  // Steps posted and rounds finished by this rank's schedule launches so
+  // far (the same on every rank).
+  uint32_t steps_done_ = 0, rounds_done_ = 0;
+
+  // Failure handling: the host-mapped status, the wait bound, the watchdog.
+  void throw_if_failed() const;
+  IpcStatus* status_ = nullptr;      // host view
+  IpcStatus* status_dev_ = nullptr;  // the same memory, as the device sees it
+  uint64_t timeout_ns_;
+  std::vector<int> peer_pids_;
+  mutable std::mutex mu_;
+  std::string abort_why_;  // guarded by mu_
+  std::atomic<bool> stop_watch_{false};
+  std::thread watch_;
 };
 
 }  // namespace pycomm

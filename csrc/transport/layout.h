@@ -24,6 +24,7 @@ struct RoundLayout {
   // same line of a staging buffer.
   static constexpr size_t kChunkAlignBytes = 64;
 
+  RoundLayout() = default;  // (kernel arguments are built field by field)
   // `round_bytes` bounds one round's K chunks together.
   RoundLayout(const CollectiveDesc& d, int num_chunks, int world, size_t round_bytes)
       : coll(d.coll), K(num_chunks), count(d.count), es(dtype_size(d.dtype)) {
@@ -36,6 +37,36 @@ struct RoundLayout {
     align_ = align;
   }
 
+  // Where chunk c of round j lies in the caller's buffers, in elements from
+  // their start: in_off / out_off are -1 where the rank has no such chunk.
+  // Host and device code (the CUDA executor of schedules) share it, so both
+  // cut a call into the same chunks and reduce each in the same order.
+  PYCOMM_HOST_DEVICE void span(uint64_t j, int c, int rank, int64_t* in_off, int64_t* out_off, size_t* len) const {
+    const uint64_t first = j * per_round;
+    const size_t rem = static_cast<size_t>(count - first < per_round ? count - first : per_round);
+    if (sharded) {
+      *len = rem;
+      const int64_t shard = static_cast<int64_t>(static_cast<uint64_t>(c) * count + first);
+      const int64_t own = static_cast<int64_t>(first);
+      if (coll == Collective::kAllToAll) {
+        *in_off = shard;
+        *out_off = shard;
+      } else if (coll == Collective::kReduceScatter) {
+        *in_off = shard;
+        *out_off = c == rank ? own : -1;
+      } else {
+        *in_off = c == rank ? own : -1;
+        *out_off = shard;
+      }
+      return;
+    }
+    const size_t even = ((rem + K - 1) / K + align_ - 1) / align_ * align_;
+    const size_t ce = even < chunk_max ? even : chunk_max;
+    const size_t lo = c * ce < rem ? c * ce : rem, hi = (c + 1) * ce < rem ? (c + 1) * ce : rem;
+    *len = hi - lo;
+    *in_off = *out_off = static_cast<int64_t>(first + lo);
+  }
+
   // Points round j's chunks into the caller's buffers: in[c] / out[c] are
   // null where the rank has no such chunk; len[c] is in elements.
   void chunks(uint64_t j, int rank, const void* input, void* output, std::vector<const char*>& in,
@@ -45,31 +76,11 @@ struct RoundLayout {
     len.resize(K);
     const auto* src = static_cast<const char*>(input);
     auto* dst = static_cast<char*>(output);
-    const uint64_t first = j * per_round;
-    const size_t rem = static_cast<size_t>(std::min<uint64_t>(per_round, count - first));
-    if (sharded) {
-      for (int c = 0; c < K; ++c) {
-        len[c] = rem;
-        const size_t shard_off = (static_cast<size_t>(c) * count + first) * es;
-        if (coll == Collective::kAllToAll) {
-          in[c] = src + shard_off;
-          out[c] = dst + shard_off;
-        } else if (coll == Collective::kReduceScatter) {
-          in[c] = src + shard_off;
-          out[c] = c == rank ? dst + first * es : nullptr;
-        } else {
-          in[c] = c == rank ? src + first * es : nullptr;
-          out[c] = dst + shard_off;
-        }
-      }
-      return;
-    }
-    const size_t ce = std::min(chunk_max, ((rem + K - 1) / K + align_ - 1) / align_ * align_);
     for (int c = 0; c < K; ++c) {
-      const size_t lo = std::min(rem, c * ce), hi = std::min(rem, (c + 1) * ce);
-      len[c] = hi - lo;
-      in[c] = src + (first + lo) * es;
-      out[c] = dst + (first + lo) * es;
+      int64_t i, o;
+      span(j, c, rank, &i, &o, &len[c]);
+      in[c] = i < 0 ? nullptr : src + i * es;
+      out[c] = o < 0 ? nullptr : dst + o * es;
     }
   }
 

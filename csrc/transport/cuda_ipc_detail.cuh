@@ -1,0 +1,123 @@
+// What the CUDA IPC kernels share (cuda_ipc.cu: one-shot and two-shot;
+// cuda_schedule.cu: the executor of schedules): the signal block every rank
+// maps, the flag protocol, and the bounded wait that gives up on a dead or
+// hung peer instead of spinning until the process is killed.
+//
+// Memory ordering. A block publishes with __syncthreads() (its threads'
+// writes are ordered before the barrier at block scope), then one thread per
+// peer stores the flag with st.release.sys: release is cumulative, so the
+// whole block's writes are visible to a peer that reads the flag with
+// ld.acquire.sys and then passes its own __syncthreads(). This is vLLM's
+// protocol; it needs sm_70 or newer. Flags are pushed into the reader's own
+// signal block, so every spin reads local memory.
+//
+// Flags never reset: they carry counters the same on every rank (every rank
+// makes the same launches in the same order), compared modulo 2^32.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda_ipc.h"
+
+namespace pycomm {
+namespace ipc_detail {
+
+// 512 threads: 16 warps per block keep enough 16-byte loads in flight.
+constexpr int kThreads = 512;
+constexpr int kPhases = 3;  // one-shot / two-shot: start, middle, end
+
+struct IpcSignal {
+  // flag[phase][block][src]: written by rank src into this rank's block.
+  alignas(128) uint32_t flag[kPhases][kIpcMaxBlocks][kIpcMaxRanks];
+  // The executor of schedules: the last step src posted, and the rounds it
+  // finished, per block.
+  alignas(128) uint32_t step[kIpcMaxBlocks][kIpcMaxRanks];
+  alignas(128) uint32_t round[kIpcMaxBlocks][kIpcMaxRanks];
+};
+
+__device__ __forceinline__ void st_release(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%1], %0;" ::"r"(v), "l"(p) : "memory");
+}
+
+__device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ bool reached(uint32_t v, uint32_t target) {
+  return static_cast<int32_t>(v - target) >= 0;
+}
+
+// What every wait needs to give up: the host-mapped status (its abort word
+// set by the host's watchdog when a peer dies; the first failure recorded
+// there) and the call's timeout.
+struct WaitCtx {
+  IpcStatus* status;
+  uint64_t timeout_ns;
+};
+
+// One thread waits until *slot reaches target. Gives up (false) when the
+// host asked to abort, when another block already failed, or after the
+// timeout; the first to give up records why. Ranks sharing a GPU time-slice,
+// so a waiter backs off: it yields issue slots (it cannot yield the GPU to
+// the peer's context), and reads the host-mapped words only now and then
+// (each is a trip over PCIe).
+__device__ inline bool wait_reached(const WaitCtx& w, const uint32_t* slot, uint32_t target, int peer,
+                                    int what) {
+  if (reached(ld_acquire(slot), target)) return true;
+  const uint64_t t0 = global_ns();
+  for (uint32_t n = 1;; ++n) {
+    __nanosleep(256);
+    if (reached(ld_acquire(slot), target)) return true;
+    if ((n & 255) != 0) continue;
+    const volatile IpcStatus* s = w.status;
+    int code = 0;
+    if (s->abort != 0) code = kIpcAborted;
+    else if (s->code != 0) code = kIpcAborted;  // another block gave up first
+    else if (global_ns() - t0 > w.timeout_ns) code = kIpcTimedOut;
+    if (code == 0) continue;
+    if (atomicCAS_system(&w.status->code, 0u, static_cast<unsigned>(code)) == 0u) {
+      w.status->peer = peer;
+      w.status->what = what;
+      w.status->target = target;
+      __threadfence_system();
+    }
+    return false;
+  }
+}
+
+// All threads of the block: thread 0 waits, the others learn the outcome
+// (and, through the barrier, see what the peer published before the flag).
+// Returns false when the block must leave the kernel.
+__device__ inline bool block_wait(const WaitCtx& w, const uint32_t* slot, uint32_t target, int peer, int what) {
+  __shared__ int ok;
+  __syncthreads();  // everyone read the previous wait's outcome
+  if (threadIdx.x == 0) ok = wait_reached(w, slot, target, peer, what);
+  __syncthreads();
+  return ok != 0;
+}
+
+// All threads of the block: thread q < n waits for slots[q] (nullptr: no
+// wait), then everyone learns whether all of them passed.
+__device__ inline bool block_wait_each(const WaitCtx& w, uint32_t* const* slots, int n, uint32_t target, int what) {
+  __shared__ int failed;
+  __syncthreads();
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  if (threadIdx.x < n && slots[threadIdx.x] && !wait_reached(w, slots[threadIdx.x], target, threadIdx.x, what))
+    failed = 1;
+  __syncthreads();
+  return failed == 0;
+}
+
+}  // namespace ipc_detail
+}  // namespace pycomm

@@ -1,0 +1,25 @@
+// The CPU twin of the CUDA executor of schedules: every rank's program
+// (algorithms/program.h) run in this one process over host mailboxes, the
+// ranks interleaved cooperatively (a rank runs until a wait it cannot pass,
+// then the next one). It resolves every pointer with the functions the
+// kernel uses and reduces with the CPU kernels, so its output is what the
+// CUDA executor must produce, bit for bit, and it is checked against the
+// shared-memory executor in CI, where no GPU runs the kernel.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "../core/collective.h"
+
+namespace pycomm {
+
+// outputs[r] = rank r's output of `coll` run with schedule `algo` (a
+// concrete one: ring, tree, one-shot or two-shot) over `inputs`, cut into
+// rounds of `round_bytes` as a communicator with that round size cuts it.
+// Throws CommError on a deadlock (a program that waits forever).
+void simulate_program(Algorithm algo, Collective coll, int root, DType dtype, RedOp op, size_t count,
+                      const std::vector<const void*>& inputs, const std::vector<void*>& outputs,
+                      size_t round_bytes);
+
+}  // namespace pycomm
