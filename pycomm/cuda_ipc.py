@@ -2,24 +2,36 @@
 
 Each rank registers one device staging buffer and a signal block once; ranks
 exchange their IPC handles through the Store, and each all-reduce is one
-kernel reading the peers' buffers (one-shot for small messages, two-shot
-reduce-scatter + all-gather for large ones, as vLLM's custom all-reduce).
-Several ranks may share one GPU, which NCCL refuses.
+kernel reading the peers' buffers: one-shot for small messages, two-shot
+reduce-scatter + all-gather for large ones (as vLLM's custom all-reduce), or
+one of pycomm's schedules, ``"ring"``, ``"tree"`` and ``"direct"``, run by a
+device executor whose result is, bit for bit, the CPU communicator's with the
+same algorithm and ``round_bytes``. Several ranks may share one GPU, which
+NCCL refuses.
 
-Status: run on one H100 with 2 and 4 processes sharing the GPU
-(``tests/test_cuda.py``, bit for bit against the CPU reduction); not yet
-between distinct GPUs. Sharing one GPU, a call waits for the peers' time
-slices (~4.5 ms), so the DDP hooks' policy uses it only when every rank has
-a GPU of its own. :class:`pycomm.Communicator` does not route CUDA tensors
-here.
+No call hangs on a dead peer: every wait in the kernels gives up after
+``timeout`` seconds, and at once when a watchdog thread sees a peer's process
+gone. The kernel then returns; :meth:`IpcAllReduce.check` (and every later
+call) raises :class:`~pycomm.CommError` naming the peer, and the group cannot
+be used again.
+
+Status: one-shot and two-shot ran on one H100 with 2 and 4 processes sharing
+the GPU (``tests/test_cuda.py``, bit for bit against the CPU reduction); the
+schedules' executor and the bounded waits are compiled but have not run on a
+GPU yet (their program runs on the CPU in CI). Sharing one GPU, a call waits
+for the peers' time slices (~4.5 ms), so the DDP hooks' policy uses IPC only
+when every rank has a GPU of its own. :class:`pycomm.Communicator` does not
+route CUDA tensors here.
 
 Example::
 
     ipc = pycomm.cuda_ipc.IpcAllReduce(store, rank, world_size)
     x = torch.randn(1 << 20, device="cuda")
     ipc.all_reduce(x, op="avg")            # in place; the current stream waits for it
+    ipc.all_reduce(x, algorithm="ring")    # the ring schedule, one kernel
     work = ipc.all_reduce(x, async_op=True)
     work.get_future().then(lambda f: ...)  # completed off the caller's thread
+    ipc.check()                            # raises if a peer died or timed out
 """
 from __future__ import annotations
 
@@ -31,7 +43,8 @@ from ._loader import CommError, load_core
 from ._tables import REDUCE_OPS, CoreTable, Op, reduce_op_id
 from .bootstrap import wait_keys
 
-#: The IPC kernels by name ("auto", "one_shot", "two_shot"; CUDA builds only).
+#: The IPC kernels by name ("auto", "one_shot", "two_shot", "ring", "tree",
+#: "direct"; CUDA builds only).
 IPC_ALGORITHMS = CoreTable("ipc_algorithms")
 # Staging memory per rank: calls larger than this run in several launches.
 DEFAULT_BUFFER_BYTES = 64 << 20
@@ -45,19 +58,23 @@ class IpcAllReduce:
         rank, world_size: this process's place in the group (at most 8 ranks).
         device: the CUDA device of this rank's tensors (default: the current one).
         buffer_bytes: staging memory per rank; larger calls run in several launches.
+        round_bytes: the round size of the schedules ("ring", "tree", "direct"):
+            give a CPU communicator's ``round_bytes`` to get its bits; default
+            (and most) a quarter of ``buffer_bytes``.
         prefix: Store key prefix, unique per group.
-        timeout: seconds to wait for every rank's handles.
+        timeout: seconds to wait for every rank's handles, and the most a
+            kernel waits for a peer before it gives up.
     """
 
     def __init__(self, store: "torch.distributed.Store", rank: int, world_size: int,
                  device: Optional[torch.device] = None, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-                 prefix: str = "pycomm.ipc", timeout: float = 300.0) -> None:
+                 round_bytes: Optional[int] = None, prefix: str = "pycomm.ipc", timeout: float = 300.0) -> None:
         core = load_core()
         if not core.has_cuda:
             raise CommError("pycomm: this build has no CUDA support (build with a CUDA torch and nvcc on the PATH)")
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         with torch.cuda.device(self.device):
-            self._c = core.CudaIpcAllReduce(rank, world_size, buffer_bytes)
+            self._c = core.CudaIpcAllReduce(rank, world_size, buffer_bytes, round_bytes or 0, timeout)
         self.rank, self.world_size = rank, world_size
         store.set(f"{prefix}/{rank}", self._c.handles())
         keys = [f"{prefix}/{q}" for q in range(world_size)]
@@ -95,11 +112,30 @@ class IpcAllReduce:
         out.record_stream(self._stream)
         done = torch.cuda.Event()
         done.record(self._stream)
-        work = IpcWork(done, out, self._stream)
+        work = IpcWork(done, out, self._stream, self)
         if async_op:
             return work
         work.wait()
         return out
+
+    @property
+    def round_bytes(self) -> int:
+        """The schedules' round size in bytes."""
+        return self._c.round_bytes
+
+    def check(self) -> None:
+        """Waits until this group's kernels issued so far are done, then raises
+        :class:`~pycomm.CommError` if one of them gave up (a peer gone, or
+        silent for ``timeout`` seconds): its result is not whole."""
+        self._stream.synchronize()
+        why = self._c.failure()
+        if why:
+            raise CommError(why)
+
+    def abort(self, why: str = "aborted by the caller") -> None:
+        """Makes every kernel of this group waiting on a peer give up now, and
+        every later call raise."""
+        self._c.abort(why)
 
 
 class IpcWork:
@@ -112,13 +148,27 @@ class IpcWork:
     NCCL's ``Work.get_future()``; ``is_completed()`` polls.
     """
 
-    def __init__(self, done: "torch.cuda.Event", result: torch.Tensor, stream: "torch.cuda.Stream") -> None:
-        self._done, self._result, self._stream = done, result, stream
+    def __init__(self, done: "torch.cuda.Event", result: torch.Tensor, stream: "torch.cuda.Stream",
+                 group: IpcAllReduce) -> None:
+        self._done, self._result, self._stream, self._group = done, result, stream, group
         self._future: Optional[torch.futures.Future] = None
 
     def wait(self) -> bool:
+        """Orders the current stream after the call; raises CommError where
+        the call is already known to have given up (see ``synchronize``)."""
         torch.cuda.current_stream(self._result.device).wait_event(self._done)
+        if self._done.query():
+            why = self._group._c.failure()
+            if why:
+                raise CommError(why)
         return True
+
+    def synchronize(self) -> None:
+        """Blocks until the call is done; raises CommError if it gave up."""
+        self._done.synchronize()
+        why = self._group._c.failure()
+        if why:
+            raise CommError(why)
 
     def is_completed(self) -> bool:
         return self._done.query()

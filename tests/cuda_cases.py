@@ -142,3 +142,99 @@ def group_cuda_does_not_block(rank: int, world: int) -> dict:
     y = (x + 1).cpu()  # synchronizes
     t3 = time.perf_counter()
     return {"queue_s": t1 - t0, "returned_s": t2 - t1, "gpu_s": t3 - t0, "y": y}
+
+
+# ---------------------------------------------------------------- the device executor of schedules
+
+# (dtype, op, n): counts 0, 1, primes, odd sizes; several 64 KiB rounds.
+SCHEDULE_CASES = [
+    (torch.float32, "sum", 0), (torch.float32, "sum", 1), (torch.float32, "avg", 1021),
+    (torch.float32, "sum", 70001), (torch.float32, "max", 16411), (torch.float32, "min", 7),
+    (torch.float64, "sum", 30011), (torch.float64, "avg", 31),
+    (torch.float16, "sum", 65537), (torch.bfloat16, "sum", 40009), (torch.bfloat16, "avg", 3),
+    (torch.int32, "sum", 12345), (torch.int64, "max", 777), (torch.uint8, "sum", 4101),
+]
+SCHEDULES = ("ring", "tree", "direct")
+
+
+def run_schedules(rank: int, world: int, name: str) -> List[str]:
+    """Every schedule and case on GPU 0 through the device executor against the
+    CPU communicator's all-reduce with the same algorithm and round size, in
+    place and into a misaligned view: the mismatches (none expected)."""
+    from harness import make_comm
+
+    round_bytes = 64 * 1024
+    comm = make_comm(rank, world, name + ".cpu", round_bytes=round_bytes, timeout=60)
+    ipc = pycomm.cuda_ipc.IpcAllReduce(worker_store(), rank, world, device="cuda:0", buffer_bytes=1 << 20,
+                                       round_bytes=round_bytes, prefix=name, timeout=60)
+    bad = []
+    for algo in SCHEDULES:
+        for i, (dtype, op, n) in enumerate(SCHEDULE_CASES):
+            x = make_input(i, rank, n, dtype)
+            cpu = x.clone()
+            comm.all_reduce(cpu, op, algorithm=algo)
+            gpu = ipc.all_reduce(x.cuda(), op=op, algorithm=algo).cpu()
+            buf = torch.empty(n + 1, dtype=dtype, device="cuda")
+            ipc.all_reduce(x.cuda(), op=op, algorithm=algo, out=buf[1:])
+            for what, got in (("in place", gpu), ("misaligned", buf[1:].cpu())):
+                if not torch.equal(got.view(torch.uint8), cpu.view(torch.uint8)):
+                    bad.append(f"{algo}/{dtype}/{op}/{n} {what}: {(got != cpu).sum().item()} elements differ")
+    # One group, every algorithm in turn: a schedule call after a one-shot
+    # call and the reverse (they share the staging buffer). The hand-written
+    # kernels reduce in rank order (the CPU kernel's bits); the schedules give
+    # the communicator's.
+    for k, algo in enumerate(("one_shot", "ring", "two_shot", "tree", "one_shot", "direct") * 3):
+        x = make_input(100 + k, rank, 50021, torch.float32)
+        if algo in ("one_shot", "two_shot"):
+            exp = torch.ops.pycomm.reduce([make_input(100 + k, q, 50021, torch.float32) for q in range(world)], "sum")
+        else:
+            exp = x.clone()
+            comm.all_reduce(exp, "sum", algorithm=algo)
+        got = ipc.all_reduce(x.cuda(), op="sum", algorithm=algo).cpu()
+        if not torch.equal(got, exp):
+            bad.append(f"interleaved call {k} ({algo}): {(got != exp).sum().item()} elements differ")
+    ipc.check()
+    comm.close()
+    return bad
+
+
+def ipc_peer_dies(rank: int, world: int, path: str, algo: str, mode: str, results) -> None:
+    """A fresh process (spawned): ranks 0..world-2 start a call; the last rank
+    is killed with SIGKILL (mode "kill") or stays alive and never calls
+    (mode "silent"). Survivors put (rank, error, seconds from the call to the
+    error) into `results`."""
+    import os
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    store = dist.FileStore(path, world)
+    timeout = 3.0 if mode == "silent" else 60.0
+    ipc = pycomm.cuda_ipc.IpcAllReduce(store, rank, world, device="cuda:0", buffer_bytes=1 << 22, prefix="dies",
+                                       timeout=timeout)
+    x = torch.ones(1 << 18, device="cuda")
+    ipc.all_reduce(x, algorithm=algo)
+    ipc.check()
+    last = rank == world - 1
+    if last:
+        store.wait([f"launched/{q}" for q in range(world - 1)])
+        time.sleep(0.2)  # the survivors' kernels are waiting for this rank by now
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        store.wait([f"reported/{q}" for q in range(world - 1)], __import__("datetime").timedelta(seconds=120))
+        return
+    t0 = time.monotonic()
+    ipc.all_reduce(x, algorithm=algo)
+    store.set(f"launched/{rank}", "1")
+    try:
+        ipc.check()
+        results.put((rank, None, time.monotonic() - t0))
+    except pycomm.CommError as e:
+        results.put((rank, str(e), time.monotonic() - t0))
+    try:
+        ipc.all_reduce(x, algorithm=algo)
+        results.put((rank, None, -1.0))
+    except pycomm.CommError as e:
+        results.put((rank, "next call: " + str(e), -1.0))
+    store.set(f"reported/{rank}", "1")

@@ -162,6 +162,63 @@ def test_ipc_all_reduce_is_stream_ordered_and_async(gpu_pool):
         assert res["future_is_x"] and res["done"]
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ipc_schedules_equal_the_cpu_executor_bit_for_bit(gpu_pool, world):
+    """Ring, tree and direct run by the device executor on GPU 0: the CPU
+    communicator's bits with the same algorithm and round size, every dtype the
+    kernel takes, sum/avg/max/min, counts 0, 1, primes, several rounds, in place
+    and into a misaligned view; interleaved with the hand-written kernels."""
+    from cuda_cases import run_schedules
+
+    per_rank = gpu_pool.run(run_schedules, world, gpu_pool.new_name(), world=world)
+    for rank, bad in enumerate(per_rank):
+        assert not bad, f"rank {rank}: {len(bad)} mismatches:\n" + "\n".join(bad[:20])
+
+
+@pytest.mark.parametrize("mode", ["kill", "silent"])
+@pytest.mark.parametrize("algo", ["one_shot", "two_shot", "ring", "tree"])
+def test_ipc_survivors_raise_when_a_peer_dies_or_stays_silent(tmp_path, algo, mode):
+    """3 fresh processes on GPU 0; while the survivors' kernels wait for it, the
+    last rank is killed with SIGKILL (its death is seen by the watchdog: the
+    survivors raise within 5 s although the timeout is 60 s) or stays alive and
+    never calls (the survivors give up after their 3 s timeout). Every later
+    call raises too; nothing is left in /dev/shm."""
+    import multiprocessing
+    import os
+
+    from cuda_cases import ipc_peer_dies
+
+    world = 3
+    shm_before = set(os.listdir("/dev/shm"))
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=ipc_peer_dies, args=(r, world, str(tmp_path / "store"), algo, mode, results))
+             for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        got = [results.get(timeout=120) for _ in range(2 * (world - 1))]
+        for p in procs:
+            p.join(timeout=60)
+    finally:  # a hang must not leave processes spinning on the GPU
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    first = {r: (err, t) for r, err, t in got if t >= 0}
+    later = {r: err for r, err, t in got if t < 0}
+    assert sorted(first) == sorted(later) == list(range(world - 1)), got
+    for r, (err, t) in first.items():
+        assert err and "gave up" in err, (r, err)
+        if mode == "kill":
+            assert "is gone" in err and t < 5.0, (r, err, t)
+        else:
+            # (the wait that gives up first may be on a survivor that itself waits for rank 2)
+            assert "waited more than the timeout for rank" in err and 2.5 < t < 20.0, (r, err, t)
+        assert later[r] and "next call" in later[r], (r, later[r])
+    assert procs[-1].exitcode == (-9 if mode == "kill" else 0)
+    assert set(os.listdir("/dev/shm")) <= shm_before
+
+
 # ---------------------------------------------------------------- hooks and the group path on CUDA
 
 

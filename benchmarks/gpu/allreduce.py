@@ -1,11 +1,15 @@
-"""All-reduce among processes sharing one GPU: pycomm's CUDA IPC one-shot and
-two-shot against gloo on the same CUDA tensors, nccl-tests style, in one run.
+"""All-reduce among processes sharing one GPU: pycomm's CUDA IPC kernels
+(one-shot, two-shot, and the ring and tree schedules run by the device
+executor) against gloo on the same CUDA tensors, nccl-tests style, in one run.
 
     python benchmarks/gpu/allreduce.py --world 2 [--max-bytes 268435456]
+        [--algorithms one_shot,two_shot,ring,tree,gloo]
 
 busbw = algbw x 2(n-1)/n. Every point is checked (#wrong): rank r adds r + 1
 everywhere, so the sum is n(n+1)/2 exactly. All ranks share one GPU's HBM:
-compare against the copy bandwidth that benchmarks/gpu/kernels.py prints.
+rank 0 first measures the device-to-device copy bandwidth alone (a copy
+reads and writes each byte: GB/s counts the bytes copied), printed in the
+header. Under CUDA MPS (benchmarks/gpu/run.sh mps) the header says so.
 """
 import argparse
 import datetime
@@ -34,14 +38,20 @@ def worker(rank, world, port, args):
     factor = 2 * (world - 1) / world
     want = world * (world + 1) / 2
     if rank == 0:
-        print(f"# {torch.cuda.get_device_name()} | {world} processes on one GPU | float32 sum")
+        a = torch.empty(args.max_bytes // 4, device="cuda")
+        b = torch.empty_like(a)
+        copy_s = event_median_ms(lambda: b.copy_(a), 10) / 1e3
+        del a, b
+        mps = "MPS" if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else "no MPS"
+        print(f"# {torch.cuda.get_device_name()} | {world} processes on one GPU, {mps} | float32 sum | "
+              f"device copy {args.max_bytes / copy_s / 1e9:.0f} GB/s ({args.max_bytes >> 20} MB)")
         print(f"{'size':>11} {'count':>10} {'algorithm':>9} | {'time us':>9} {'algbw GB/s':>10} "
               f"{'busbw GB/s':>10} {'#wrong':>6}")
     size = 4096
     while size <= args.max_bytes:
         n = size // 4
         x = torch.empty(n, device="cuda")
-        for name in ("one_shot", "two_shot", "gloo"):
+        for name in args.algorithms.split(","):
             if name == "gloo":
                 def step():
                     x.fill_(rank + 1)
@@ -67,6 +77,7 @@ def main():
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--max-bytes", type=int, default=256 << 20)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--algorithms", default="one_shot,two_shot,ring,tree,gloo")
     args = p.parse_args()
     port = 29500 + os.getpid() % 1000
     mp.spawn(worker, args=(args.world, port, args), nprocs=args.world)

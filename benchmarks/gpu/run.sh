@@ -1,8 +1,19 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: build the CUDA extension with the torch found
-# there, run the CUDA tests, then the kernel benchmark. Logs go to $OUT when
-# it is set (else to ./gpu-logs).
-#   bash benchmarks/gpu/run.sh
+# The GPU part of the project in one call on a GPU machine, stage by stage:
+#   bash benchmarks/gpu/run.sh                # every stage, in this order
+#   bash benchmarks/gpu/run.sh tests mps      # only these (the build is kept
+#                                             # between calls on a warm machine)
+# Stages:
+#   build      the CUDA extension with the torch found there
+#   tests      the CUDA tests (tests/test_cuda.py and the docs' CUDA examples;
+#              CUDA_TESTS= to narrow them)
+#   kernels    the kernel benchmark against the device's copy bandwidth
+#   allreduce  IPC all-reduce (one-shot, two-shot, ring, tree) against gloo,
+#              2 and 4 processes sharing the GPU
+#   mps        the same with CUDA MPS (processes' kernels run at the same
+#              time); the daemon is stopped again afterwards
+# Logs go to $OUT when it is set (else to ./gpu-logs). Every stage, and every
+# test, runs under a timeout: a hang must not eat the GPU lease.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 LOG=${OUT:-gpu-logs}
@@ -10,23 +21,59 @@ mkdir -p "$LOG"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-"8.0;9.0"}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOG/device.txt"
-"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$LOG/device.txt"
-# The machine's own torch (no network there): no pinned install, no isolation.
-SECONDS=0
-PYCOMM_FORCE_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} "$PY" -m pip install -q --no-build-isolation --no-deps -e . \
-  > "$LOG/build.log" 2>&1 || { tail -50 "$LOG/build.log"; exit 1; }
-echo "built in ${SECONDS}s"
-"$PY" -c "import pycomm, pycomm._C as c; assert c.has_cuda, 'built without CUDA'; print('pycomm built with CUDA')"
-# Every step under a timeout: a hang must not eat the GPU lease.
 STEP_TIMEOUT=${STEP_TIMEOUT:-240}
-# Every test under its own limit too (pytest-timeout, where installed).
-PER_TEST=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${TEST_TIMEOUT:-120}")
-timeout "$STEP_TIMEOUT" "$PY" -m pytest -q -m cuda -p no:cacheprovider $PER_TEST -rf ${CUDA_TESTS:-tests/test_cuda.py} 2>&1 \
-  | tee "$LOG/tests.log" | tail -30
-[ -n "${SKIP_BENCH:-}" ] && exit 0
-timeout "$STEP_TIMEOUT" "$PY" benchmarks/gpu/kernels.py 2>&1 | tee "$LOG/kernels.log"
-for w in 2 4; do
-  timeout "$STEP_TIMEOUT" "$PY" benchmarks/gpu/allreduce.py --world "$w" --max-bytes $((64 << 20)) 2>&1 \
-    | tee "$LOG/allreduce_$w.log"
+STAGES=${*:-build tests kernels allreduce mps}
+
+build() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOG/device.txt"
+  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$LOG/device.txt"
+  # The machine's own torch (no network there): no pinned install, no isolation.
+  SECONDS=0
+  PYCOMM_FORCE_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} "$PY" -m pip install -q --no-build-isolation --no-deps -e . \
+    > "$LOG/build.log" 2>&1 || { tail -50 "$LOG/build.log"; return 1; }
+  echo "built in ${SECONDS}s"
+}
+
+tests() {
+  "$PY" -c "import pycomm, pycomm._C as c; assert c.has_cuda, 'built without CUDA'; print('pycomm built with CUDA')" \
+    || return 1
+  # Every test under its own limit too (pytest-timeout, where installed).
+  local per_test
+  per_test=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${TEST_TIMEOUT:-120}")
+  timeout "$STEP_TIMEOUT" "$PY" -m pytest -q -m cuda -p no:cacheprovider $per_test -rf ${CUDA_TESTS:-tests/test_cuda.py tests/test_docs.py} \
+    2>&1 | tee "$LOG/tests.log" | tail -30
+}
+
+kernels() {
+  timeout "$STEP_TIMEOUT" "$PY" benchmarks/gpu/kernels.py 2>&1 | tee "$LOG/kernels.log"
+}
+
+allreduce() {
+  local tag=${1:-}
+  for w in 2 4; do
+    timeout "$STEP_TIMEOUT" "$PY" benchmarks/gpu/allreduce.py --world "$w" --max-bytes $((64 << 20)) 2>&1 \
+      | tee "$LOG/allreduce_${w}${tag}.log"
+  done
+}
+
+mps() {
+  # MPS needs root and a GPU in the default compute mode; say so when it
+  # does not start, and never leave the daemon running.
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if ! nvidia-cuda-mps-control -d 2>&1 | tee "$LOG/mps.log"; then
+    echo "MPS did not start" | tee -a "$LOG/mps.log"
+    return 1
+  fi
+  allreduce _mps
+  echo quit | nvidia-cuda-mps-control
+  cat "$CUDA_MPS_LOG_DIRECTORY"/control.log >> "$LOG/mps.log" 2>/dev/null
+}
+
+for stage in $STAGES; do
+  echo "=== $stage"
+  case $stage in
+    build | tests | kernels | allreduce | mps) "$stage" || [ "$stage" != build ] || exit 1 ;;
+    *) echo "unknown stage $stage (build tests kernels allreduce mps)"; exit 2 ;;
+  esac
 done

@@ -1,10 +1,9 @@
 // A schedule is a pure function from (rank, world, step) to the transfers a
 // rank makes at that step. Transports execute schedules; schedules know
 // nothing about memory, sockets or kernels, so one schedule serves the
-// shared-memory and the process-group executors (and any executor to come,
-// such as GPU kernels over IPC-mapped buffers), and is unit-tested alone.
-// The CUDA IPC all-reduce does not run schedules yet: its one-shot and
-// two-shot kernels are written out by hand (transport/cuda_ipc.cu).
+// shared-memory, the process-group and the CUDA executor (over IPC-mapped
+// buffers, transport/cuda_schedule.cu), and is unit-tested alone. (The IPC group's one-shot and two-shot kernels
+// are also written out by hand, in transport/cuda_ipc.cu.)
 //
 // Execution model every executor implements:
 //   * A collective's data is cut into rounds; each round into num_chunks()

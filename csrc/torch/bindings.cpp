@@ -393,7 +393,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
 #ifdef PYCOMM_WITH_CUDA
   py::class_<CudaIpcAllReduce, std::shared_ptr<CudaIpcAllReduce>>(m, "CudaIpcAllReduce")
-      .def(py::init<int, int, size_t>(), py::arg("rank"), py::arg("world"), py::arg("buffer_bytes"),
+      .def(py::init<int, int, size_t, size_t, double>(), py::arg("rank"), py::arg("world"), py::arg("buffer_bytes"),
+           py::arg("round_bytes") = 0, py::arg("timeout") = 300.0,
            "Allocates the staging buffer and signal block on the current CUDA device.")
       .def("handles", [](const CudaIpcAllReduce& c) { return py::bytes(c.handles()); })
       .def("open", &CudaIpcAllReduce::open, py::arg("handles"), py::call_guard<py::gil_scoped_release>())
@@ -404,11 +405,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("input"), py::arg("output"), py::arg("op"), py::arg("algorithm"),
           py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("buffer_bytes", &CudaIpcAllReduce::buffer_bytes);
+      .def("failure", &CudaIpcAllReduce::failure,
+           "'' unless a wait of a launch gave up (read once the stream is done); else why.")
+      .def("abort", &CudaIpcAllReduce::abort, py::arg("why"), "Makes every wait give up and every later call raise.")
+      .def_property_readonly("buffer_bytes", &CudaIpcAllReduce::buffer_bytes)
+      .def_property_readonly("round_bytes", &CudaIpcAllReduce::round_bytes);
   py::dict ipc;
   ipc["auto"] = static_cast<int>(IpcAlgo::kAuto);
   ipc["one_shot"] = static_cast<int>(IpcAlgo::kOneShot);
   ipc["two_shot"] = static_cast<int>(IpcAlgo::kTwoShot);
+  ipc["ring"] = static_cast<int>(IpcAlgo::kRing);
+  ipc["tree"] = static_cast<int>(IpcAlgo::kTree);
+  ipc["direct"] = static_cast<int>(IpcAlgo::kDirect);
   m.attr("ipc_algorithms") = ipc;
   m.attr("has_cuda") = true;
 #else

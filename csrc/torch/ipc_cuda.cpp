@@ -15,7 +15,7 @@ void ipc_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, const at::Ten
   TORCH_CHECK(in.scalar_type() == out.scalar_type() && in.numel() == out.numel(),
               "pycomm: output must match the input's dtype and size");
   TORCH_CHECK(to_dtype(in.scalar_type(), &dt), "pycomm: dtype ", in.scalar_type(), " is not supported");
-  TORCH_CHECK(algo >= 0 && algo <= static_cast<int>(IpcAlgo::kTwoShot), "pycomm: unknown IPC algorithm");
+  TORCH_CHECK(algo >= 0 && algo <= kLastIpcAlgo, "pycomm: unknown IPC algorithm");
   const c10::cuda::CUDAGuard guard(in.device());
   group.all_reduce(in.data_ptr(), out.data_ptr(), in.numel(), dt, op, static_cast<IpcAlgo>(algo),
                    c10::cuda::getCurrentCUDAStream().stream());
