@@ -35,10 +35,11 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Hashable, Optional
 
 import torch
 
+from . import compression as _compression
 from ._loader import CommError, load_core
 from ._tables import REDUCE_OPS, CoreTable, Op, reduce_op_id
 from .bootstrap import wait_keys
@@ -46,8 +47,11 @@ from .bootstrap import wait_keys
 #: The IPC kernels by name ("auto", "one_shot", "two_shot", "ring", "tree",
 #: "direct"; CUDA builds only).
 IPC_ALGORITHMS = CoreTable("ipc_algorithms")
-# Staging memory per rank: calls larger than this run in several launches.
+# Staging memory per rank: plain calls larger than this run in several
+# launches; a compressed call must fit (its codes: about (world + 1) / world
+# of a quarter (int8) or an eighth (int4) of a float32 tensor's bytes).
 DEFAULT_BUFFER_BYTES = 64 << 20
+_MASK64 = (1 << 64) - 1
 
 
 class IpcAllReduce:
@@ -76,6 +80,7 @@ class IpcAllReduce:
         with torch.cuda.device(self.device):
             self._c = core.CudaIpcAllReduce(rank, world_size, buffer_bytes, round_bytes or 0, timeout)
         self.rank, self.world_size = rank, world_size
+        self._seq = 1  # the communicator's first sequence number (stochastic rounding keys)
         store.set(f"{prefix}/{rank}", self._c.handles())
         keys = [f"{prefix}/{q}" for q in range(world_size)]
         wait_keys(store, keys, timeout, "every rank's CUDA IPC handles")
@@ -84,7 +89,10 @@ class IpcAllReduce:
             self._stream = torch.cuda.Stream(self.device)
 
     def all_reduce(self, tensor: torch.Tensor, op: Op = "sum", algorithm: str = "auto",
-                   out: Optional[torch.Tensor] = None, async_op: bool = False):
+                   out: Optional[torch.Tensor] = None, async_op: bool = False, *,
+                   compression: Optional["_compression.Codec"] = None,
+                   error_feedback: Optional["_compression.ErrorFeedback"] = None,
+                   key: Optional[Hashable] = None):
         """Reduces ``tensor`` over the group into ``out`` (default: in place).
 
         The kernels run on this group's own stream, ordered after the caller's
@@ -92,20 +100,84 @@ class IpcAllReduce:
         the caller's stream wait for them (the CPU does not block) and return
         ``out``; ``async_op=True`` returns an :class:`IpcWork` instead. Every rank
         must call with the same size, dtype, op and algorithm, in the same order.
+
+        ``compression=pycomm.Int8()`` or ``Int4()`` sends blockwise codes through
+        the buffers instead (sum or avg of float32/float16/bfloat16 tensors): the
+        communicator's compressed all-reduce, bit for bit, with its error
+        feedback when ``error_feedback`` (and ``key``, as for
+        :meth:`pycomm.Communicator.all_reduce`) is given.
+
+        Example::
+
+            ef = pycomm.compression.ErrorFeedback()
+            ipc.all_reduce(grad, op="avg", compression=pycomm.Int8(), error_feedback=ef, key="grad")
         """
+        if tensor.device != self.device:
+            raise CommError(f"pycomm: tensor is on {tensor.device}, this IPC group on {self.device}")
+        out = tensor if out is None else out
+        if compression is not None:
+            return self._enqueue(self._quantized_call(tensor, out, op, compression, error_feedback, key),
+                                 tensor, out, async_op, compression)
         op_id = reduce_op_id(op)
         # The IPC kernels reduce with sum, avg, max and min (what gradients need).
         if op_id is None or op_id not in {REDUCE_OPS[n] for n in ("sum", "avg", "max", "min")}:
             raise CommError(f"pycomm: the CUDA IPC all-reduce takes op sum, avg, max or min, got {op!r}")
         if algorithm not in IPC_ALGORITHMS:
             raise CommError(f"pycomm: algorithm must be one of {', '.join(IPC_ALGORITHMS)}, got {algorithm!r}")
-        if tensor.device != self.device:
-            raise CommError(f"pycomm: tensor is on {tensor.device}, this IPC group on {self.device}")
-        out = tensor if out is None else out
+        return self._enqueue(lambda: self._c.all_reduce(tensor, out, op_id, IPC_ALGORITHMS[algorithm]), tensor, out,
+                             async_op)
+
+    def _quantized_call(self, tensor, out, op, codec, error_feedback, key) -> Callable[[], None]:
+        """Checks a compressed call and returns its launch."""
+        op = str(getattr(op, "name", op)).lower()
+        if op not in ("sum", "avg"):
+            raise CommError(f"pycomm: a compressed CUDA IPC all-reduce sums or averages; op={op!r} is not supported")
+        if not _compression.is_quantizer(codec):
+            raise CommError(f"pycomm: the CUDA IPC all-reduce compresses with pycomm.Int8() or pycomm.Int4(), got "
+                            f"{codec!r} (top-k goes through pycomm.GroupCommunicator)")
+        if tensor.dtype not in _compression.codec_dtypes():
+            raise CommError(f"pycomm: compression takes {', '.join(str(d) for d in _compression.codec_dtypes())}; "
+                            f"got {tensor.dtype}")
+        if not tensor.is_contiguous() or out.shape != tensor.shape or out.dtype != tensor.dtype \
+                or out.device != tensor.device or not out.is_contiguous():
+            raise CommError("pycomm: the tensor and out must be contiguous, of one shape, dtype and device")
+        n, bits, block = tensor.numel(), int(codec.bits), int(codec.block)
+        need = self._c.quantized_bytes(n, bits, block)
+        if need > self._c.buffer_bytes:
+            raise CommError(f"pycomm: a compressed CUDA IPC all-reduce of {n} elements needs {need} bytes of "
+                            f"staging per rank; this group has {self._c.buffer_bytes} (make it with a larger "
+                            "buffer_bytes)")
+        worker = server = None
+        if error_feedback is not None:
+            worker, server = error_feedback.residuals(tensor.data_ptr() if key is None else key, tensor, codec,
+                                                      self.compressed_shard_numel(n, codec))
+        # The communicator's sequence numbers: a quantized call takes two.
+        seq, self._seq = self._seq, self._seq + 2
+        seeds = [load_core().rounding_seed(int(codec.seed) & _MASK64, seq, self.rank, which) for which in (0, 1)]
+        stochastic = bool(codec.stochastic)
+
+        def launch() -> None:
+            self._c.quantized_all_reduce(tensor, out, op == "avg", bits, block, stochastic, seeds[0], seeds[1],
+                                         worker, server)
+            for r in (worker, server):
+                if r is not None:
+                    r.record_stream(self._stream)
+        return launch
+
+    def compressed_shard_numel(self, numel: int, codec: "_compression.Codec") -> int:
+        """Elements of this rank's shard (its server residual) in a compressed call."""
+        return int(load_core().compressed_shard_elems(int(numel), self.world_size, int(codec.block)))
+
+    def fits(self, numel: int, codec: "_compression.Codec") -> bool:
+        """Whether a compressed call of ``numel`` elements fits this group's staging buffer."""
+        return self._c.quantized_bytes(int(numel), int(codec.bits), int(codec.block)) <= self._c.buffer_bytes
+
+    def _enqueue(self, launch: Callable[[], None], tensor: torch.Tensor, out: torch.Tensor, async_op: bool,
+                 codec: Optional["_compression.Codec"] = None):
         caller = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(caller)
         with torch.cuda.stream(self._stream):
-            self._c.all_reduce(tensor, out, op_id, IPC_ALGORITHMS[algorithm])
+            launch()
         # The caching allocator must not hand these tensors' memory to the
         # caller's stream before this stream is done with it.
         tensor.record_stream(self._stream)
@@ -113,10 +185,21 @@ class IpcAllReduce:
         done = torch.cuda.Event()
         done.record(self._stream)
         work = IpcWork(done, out, self._stream, self)
+        # What this rank hands to its peers (they read it from its buffer):
+        # the communicator's accounting of the same call.
+        n, w = tensor.numel(), self.world_size
+        work.bytes_uncompressed = _compression.plain_allreduce_bytes(n, tensor.element_size(), w)
+        work.bytes_sent = (2 * (w - 1) * self._c.quantized_bytes(n, codec.bits, codec.block) // (w + 1)
+                           if codec is not None else work.bytes_uncompressed)
         if async_op:
             return work
         work.wait()
         return out
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Staging bytes per rank."""
+        return self._c.buffer_bytes
 
     @property
     def round_bytes(self) -> int:
@@ -152,6 +235,8 @@ class IpcWork:
                  group: IpcAllReduce) -> None:
         self._done, self._result, self._stream, self._group = done, result, stream, group
         self._future: Optional[torch.futures.Future] = None
+        self.bytes_sent = self.bytes_uncompressed = 0
+        self.run_seconds = 0.0  # (not measured: that would synchronize)
 
     def wait(self) -> bool:
         """Orders the current stream after the call; raises CommError where

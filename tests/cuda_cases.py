@@ -238,3 +238,46 @@ def ipc_peer_dies(rank: int, world: int, path: str, algo: str, mode: str, result
     except pycomm.CommError as e:
         results.put((rank, "next call: " + str(e), -1.0))
     store.set(f"reported/{rank}", "1")
+
+
+def run_ipc_quantized(rank: int, world: int, name: str, cases: List[tuple], steps: int = 3) -> List[list]:
+    """Each case (codec, n, dtype, op) through the quantized IPC all-reduce on
+    GPU 0 and the CPU communicator's compressed all-reduce, both fresh (their
+    sequence numbers, which key stochastic rounding, start together), with
+    error feedback over several steps: the mismatches in outputs and
+    residuals per case (none expected)."""
+    from group_cases import CODECS, _input, mismatches
+    from harness import make_comm
+
+    comm = make_comm(rank, world, name + ".cpu", timeout=60)
+    ipc = pycomm.cuda_ipc.IpcAllReduce(worker_store(), rank, world, device="cuda:0", buffer_bytes=4 << 20,
+                                       prefix=name, timeout=60)
+    out = []
+    for ci, (codec_name, n, dtype, op) in enumerate(cases):
+        codec = CODECS[codec_name]()
+        ef_cpu, ef_gpu = pycomm.compression.ErrorFeedback(), pycomm.compression.ErrorFeedback()
+        bad = []
+        for step in range(steps):
+            x = _input(ci, rank, step, n, dtype)
+            a, b = x.clone(), x.cuda()
+            comm.all_reduce(a, op=op, compression=codec, error_feedback=ef_cpu, key="k")
+            work = ipc.all_reduce(b, op=op, compression=codec, error_feedback=ef_gpu, key="k", async_op=True)
+            work.synchronize()
+            bad += mismatches(step, a, b, ef_cpu, ef_gpu)
+            if world > 1 and n > 0 and not 0 < work.bytes_sent < work.bytes_uncompressed:
+                bad.append((step, f"bytes_sent {work.bytes_sent} of {work.bytes_uncompressed}"))
+        out.append(bad)
+    msgs = []
+    for call in (lambda: ipc.all_reduce(torch.randn(8, device="cuda"), op="max", compression=pycomm.Int8()),
+                 lambda: ipc.all_reduce(torch.randn(8, device="cuda"), compression=pycomm.TopK(0.1)),
+                 lambda: ipc.all_reduce(torch.randn(8, device="cuda", dtype=torch.float64), compression=pycomm.Int8()),
+                 lambda: ipc.all_reduce(torch.randn(8 << 20, device="cuda"), compression=pycomm.Int8())):
+        try:
+            call()
+            msgs.append("accepted")
+        except pycomm.CommError as e:
+            msgs.append(str(e))
+    out.append(msgs)
+    ipc.check()
+    comm.close()
+    return out

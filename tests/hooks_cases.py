@@ -427,6 +427,12 @@ def policy_decisions(rank: int, world: int) -> Dict[str, object]:
         fake = _FakeCudaBuffer()
         st = hooks.CompressionState(g)
         out["cuda_compressed"] = st._route(fake, True)
+        # One Int8/Int4 all-reduce per bucket (the compressed hooks): CUDA IPC
+        # where it can go, else the group path.
+        for name, reason in (("cuda_quantized_ipc", None), ("cuda_quantized_group", "ranks share a GPU")):
+            st = hooks.CompressionState(g)
+            st._ipc_refusal = lambda device, r=reason: r
+            out[name] = st._route(fake, True, quantized=True)
         for name, reason in (("cuda_plain_ipc", None), ("cuda_plain_group", "the ranks span several hosts")):
             st = hooks.AllReduceState(g)
             st._ipc_refusal = lambda device, r=reason: r

@@ -175,6 +175,26 @@ def test_ipc_schedules_equal_the_cpu_executor_bit_for_bit(gpu_pool, world):
         assert not bad, f"rank {rank}: {len(bad)} mismatches:\n" + "\n".join(bad[:20])
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ipc_quantized_all_reduce_equals_the_cpu_communicator(gpu_pool, world):
+    """Int8/Int4 (round-to-nearest and stochastic, blocks of 64-256) through the
+    peers' buffers: outputs, worker and server residuals bit for bit the CPU
+    communicator's over 3 steps with error feedback; bad calls refused with a
+    message (max, top-k, float64, codes larger than the buffer)."""
+    from cuda_cases import run_ipc_quantized
+
+    cases = [(codec, n, dtype, op) for codec in ("int8", "int8_b64_stoch", "int4", "int4_stoch")
+             for n, dtype, op in ((70001, torch.float32, "avg"), (1021, torch.bfloat16, "sum"),
+                                  (4099, torch.float16, "avg"), (1, torch.float32, "sum"))]
+    per_rank = gpu_pool.run(run_ipc_quantized, world, gpu_pool.new_name(), cases, world=world)
+    for rank, res in enumerate(per_rank):
+        *bad, msgs = res
+        for case, b in zip(cases, bad):
+            assert not b, (rank, case, b)
+        assert "sums or averages" in msgs[0] and "Int8() or pycomm.Int4()" in msgs[1], msgs
+        assert "compression takes" in msgs[2] and "larger buffer_bytes" in msgs[3], msgs
+
+
 @pytest.mark.parametrize("mode", ["kill", "silent"])
 @pytest.mark.parametrize("algo", ["one_shot", "two_shot", "ring", "tree"])
 def test_ipc_survivors_raise_when_a_peer_dies_or_stays_silent(tmp_path, algo, mode):
@@ -283,13 +303,16 @@ def test_every_hook_on_cuda_buckets(ddp_pool, hook, option, world):
         assert set(res[rank]["routes"].values()) == {"group"}, res[rank]["routes"]
 
 
-@pytest.mark.parametrize("hook", ["allreduce", "bf16"])
-def test_plain_cuda_buckets_through_ipc_when_asked(ddp_pool, hook):
+@pytest.mark.parametrize("hook", ["allreduce", "bf16", "int8", "int4"])
+def test_cuda_buckets_through_ipc_when_asked(ddp_pool, hook):
+    """path='ipc': plain buckets through the IPC kernels, Int8/Int4 ones through
+    the quantized IPC all-reduce (with error feedback)."""
     import hooks_cases
 
     res = ddp_pool.run(hooks_cases.compose, 2, hook, "bucket_view", path="ipc", device="cuda")[:2]
     for rank in range(2):
-        assert res[rank]["routes"] == {"cuda/plain": "ipc"}, res[rank]["routes"]
+        assert set(res[rank]["routes"].values()) == {"ipc"}, res[rank]["routes"]
+        assert ("cuda/compressed" in res[rank]["routes"]) == (hook in ("int8", "int4")), res[rank]["routes"]
         assert res[rank]["rel_err"] <= CUDA_BOUNDS[hook], (rank, res[rank]["rel_err"])
         for a, b in zip(res[rank]["grads"], res[0]["grads"]):
             assert torch.equal(a, b)

@@ -155,6 +155,7 @@ def test_hook_policy_picks_and_logs_each_path(pool):
         assert r["cpu_auto"] == "communicator" and r["cpu_group"] == "group"
         assert "takes CUDA buckets" in r["cpu_ipc"]
         assert r["cuda_compressed"] == "group"
+        assert r["cuda_quantized_ipc"] == "ipc" and r["cuda_quantized_group"] == "group"
         assert r["cuda_plain_ipc"] == "ipc" and r["cuda_plain_group"] == "group"
         assert "takes CPU tensors only" in r["cuda_with_communicator"]
         assert r["env_path"] == "group"
@@ -165,6 +166,10 @@ def test_hook_policy_picks_and_logs_each_path(pool):
                    and "(gloo)" in line for line in lines)
         assert sum("cuda plain buckets take the ipc path: every rank is on this host" in line
                    for line in lines) == 1
+        assert any("cuda compressed buckets take the ipc path: every rank is on this host, each on its own GPU: "
+                   "CUDA IPC's quantized all-reduce" in line for line in lines)
+        assert any("cuda compressed buckets take the group path: pycomm's CUDA kernels and the group's own "
+                   "collectives (gloo), on the device: ranks share a GPU" in line for line in lines)
         assert sum("cuda plain buckets take the group path: the group's own all-reduce (gloo): the ranks span "
                    "several hosts" in line for line in lines) == 1
         assert r["refusals"][0] is None

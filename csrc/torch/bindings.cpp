@@ -405,6 +405,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("input"), py::arg("output"), py::arg("op"), py::arg("algorithm"),
           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "quantized_all_reduce",
+          [](CudaIpcAllReduce& c, const at::Tensor& in, const at::Tensor& out, bool avg, int bits, int block,
+             bool stochastic, uint64_t seed_quantize, uint64_t seed_requantize, std::optional<at::Tensor> worker,
+             std::optional<at::Tensor> server) {
+            ipc_quantized_all_reduce(c, in, out, avg, bits, block, stochastic, seed_quantize, seed_requantize,
+                                     worker.value_or(at::Tensor()), server.value_or(at::Tensor()));
+          },
+          py::arg("input"), py::arg("output"), py::arg("avg"), py::arg("bits"), py::arg("block"),
+          py::arg("stochastic"), py::arg("seed_quantize"), py::arg("seed_requantize"), py::arg("worker_residual"),
+          py::arg("server_residual"), py::call_guard<py::gil_scoped_release>())
+      .def("quantized_bytes",
+           [](const CudaIpcAllReduce& c, size_t n, int bits, int block) {
+             return ipc_quantized_bytes(n, c.world(), bits, block);
+           },
+           py::arg("numel"), py::arg("bits"), py::arg("block"),
+           "Staging bytes per rank a quantized call of numel elements needs.")
       .def("failure", &CudaIpcAllReduce::failure,
            "'' unless a wait of a launch gave up (read once the stream is done); else why.")
       .def("abort", &CudaIpcAllReduce::abort, py::arg("why"), "Makes every wait give up and every later call raise.")

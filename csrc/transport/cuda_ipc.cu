@@ -133,6 +133,26 @@ __global__ void __launch_bounds__(kThreads) ipc_all_reduce_kernel(IpcArgs a, T* 
   if (!barrier(a, 2)) return;
 }
 
+// barrier(): thread q pushes this rank's arrival to rank q, then waits for
+// rank q's. The stream orders the earlier kernels' writes before this one
+// starts; the fence makes them visible to the other processes before the
+// release, and the acquire orders the later kernels after the peers'.
+struct SignalTable {
+  IpcSignal* sig[kIpcMaxRanks];
+};
+
+__global__ void barrier_kernel(SignalTable t, int rank, int world, uint32_t epoch, WaitCtx wait) {
+  uint32_t* slots[kIpcMaxRanks];
+  for (int q = 0; q < world; ++q) {
+    if (threadIdx.x == q) {
+      __threadfence_system();
+      st_release(&t.sig[q]->bar[rank], epoch);
+    }
+    slots[q] = q == rank ? nullptr : &t.sig[rank]->bar[q];
+  }
+  ipc_detail::block_wait_each(wait, slots, world, epoch, kIpcWaitBarrier);
+}
+
 template <typename T>
 void launch_typed(const IpcArgs& a, RedOp op, void* out, size_t count, unsigned grid, cudaStream_t stream) {
   auto* o = static_cast<T*>(out);
@@ -281,6 +301,16 @@ void CudaIpcAllReduce::throw_if_failed() const {
           " (make a new group)";
   }
   if (!why.empty()) throw CommError(why);
+}
+
+void CudaIpcAllReduce::barrier(cudaStream_t stream) {
+  if (!opened_) throw CommError("pycomm: CUDA IPC barrier called before open()");
+  throw_if_failed();
+  if (world_ == 1) return;
+  SignalTable t{};
+  for (int q = 0; q < world_; ++q) t.sig[q] = static_cast<IpcSignal*>(peer_signals_[q]);
+  barrier_kernel<<<1, 32, 0, stream>>>(t, rank_, world_, ++barriers_, WaitCtx{status_dev_, timeout_ns_});
+  check(cudaGetLastError(), "barrier launch");
 }
 
 void CudaIpcAllReduce::all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, IpcAlgo algo,

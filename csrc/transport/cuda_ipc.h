@@ -114,6 +114,16 @@ class CudaIpcAllReduce {
   void all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, IpcAlgo algo,
                   cudaStream_t stream);
 
+  // For code that composes its own collectives over the group (the
+  // quantized IPC all-reduce, compression/): rank q's staging buffer
+  // (mapped into this process), and a barrier among the ranks enqueued on
+  // `stream` (every rank's earlier work on its stream is done, and visible,
+  // before any rank's later work starts). Throws CommError when the group
+  // failed or was aborted.
+  void* peer_buffer(int q) const { return peer_buffers_.at(q); }
+  void barrier(cudaStream_t stream);
+  void check_usable() const { throw_if_failed(); }
+
   // What kAuto picks for a call of `bytes` among `world` ranks.
   static IpcAlgo choose(size_t bytes, int world);
 
@@ -145,6 +155,7 @@ class CudaIpcAllReduce {
   // Steps posted and rounds finished by this rank's schedule launches so
   // far (the same on every rank).
   uint32_t steps_done_ = 0, rounds_done_ = 0;
+  uint32_t barriers_ = 0;  // barrier() calls so far
 
   // Failure handling: the host-mapped status, the wait bound, the watchdog.
   void throw_if_failed() const;

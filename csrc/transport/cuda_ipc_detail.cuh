@@ -35,6 +35,9 @@ struct IpcSignal {
   // finished, per block.
   alignas(128) uint32_t step[kIpcMaxBlocks][kIpcMaxRanks];
   alignas(128) uint32_t round[kIpcMaxBlocks][kIpcMaxRanks];
+  // barrier(): the last barrier src entered (one row serves every barrier:
+  // values only grow, and a wait is for "at least").
+  alignas(128) uint32_t bar[kIpcMaxRanks];
 };
 
 __device__ __forceinline__ void st_release(uint32_t* p, uint32_t v) {

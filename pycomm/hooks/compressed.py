@@ -187,8 +187,8 @@ def _compressed(state: CompressionState, bucket: dist.GradBucket, want: Optional
     state._observe(bucket)
     if state.iteration < state.start_iter or buf.dtype not in _compression.codec_dtypes():
         return _average(state, bucket, None, f"pycomm::{hook}")
-    route = state._route(buf, compressed=True)
-    comm = state.communicator if route == "communicator" else state._group_communicator()
+    route = state._route(buf, compressed=True, quantized=_compression.is_quantizer(codec))
+    comm = state._compressed_path(route, buf, codec)
     with record_function(f"pycomm::{hook}"):
         key = state._residual_key(bucket, buf, codec, comm) if state.error_feedback is not None else None
         work = comm.all_reduce(buf, op="avg", compression=codec, error_feedback=state.error_feedback, key=key,
@@ -196,7 +196,8 @@ def _compressed(state: CompressionState, bucket: dist.GradBucket, want: Optional
     sent, uncompressed = work.bytes_sent, work.bytes_uncompressed
 
     def done(fut: torch.futures.Future) -> torch.Tensor:
-        result = fut.value()[0]
+        value = fut.value()  # [output] from the communicator and the group path; IPC's is the output
+        result = value[0] if isinstance(value, list) else value
         state._record(work.run_seconds, sent, uncompressed, compressed=True)
         return result
 

@@ -3,8 +3,12 @@ bucket and logged (INFO, logger ``pycomm``) with its reason.
 
 * CPU buckets: pycomm's :class:`~pycomm.Communicator` (shared memory within a
   host, its inter-host transport between hosts).
-* CUDA buckets, compressed: :class:`~pycomm.GroupCommunicator`, pycomm's CUDA
+* CUDA buckets, compressed with Int8/Int4: CUDA IPC's quantized all-reduce
+  (the codes travel through the peers' buffers) when every rank is on one
+  host, each on its own GPU, and the bucket's codes fit the IPC buffer;
+  otherwise (and for top-k) :class:`~pycomm.GroupCommunicator`, pycomm's CUDA
   kernels composed with the group's own collectives (NCCL), on the device.
+  Both give the communicator's bits.
 * CUDA buckets, plain: CUDA IPC when every rank is on one host, each on its
   own GPU; otherwise the group's own all-reduce.
 
@@ -111,6 +115,7 @@ class Router:
         self._ipc: Dict[torch.device, Any] = {}
         self._routes: Dict[Tuple[str, bool], str] = {}
         self._futures: Optional[GroupFutures] = None
+        self._said_too_big = False
 
     @property
     def communicator(self) -> "_communicator.Communicator":
@@ -130,19 +135,22 @@ class Router:
         return {f"{dev}/{'compressed' if c else 'plain'}": r for (dev, c), r in self._routes.items()}
 
 
-    def _route(self, buf: torch.Tensor, compressed: bool) -> str:
+    def _route(self, buf: torch.Tensor, compressed: bool, quantized: bool = False) -> str:
         """The path of a bucket like ``buf``: decided once per device type and
-        kind (collectively where it asks the peers), logged with its reason."""
+        kind (collectively where it asks the peers), logged with its reason.
+        ``quantized``: a compressed bucket that is one Int8/Int4 all-reduce
+        (the compressed hooks), which CUDA IPC can carry; other compression
+        (top-k, PowerSGD's factors, DiLoCo) takes the group path."""
         key = (buf.device.type, compressed)
         route = self._routes.get(key)
         if route is None:
-            route, why = self._decide(buf, compressed)
+            route, why = self._decide(buf, compressed, quantized)
             self._routes[key] = route
             logger.info("pycomm.hooks: %s %s buckets take the %s path: %s", buf.device.type,
                         "compressed" if compressed else "plain", route, why)
         return route
 
-    def _decide(self, buf: torch.Tensor, compressed: bool) -> Tuple[str, str]:
+    def _decide(self, buf: torch.Tensor, compressed: bool, quantized: bool = False) -> Tuple[str, str]:
         forced = f"path={self.path!r} was asked for"
         if buf.device.type == "cpu":
             if self.path == "ipc":
@@ -156,15 +164,36 @@ class Router:
             raise CommError("pycomm.hooks: pycomm's communicator takes CPU tensors only; for CUDA buckets build "
                             "the state with the DDP process group (or none), not a communicator, and path='auto'")
         backend = _group.device_backend(self.process_group, buf.device)
-        if compressed:
+        if compressed and not quantized:
             return "group", (forced if self.path == "group" else "compressed CUDA buckets are composed from "
                              f"pycomm's CUDA kernels and the group's own collectives ({backend}), on the device")
         if self.path in ("group", "ipc"):
             return self.path, forced
         why_not = self._ipc_refusal(buf.device)
         if why_not is None:
-            return "ipc", "every rank is on this host, each on its own GPU: CUDA IPC (one kernel per call)"
+            return "ipc", ("every rank is on this host, each on its own GPU: CUDA IPC's quantized all-reduce (codes "
+                           "through the peers' buffers)" if compressed else
+                           "every rank is on this host, each on its own GPU: CUDA IPC (one kernel per call)")
+        if compressed:
+            return "group", (f"pycomm's CUDA kernels and the group's own collectives ({backend}), on the device: "
+                             f"{why_not}")
         return "group", f"the group's own all-reduce ({backend}): {why_not}"
+
+    def _compressed_path(self, route: str, buf: torch.Tensor, codec: Any) -> Any:
+        """What carries a compressed bucket on ``route``: the communicator, the
+        group path, or the IPC group (the group path for a bucket whose codes
+        do not fit the IPC buffer; said once)."""
+        if route == "communicator":
+            return self.communicator
+        if route == "ipc":
+            ipc = self._ipc_group(buf.device)
+            if ipc.fits(buf.numel(), codec):
+                return ipc
+            if not self._said_too_big:
+                self._said_too_big = True
+                logger.info("pycomm.hooks: a compressed bucket of %d elements does not fit the CUDA IPC buffer "
+                            "(%d bytes): such buckets take the group path", buf.numel(), ipc.buffer_bytes)
+        return self._group_communicator()
 
     def _ipc_refusal(self, device: torch.device) -> Optional[str]:
         """Why CUDA IPC cannot carry this group's plain buckets, or None if it
