@@ -281,3 +281,52 @@ def run_ipc_quantized(rank: int, world: int, name: str, cases: List[tuple], step
     ipc.check()
     comm.close()
     return out
+
+
+def read_at_once_from_another_stream(rank: int, world: int, calls: int = 200) -> dict:
+    """Each path's future waited on, and its result read at once, on a stream
+    other than the one that made the input (busy with a sleep first, so that
+    an unordered read would come early): the plain group path (Gloo's CUDA
+    all-reduce, completed by pycomm's hook-futures thread), the compressed
+    group path, and CUDA IPC. Returns per path the number of wrong reads."""
+    from hooks_cases import _group
+    from pycomm import hooks
+
+    g, _ = _group(world)
+    if rank >= world:
+        return {}
+    state = hooks.AllReduceState(g, path="group")
+    gc = pycomm.GroupCommunicator(g)
+    ipc = pycomm.cuda_ipc.IpcAllReduce(worker_store(), rank, world, device="cuda:0", buffer_bytes=1 << 22,
+                                       prefix=f"order.{world}", timeout=60)
+    side = torch.cuda.Stream()
+    n = 1 << 18
+    exact = world * (world + 1) / 2
+
+    def plain(x):
+        work = state._start_all_reduce("group", x, "sum")
+        return state._group_future(work, lambda f: f.value()[0], x.device)
+
+    def compressed(x):
+        return gc.all_reduce(x, compression=pycomm.Int8(), async_op=True).get_future()
+
+    def through_ipc(x):
+        return ipc.all_reduce(x, async_op=True).get_future()
+
+    wrong = {}
+    for name, start in (("group plain", plain), ("group compressed", compressed), ("ipc", through_ipc)):
+        reads = []
+        for i in range(calls):
+            x = torch.empty(n, device="cuda")
+            torch.cuda._sleep(200_000 if i % 4 == 0 else 20_000)  # the input lands late
+            x.fill_(rank + 1)
+            fut = start(x)
+            with torch.cuda.stream(side):
+                value = fut.wait()
+                value = value[0] if isinstance(value, list) else value
+                reads.append(value.clone())  # read at once, on another stream
+        torch.cuda.synchronize()
+        tol = 0.0 if name != "group compressed" else 1e-2 * exact
+        wrong[name] = sum(int(((r - exact).abs() > tol).any()) for r in reads)
+    ipc.check()
+    return wrong

@@ -303,6 +303,18 @@ def test_every_hook_on_cuda_buckets(ddp_pool, hook, option, world):
         assert set(res[rank]["routes"].values()) == {"group"}, res[rank]["routes"]
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_path_s_future_orders_a_reader_on_another_stream(ddp_pool, world):
+    """200 calls per path, each result waited on and read at once on another
+    stream than the input's (which a sleep keeps busy): every read sees the
+    whole result, with no device-wide synchronize anywhere (the plain group
+    path's futures were not CUDA-aware before: StaleState needed one)."""
+    from cuda_cases import read_at_once_from_another_stream
+
+    for rank, wrong in enumerate(ddp_pool.run(read_at_once_from_another_stream, world)[:world]):
+        assert wrong == {"group plain": 0, "group compressed": 0, "ipc": 0}, (rank, wrong)
+
+
 @pytest.mark.parametrize("hook", ["allreduce", "bf16", "int8", "int4"])
 def test_cuda_buckets_through_ipc_when_asked(ddp_pool, hook):
     """path='ipc': plain buckets through the IPC kernels, Int8/Int4 ones through

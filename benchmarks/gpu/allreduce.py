@@ -1,12 +1,14 @@
 """All-reduce among processes sharing one GPU: pycomm's CUDA IPC kernels
 (one-shot, two-shot, and the ring and tree schedules run by the device
-executor) against gloo on the same CUDA tensors, nccl-tests style, in one run.
+executor, and the quantized int8 / int4 all-reduce through the same buffers)
+against gloo on the same CUDA tensors, nccl-tests style, in one run.
 
     python benchmarks/gpu/allreduce.py --world 2 [--max-bytes 268435456]
-        [--algorithms one_shot,two_shot,ring,tree,gloo]
+        [--algorithms one_shot,two_shot,ring,tree,int8,int4,gloo]
 
-busbw = algbw x 2(n-1)/n. Every point is checked (#wrong): rank r adds r + 1
-everywhere, so the sum is n(n+1)/2 exactly. All ranks share one GPU's HBM:
+busbw = algbw x 2(n-1)/n of the float32 bytes (for int8 / int4 too: what
+the caller's data would take). Every point is checked (#wrong): rank r adds
+r + 1 everywhere, so the sum is n(n+1)/2 exactly (int8 / int4: within 1 %). All ranks share one GPU's HBM:
 rank 0 first measures the device-to-device copy bandwidth alone (a copy
 reads and writes each byte: GB/s counts the bytes copied), printed in the
 header. Under CUDA MPS (benchmarks/gpu/run.sh mps) the header says so.
@@ -56,6 +58,12 @@ def worker(rank, world, port, args):
                 def step():
                     x.fill_(rank + 1)
                     dist.all_reduce(x)
+            elif name in ("int8", "int4"):
+                codec = pycomm.Int8() if name == "int8" else pycomm.Int4()
+
+                def step(codec=codec):
+                    x.fill_(rank + 1)
+                    ipc.all_reduce(x, compression=codec)
             else:
                 def step(name=name):
                     x.fill_(rank + 1)
@@ -63,7 +71,8 @@ def worker(rank, world, port, args):
             t = timed(step, args.repeats if name != "gloo" else max(3, args.repeats // 4))
             step()
             torch.cuda.synchronize()
-            wrong = int((x != want).sum())
+            tol = 0.01 * want if name in ("int8", "int4") else 0.0
+            wrong = int(((x - want).abs() > tol).sum())
             if rank == 0:
                 algbw = size / t / 1e9
                 print(f"{size:>11} {n:>10} {name:>9} | {t * 1e6:9.1f} {algbw:10.2f} {algbw * factor:10.2f} "
@@ -77,7 +86,7 @@ def main():
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--max-bytes", type=int, default=256 << 20)
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--algorithms", default="one_shot,two_shot,ring,tree,gloo")
+    p.add_argument("--algorithms", default="one_shot,two_shot,ring,tree,int8,int4,gloo")
     args = p.parse_args()
     port = 29500 + os.getpid() % 1000
     mp.spawn(worker, args=(args.world, port, args), nprocs=args.world)

@@ -12,17 +12,23 @@
 #              2 and 4 processes sharing the GPU
 #   mps        the same with CUDA MPS (processes' kernels run at the same
 #              time); the daemon is stopped again afterwards
-# Logs go to $OUT when it is set (else to ./gpu-logs). Every stage, and every
-# test, runs under a timeout: a hang must not eat the GPU lease.
+#   crash      the CPU failure suites (kill -9, timeouts, aborts) on this
+#              machine's torch and cores, with faulthandler and core dumps
+#              (backtraces by cuda-gdb, the debugger there)
+# Logs go to ./gpu-logs; with $OUT set (the device tool), to a folder packed
+# into $OUT/gpu-logs.tgz after every stage (one file: few come back). Every
+# stage, and every test, runs under a timeout: a hang must not eat the lease.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-LOG=${OUT:-gpu-logs}
+LOG=${OUT:+/tmp/gpu-logs}
+LOG=${LOG:-gpu-logs}
 mkdir -p "$LOG"
+pack() { [ -n "${OUT:-}" ] && tar czf "$OUT/gpu-logs.tgz" -C "$LOG" . ; return 0; }
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-"8.0;9.0"}
 STEP_TIMEOUT=${STEP_TIMEOUT:-240}
-STAGES=${*:-build tests kernels allreduce mps}
+STAGES=${*:-build tests kernels allreduce mps crash}
 
 build() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOG/device.txt"
@@ -70,10 +76,26 @@ mps() {
   cat "$CUDA_MPS_LOG_DIRECTORY"/control.log >> "$LOG/mps.log" 2>/dev/null
 }
 
+crash() {
+  ulimit -c unlimited
+  mkdir -p /tmp/cores
+  echo "/tmp/cores/core.%e.%p" > /proc/sys/kernel/core_pattern 2>/dev/null || echo "(core_pattern not writable)"
+  local per_test
+  per_test=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${TEST_TIMEOUT:-120}")
+  PYTHONFAULTHANDLER=1 timeout "$STEP_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider $per_test -rf \
+    ${CRASH_TESTS:-tests/test_reliability.py tests/test_errors.py} 2>&1 | tee "$LOG/crash.log" | tail -30
+  for c in /tmp/cores/core.*; do
+    [ -e "$c" ] || continue
+    timeout 120 cuda-gdb -batch -ex "thread apply all bt" "$(command -v "$PY")" "$c" > "$LOG/bt_$(basename "$c").txt" 2>&1
+    rm -f "$c"
+  done
+}
+
 for stage in $STAGES; do
   echo "=== $stage"
   case $stage in
-    build | tests | kernels | allreduce | mps) "$stage" || [ "$stage" != build ] || exit 1 ;;
-    *) echo "unknown stage $stage (build tests kernels allreduce mps)"; exit 2 ;;
+    build | tests | kernels | allreduce | mps | crash) "$stage" || [ "$stage" != build ] || { pack; exit 1; } ;;
+    *) echo "unknown stage $stage (build tests kernels allreduce mps crash)"; exit 2 ;;
   esac
+  pack
 done

@@ -18,6 +18,16 @@ ever reaches the backend's threads. NCCL completes a CUDA work's future on the
 caller's thread already (callbacks run inline, ordered by streams), so its
 futures keep ``then``.
 
+CUDA tensors (Gloo takes them through host memory): the serving thread waits
+for the work with a stream of its own current (``work.wait()`` makes the
+current stream wait for the collective's copies back to the device) and sets
+the result of a CUDA-aware future there, which records an event on that
+stream: whoever waits on the hook's future, on any stream, is ordered after
+the data landed, without a device-wide synchronize. (A plain future, as
+before, promised nothing to a waiter on another stream: ``StaleState`` read
+a step-old average before Gloo's copy had written it in 1 of 3 runs on an
+H100 and needed ``torch.cuda.synchronize``.)
+
 A work of a group that was given up (``pycomm.elastic``'s epoch groups) may
 complete only when a peer process exits, possibly while this process is
 exiting too; a daemon thread that returns from ``work.wait()`` then, while
@@ -44,11 +54,12 @@ Example::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import queue
 import threading
 import time
 import weakref
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -57,7 +68,7 @@ from ..group import wait_work
 Done = Callable[[torch.futures.Future], Any]
 
 
-Job = Tuple[Any, Done, torch.futures.Future]
+Job = Tuple[Any, Done, torch.futures.Future, Optional[torch.device]]
 
 #: The last call of each thread that ended (see _serve).
 _PARKED: list = []
@@ -87,6 +98,7 @@ atexit.register(_join_at_exit)
 
 def _serve(jobs: "queue.Queue[Optional[Job]]", poll: bool, polling: list) -> None:
     last = None
+    streams: Dict[torch.device, Any] = {}  # this thread's stream per CUDA device
     while True:
         job = jobs.get()
         if job is None:
@@ -97,15 +109,20 @@ def _serve(jobs: "queue.Queue[Optional[Job]]", poll: bool, polling: list) -> Non
             _PARKED.append(last)
             return
         last = None
-        work, done, fut = last = job
+        work, done, fut, device = last = job
         job = None
         try:
-            polling[0] = poll
-            try:
-                wait_work(work, poll)  # releases the GIL; raises the collective's error
-            finally:
-                polling[0] = False
-            fut.set_result(done(work.get_future()))
+            if device is not None and device not in streams:
+                streams[device] = torch.cuda.Stream(device)
+            with torch.cuda.stream(streams[device]) if device is not None else contextlib.nullcontext():
+                polling[0] = poll
+                try:
+                    wait_work(work, poll)  # releases the GIL; raises the collective's error
+                finally:
+                    polling[0] = False
+                # A CUDA-aware future records an event on this stream, which
+                # has waited for the work: waiters' streams wait for it.
+                fut.set_result(done(work.get_future()))
         except BaseException as e:  # noqa: BLE001 - DDP reports it from the hook's future
             fut.set_exception(e)
 
@@ -120,9 +137,10 @@ class GroupFutures:
         self._jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
 
-    def complete(self, work: Any, done: Done) -> torch.futures.Future:
+    def complete(self, work: Any, done: Done, device: Optional[torch.device] = None) -> torch.futures.Future:
         """A future of ``done(work.get_future())``, set once ``work`` finished
-        (or of its error)."""
+        (or of its error); CUDA-aware when ``device`` is a CUDA device (the
+        result's), so that a waiter on any stream sees the data."""
         if self._thread is None:
             polling = [False]
             self._thread = threading.Thread(target=_serve, args=(self._jobs, self.poll, polling),
@@ -133,7 +151,8 @@ class GroupFutures:
             # The thread holds the queue, not this object: it ends when the
             # hook state that owns this object is collected.
             weakref.finalize(self, self._jobs.put, None)
-        fut: torch.futures.Future = torch.futures.Future()
-        self._jobs.put((work, done, fut))
+        cuda = device is not None and torch.device(device).type == "cuda"
+        fut: torch.futures.Future = torch.futures.Future(devices=[device] if cuda else None)
+        self._jobs.put((work, done, fut, torch.device(device) if cuda else None))
         return fut
 

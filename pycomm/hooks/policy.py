@@ -230,7 +230,7 @@ class Router:
             return work.get_future().then(done)
         if self._futures is None:
             self._futures = GroupFutures()
-        return self._futures.complete(work, done)
+        return self._futures.complete(work, done, device)
 
     def _group_communicator(self) -> _group.GroupCommunicator:
         if self._group_comm is None:

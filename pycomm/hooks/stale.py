@@ -210,17 +210,11 @@ class StaleState(HookState):
 
     @staticmethod
     def _value(entry: _InFlight) -> torch.Tensor:
+        # Every path's future is CUDA-aware for CUDA buckets: wait() orders
+        # this thread's current stream after the data landed (the group
+        # path's plain futures once were not: hooks/futures.py).
         value = entry.future.wait()
-        value = value[0] if isinstance(value, list) else value
-        if value.is_cuda:
-            # Read a step-old average only once every stream of its device
-            # is done: on one H100, 1 of 3 runs of the plain CUDA group path
-            # (Gloo's CUDA all-reduce) read the buffer before the all-reduce
-            # had written it, though its future had completed (with this
-            # wait: 13 of 13 right). The average is a step old, so the wait
-            # costs the device's queue, not the all-reduce.
-            torch.cuda.synchronize(value.device)
-        return value
+        return value[0] if isinstance(value, list) else value
 
     def _delayed(self, bucket: dist.GradBucket, buf: torch.Tensor) -> torch.futures.Future:
         """The average this bucket's parameters got ``staleness`` steps ago,
