@@ -185,10 +185,15 @@ def e2e(args):
     sizes = [args.width_in, args.hidden, args.hidden, args.width_in]
     world, rank = dist.get_world_size(), dist.get_rank()
     params = sum(p.numel() for p in mlp(sizes).parameters())
-    comm = pycomm.get_default()
+    dev = torch.device(args.device)
+    # CUDA models: the hooks' states over the process group (its policy picks
+    # each bucket's path); CPU ones share pycomm's default communicator.
+    comm = pycomm.get_default() if dev.type == "cpu" else None
+    on = dict(communicator=comm) if comm is not None else {}
     log(f"# e2e: MLP {sizes}, {params / 1e6:.1f}M parameters, batch {args.batch} per rank, {world} ranks, "
-        f"{args.steps} steps ({args.warmup} not timed), SGD lr {args.lr}, transport {comm.transport}")
-    teacher = mlp([args.width_in, 256, args.width_in], seed=123)
+        f"{args.steps} steps ({args.warmup} not timed), SGD lr {args.lr}, "
+        + (f"transport {comm.transport}" if comm is not None else f"{dev} over {args.backend}"))
+    teacher = mlp([args.width_in, 256, args.width_in], seed=123).to(dev)
     rows = []
     for name in args.configs.split(","):
         # gradient_as_bucket_view: no copy between gradients and buckets, as
@@ -200,7 +205,7 @@ def e2e(args):
         # pycomm's PowerSGD issues every collective from the hook's thread: any
         # buckets ("powersgd-1b": one bucket too, for a like-for-like row).
         one_bucket = dict(bucket_cap_mb=1 << 16) if name in ("torch-powersgd", "powersgd-1b") else {}
-        model = DDP(mlp(sizes, seed=1), gradient_as_bucket_view=True, **one_bucket)
+        model = DDP(mlp(sizes, seed=1).to(dev), gradient_as_bucket_view=True, **one_bucket)
         state = None
         if name == "none":  # no communication at all: the compute floor
             model.register_comm_hook(None, noop_hook)
@@ -212,21 +217,21 @@ def e2e(args):
             model.register_comm_hook(psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4,
                                                         start_powerSGD_iter=args.start_iter), psgd.powerSGD_hook)
         elif name in ("powersgd", "powersgd-1b", "powersgd-int8"):  # rank 4, as torch-powersgd
-            state = hooks.PowerSGDState(rank=4, start_iter=args.start_iter, communicator=comm,
+            state = hooks.PowerSGDState(rank=4, start_iter=args.start_iter, **on,
                                         wire=pycomm.Int8() if name == "powersgd-int8" else None)
             model.register_comm_hook(state, hooks.powersgd_hook)
         elif name == "stale1-int8":
-            state = hooks.StaleState(staleness=1, wire=pycomm.Int8(), communicator=comm)
+            state = hooks.StaleState(staleness=1, wire=pycomm.Int8(), **on)
             model.register_comm_hook(state, hooks.stale_hook)
         elif name in ("allreduce", "allreduce-reg"):  # -reg: bucket copies in registered memory
-            state = hooks.AllReduceState(communicator=comm, registered=name == "allreduce-reg")
+            state = hooks.AllReduceState(registered=name == "allreduce-reg", **on)
             model.register_comm_hook(state, hooks.allreduce_hook)
         elif name in ("int8", "int8-group"):  # -group: the device-generic path over a Gloo group
-            where = dict(communicator=comm) if name == "int8" else dict(path="group")
+            where = on if name == "int8" else dict(path="group")
             state = hooks.CompressionState(codec=pycomm.Int8(), start_iter=args.start_iter, **where)
             model.register_comm_hook(state, hooks.int8_hook)
         elif name in ("topk", "topk-group"):
-            where = dict(communicator=comm) if name == "topk" else dict(path="group")
+            where = on if name == "topk" else dict(path="group")
             state = hooks.CompressionState(codec=pycomm.TopK(0.01), start_iter=args.start_iter, **where)
             model.register_comm_hook(state, hooks.topk_hook)
         elif name != "gloo":
@@ -235,7 +240,7 @@ def e2e(args):
         gen = torch.Generator().manual_seed(1000 + rank)
         times, losses = [], []
         for i in range(args.steps):
-            x = torch.randn(args.batch, args.width_in, generator=gen)
+            x = torch.randn(args.batch, args.width_in, generator=gen).to(dev)
             with torch.no_grad():
                 y = teacher(x)
             dist.barrier()
@@ -244,6 +249,8 @@ def e2e(args):
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
             opt.step()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
             dt = time.perf_counter() - t
             if i >= args.warmup:
                 times.append(dt)
@@ -360,9 +367,13 @@ def main(argv=None):
     p.add_argument("--slowdown", type=float, default=0.5, help="straggler: how much slower the last rank is")
     p.add_argument("--deadline-ms", type=float, default=2.0, help="straggler: the deadline config's deadline")
     p.add_argument("--json", default=None, help="write the rows here (rank 0)")
+    p.add_argument("--device", default="cpu", help="e2e: cpu, or cuda (every rank on GPU 0 of its host)")
+    p.add_argument("--backend", default="gloo", help="the default group's backend (e.g. cpu:gloo,cuda:nccl)")
     args = p.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo")
+    if args.device != "cpu":
+        torch.cuda.set_device(0)
+    dist.init_process_group(args.backend)
     if args.mode == "overlap":
         args.configs = args.configs or "gloo,pycomm,stale1"
         args.steps = args.steps or 10

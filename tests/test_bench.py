@@ -101,3 +101,16 @@ def test_bench_binds_cores_when_asked():
     r = bench("--nproc", "2", "-b", "4K", "-e", "4K", "--no-baseline", "-a", "ring", "--bind-cores")
     assert r.returncode == 0, r.stderr
     assert "cores bound: rank 0 on [" in r.stdout, r.stdout
+
+
+def test_gpu_nccl_script_checks_itself_on_cpu():
+    """benchmarks/gpu/nccl_one_gpu.py runs on a GPU machine only when one is
+    lent (its ``nccl`` stage): its checks run here on CPU tensors over Gloo
+    (--cpu), so a broken script cannot waste a GPU lease; every line passes."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        os.path.join(root, "benchmarks", "gpu", "nccl_one_gpu.py"), "--cpu"],
+                       capture_output=True, text=True, env=ENV, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = [line for line in r.stdout.splitlines() if line.startswith(("group path", "hook"))]
+    assert len(lines) == 11 and not any("FAILED" in line or "DIFFER" in line for line in lines), r.stdout

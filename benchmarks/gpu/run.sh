@@ -12,6 +12,11 @@
 #              2 and 4 processes sharing the GPU
 #   mps        the same with CUDA MPS (processes' kernels run at the same
 #              time); the daemon is stopped again afterwards
+#   nccl       NCCL with ranks sharing the GPU, each in a network namespace of
+#              its own with its own NCCL_HOSTID (benchmarks/gpu/nccl_one_gpu.py:
+#              NCCL's answer, the group path's bits, every hook); if it runs,
+#              DDP on CUDA over NCCL on the 4-host testbed, NCCL_RATES
+#              (default 1gbit 10gbit) x NCCL_LAUNCHES (default 3) fresh launches
 #   crash      the CPU failure suites (kill -9, timeouts, aborts) on this
 #              machine's torch and cores, with faulthandler and core dumps
 #              (backtraces by cuda-gdb, the debugger there)
@@ -28,7 +33,7 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-"8.0;9.0"}
 STEP_TIMEOUT=${STEP_TIMEOUT:-240}
-STAGES=${*:-build tests kernels allreduce mps crash}
+STAGES=${*:-build tests kernels allreduce mps nccl crash}
 
 build() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOG/device.txt"
@@ -76,6 +81,21 @@ mps() {
   cat "$CUDA_MPS_LOG_DIRECTORY"/control.log >> "$LOG/mps.log" 2>/dev/null
 }
 
+nccl() {
+  local tb=benchmarks/multihost/testbed.py
+  timeout "$STEP_TIMEOUT" "$PY" "$tb" --hosts 2 --timeout $((STEP_TIMEOUT - 20)) -- benchmarks/gpu/nccl_one_gpu.py \
+    2>&1 | tee "$LOG/nccl.log" | grep -v "^W1\|^\*\*\*"
+  grep -q "NCCL RAN" "$LOG/nccl.log" || { echo "NCCL did not run: see nccl.log"; return 1; }
+  for rate in ${NCCL_RATES:-1gbit 10gbit}; do
+    for launch in $(seq "${NCCL_LAUNCHES:-3}"); do
+      timeout "$STEP_TIMEOUT" "$PY" "$tb" --hosts 4 --rate "$rate" --timeout $((STEP_TIMEOUT - 20)) -- \
+        benchmarks/ddp_hooks.py e2e --device cuda --backend cpu:gloo,cuda:nccl --steps "${NCCL_STEPS:-12}" \
+        --configs gloo,torch-bf16,torch-powersgd,int8,topk,stale1-int8 2>&1 \
+        | tee "$LOG/nccl_ddp_${rate}_${launch}.log" | grep -v "^W1\|^\*\*\*"
+    done
+  done
+}
+
 crash() {
   ulimit -c unlimited
   mkdir -p /tmp/cores
@@ -94,8 +114,8 @@ crash() {
 for stage in $STAGES; do
   echo "=== $stage"
   case $stage in
-    build | tests | kernels | allreduce | mps | crash) "$stage" || [ "$stage" != build ] || { pack; exit 1; } ;;
-    *) echo "unknown stage $stage (build tests kernels allreduce mps crash)"; exit 2 ;;
+    build | tests | kernels | allreduce | mps | nccl | crash) "$stage" || [ "$stage" != build ] || { pack; exit 1; } ;;
+    *) echo "unknown stage $stage (build tests kernels allreduce mps nccl crash)"; exit 2 ;;
   esac
   pack
 done
