@@ -114,3 +114,34 @@ def test_gpu_nccl_script_checks_itself_on_cpu():
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = [line for line in r.stdout.splitlines() if line.startswith(("group path", "hook"))]
     assert len(lines) == 11 and not any("FAILED" in line or "DIFFER" in line for line in lines), r.stdout
+
+
+def test_overlap_trace_analysis_on_a_synthetic_trace():
+    """The GPU overlap report's arithmetic (benchmarks/gpu/overlap_trace.py):
+    pycomm's kernels on stream 20 over 2 steps of 100 us, one half-covered by a
+    backward kernel on stream 7, one not; a kernel of its own stream never
+    counts as overlap."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("overlap_trace",
+                                                  os.path.join(root, "benchmarks", "gpu", "overlap_trace.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    k = lambda name, stream, ts, dur: {"cat": "kernel", "name": name, "ts": ts, "dur": dur,  # noqa: E731
+                                      "args": {"stream": stream}}
+    trace = {"traceEvents": [
+        k("void at::native::gemm_kernel(...)", 7, 0, 60),
+        k("void pycomm::kernels::cuda_detail::quantize_kernel<float>(...)", 20, 40, 40),  # 20 of 40 overlapped
+        k("void at::native::add_kernel(...)", 20, 90, 10),  # same stream as ours: no overlap
+        k("void pycomm::kernels::cuda_detail::dequantize_kernel<float>(...)", 20, 100, 20),
+        k("void at::native::relu_kernel(...)", 7, 150, 50),
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},
+    ]}
+    res = mod.analyse(trace, steps=2)
+    assert res["step_ms"] == pytest.approx(0.1)
+    assert res["pycomm_kernel_ms_per_step"] == pytest.approx(0.03)
+    assert res["pycomm_share"] == pytest.approx(60 / 200)
+    assert res["overlapped_share"] == pytest.approx(20 / 60)
+    assert res["pycomm_streams"] == [20] and res["other_streams"] == [7, 20]
+    assert mod.analyse({"traceEvents": []}, 1) == {"error": "no kernels in the trace"}

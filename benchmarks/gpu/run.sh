@@ -8,6 +8,10 @@
 #   tests      the CUDA tests (tests/test_cuda.py and the docs' CUDA examples;
 #              CUDA_TESTS= to narrow them)
 #   kernels    the kernel benchmark against the device's copy bandwidth
+#   overlap    DDP on CUDA with int8_hook under torch.profiler: pycomm's
+#              kernels' share of a step and their overlap with the backward
+#              on another stream (benchmarks/gpu/overlap_trace.py; the trace
+#              lands with the logs)
 #   allreduce  IPC all-reduce (one-shot, two-shot, ring, tree) against gloo,
 #              2 and 4 processes sharing the GPU
 #   mps        the same with CUDA MPS (processes' kernels run at the same
@@ -33,7 +37,7 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-"8.0;9.0"}
 STEP_TIMEOUT=${STEP_TIMEOUT:-240}
-STAGES=${*:-build tests kernels allreduce mps nccl crash}
+STAGES=${*:-build tests kernels overlap allreduce mps nccl crash}
 
 build() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOG/device.txt"
@@ -57,6 +61,10 @@ tests() {
 
 kernels() {
   timeout "$STEP_TIMEOUT" "$PY" benchmarks/gpu/kernels.py 2>&1 | tee "$LOG/kernels.log"
+}
+
+overlap() {
+  timeout "$STEP_TIMEOUT" "$PY" benchmarks/gpu/overlap_trace.py --out "$LOG" 2>&1 | tee "$LOG/overlap.log"
 }
 
 allreduce() {
@@ -114,8 +122,8 @@ crash() {
 for stage in $STAGES; do
   echo "=== $stage"
   case $stage in
-    build | tests | kernels | allreduce | mps | nccl | crash) "$stage" || [ "$stage" != build ] || { pack; exit 1; } ;;
-    *) echo "unknown stage $stage (build tests kernels allreduce mps nccl crash)"; exit 2 ;;
+    build | tests | kernels | overlap | allreduce | mps | nccl | crash) "$stage" || [ "$stage" != build ] || { pack; exit 1; } ;;
+    *) echo "unknown stage $stage (build tests kernels overlap allreduce mps nccl crash)"; exit 2 ;;
   esac
   pack
 done
