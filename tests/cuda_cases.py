@@ -198,11 +198,18 @@ def run_schedules(rank: int, world: int, name: str) -> List[str]:
     return bad
 
 
-def ipc_peer_dies(rank: int, world: int, path: str, algo: str, mode: str, results) -> None:
-    """A fresh process (spawned): ranks 0..world-2 start a call; the last rank
-    is killed with SIGKILL (mode "kill") or stays alive and never calls
-    (mode "silent"). Survivors put (rank, error, seconds from the call to the
-    error) into `results`."""
+# The kinds of IPC call a dying peer is tested in.
+DEATH_KINDS = ("one_shot", "two_shot", "ring", "tree", "int8")
+
+
+def ipc_peer_dies(rank: int, world: int, path: str, mode: str, results) -> None:
+    """A fresh process (spawned). Ranks 0 and 1 survive; rank 2 + k is the
+    victim of kind k (DEATH_KINDS): one IPC group {0, 1, 2 + k} per kind.
+    Kind by kind, the three make a call, then the survivors start another
+    one and the victim is killed with SIGKILL (mode "kill") or stays alive and
+    never calls (mode "silent"). Survivors put (kind, rank, error, seconds from
+    the call to the error, error of the next call) into `results`."""
+    import datetime
     import os
     import signal
     import time
@@ -211,33 +218,46 @@ def ipc_peer_dies(rank: int, world: int, path: str, algo: str, mode: str, result
 
     store = dist.FileStore(path, world)
     timeout = 3.0 if mode == "silent" else 60.0
-    ipc = pycomm.cuda_ipc.IpcAllReduce(store, rank, world, device="cuda:0", buffer_bytes=1 << 22, prefix="dies",
-                                       timeout=timeout)
+    long = datetime.timedelta(seconds=120)
+    kinds = range(len(DEATH_KINDS)) if rank < 2 else [rank - 2]
+    groups = {k: pycomm.cuda_ipc.IpcAllReduce(store, min(rank, 2), 3, device="cuda:0", buffer_bytes=1 << 22,
+                                              prefix=f"dies{k}", timeout=timeout) for k in kinds}
     x = torch.ones(1 << 18, device="cuda")
-    ipc.all_reduce(x, algorithm=algo)
-    ipc.check()
-    last = rank == world - 1
-    if last:
-        store.wait([f"launched/{q}" for q in range(world - 1)])
-        time.sleep(0.2)  # the survivors' kernels are waiting for this rank by now
-        if mode == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        store.wait([f"reported/{q}" for q in range(world - 1)], __import__("datetime").timedelta(seconds=120))
-        return
-    t0 = time.monotonic()
-    ipc.all_reduce(x, algorithm=algo)
-    store.set(f"launched/{rank}", "1")
-    try:
-        ipc.check()
-        results.put((rank, None, time.monotonic() - t0))
-    except pycomm.CommError as e:
-        results.put((rank, str(e), time.monotonic() - t0))
-    try:
-        ipc.all_reduce(x, algorithm=algo)
-        results.put((rank, None, -1.0))
-    except pycomm.CommError as e:
-        results.put((rank, "next call: " + str(e), -1.0))
-    store.set(f"reported/{rank}", "1")
+
+    def call(k):
+        kind = DEATH_KINDS[k]
+        if kind == "int8":
+            return groups[k].all_reduce(x, compression=pycomm.Int8())
+        return groups[k].all_reduce(x, algorithm=kind)
+
+    for k in kinds:
+        if rank >= 2:  # the victim: one call with the survivors, then it dies or goes silent
+            store.wait([f"warm/{k}"], long)
+            call(k)
+            groups[k].check()
+            store.wait([f"launched/{k}/{q}" for q in range(2)], long)
+            time.sleep(0.2)  # the survivors' kernels are waiting for this rank by now
+            if mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            store.wait([f"reported/{k}/{q}" for q in range(2)], long)
+            return
+        store.set(f"warm/{k}", "1")
+        call(k)
+        groups[k].check()
+        t0 = time.monotonic()
+        call(k)
+        store.set(f"launched/{k}/{rank}", "1")
+        err, took, later = None, time.monotonic() - t0, None
+        try:
+            groups[k].check()
+        except pycomm.CommError as e:
+            err, took = str(e), time.monotonic() - t0
+        try:
+            call(k)
+        except pycomm.CommError as e:
+            later = str(e)
+        results.put((DEATH_KINDS[k], rank, err, took, later))
+        store.set(f"reported/{k}/{rank}", "1")
 
 
 def run_ipc_quantized(rank: int, world: int, name: str, cases: List[tuple], steps: int = 3) -> List[list]:

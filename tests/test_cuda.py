@@ -196,46 +196,46 @@ def test_ipc_quantized_all_reduce_equals_the_cpu_communicator(gpu_pool, world):
 
 
 @pytest.mark.parametrize("mode", ["kill", "silent"])
-@pytest.mark.parametrize("algo", ["one_shot", "two_shot", "ring", "tree"])
-def test_ipc_survivors_raise_when_a_peer_dies_or_stays_silent(tmp_path, algo, mode):
-    """3 fresh processes on GPU 0; while the survivors' kernels wait for it, the
-    last rank is killed with SIGKILL (its death is seen by the watchdog: the
-    survivors raise within 5 s although the timeout is 60 s) or stays alive and
-    never calls (the survivors give up after their 3 s timeout). Every later
-    call raises too; nothing is left in /dev/shm."""
+def test_ipc_survivors_raise_when_a_peer_dies_or_stays_silent(tmp_path, mode):
+    """Fresh processes on GPU 0; in each kind of IPC call (one-shot, two-shot,
+    ring, tree, quantized int8), while the survivors' kernels wait for it, a
+    peer is killed with SIGKILL (its death is seen by the watchdog: the
+    survivors raise within 5 s although the timeout is 60 s) or stays alive
+    and never calls (the survivors give up after their 3 s timeout). Every
+    later call raises too; nothing is left in /dev/shm."""
     import multiprocessing
     import os
 
-    from cuda_cases import ipc_peer_dies
+    from cuda_cases import DEATH_KINDS, ipc_peer_dies
 
-    world = 3
+    world = 2 + len(DEATH_KINDS)
     shm_before = set(os.listdir("/dev/shm"))
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=ipc_peer_dies, args=(r, world, str(tmp_path / "store"), algo, mode, results))
+    procs = [ctx.Process(target=ipc_peer_dies, args=(r, world, str(tmp_path / "store"), mode, results))
              for r in range(world)]
     try:
         for p in procs:
             p.start()
-        got = [results.get(timeout=120) for _ in range(2 * (world - 1))]
+        got = [results.get(timeout=120) for _ in range(2 * len(DEATH_KINDS))]
         for p in procs:
             p.join(timeout=60)
     finally:  # a hang must not leave processes spinning on the GPU
         for p in procs:
             if p.is_alive():
                 p.kill()
-    first = {r: (err, t) for r, err, t in got if t >= 0}
-    later = {r: err for r, err, t in got if t < 0}
-    assert sorted(first) == sorted(later) == list(range(world - 1)), got
-    for r, (err, t) in first.items():
-        assert err and "gave up" in err, (r, err)
+    assert sorted((kind, rank) for kind, rank, *_ in got) == sorted(
+        (kind, rank) for kind in DEATH_KINDS for rank in (0, 1)), got
+    for kind, rank, err, took, later in got:
+        assert err and "gave up" in err, (kind, rank, err)
         if mode == "kill":
-            assert "is gone" in err and t < 5.0, (r, err, t)
+            assert "is gone" in err and took < 5.0, (kind, rank, err, took)
         else:
-            # (the wait that gives up first may be on a survivor that itself waits for rank 2)
-            assert "waited more than the timeout for rank" in err and 2.5 < t < 20.0, (r, err, t)
-        assert later[r] and "next call" in later[r], (r, later[r])
-    assert procs[-1].exitcode == (-9 if mode == "kill" else 0)
+            # (the wait that gives up first may be on a survivor that itself waits for the silent rank)
+            assert "waited more than the timeout for rank" in err and 2.5 < took < 20.0, (kind, rank, err, took)
+        assert later and "cannot be used" in later or "aborted" in (later or ""), (kind, rank, later)
+    assert all(p.exitcode == (-9 if mode == "kill" else 0) for p in procs[2:]), [p.exitcode for p in procs]
+    assert all(p.exitcode == 0 for p in procs[:2]), [p.exitcode for p in procs]
     assert set(os.listdir("/dev/shm")) <= shm_before
 
 

@@ -21,6 +21,8 @@
 #              NCCL's answer, the group path's bits, every hook); if it runs,
 #              DDP on CUDA over NCCL on the 4-host testbed, NCCL_RATES
 #              (default 1gbit 10gbit) x NCCL_LAUNCHES (default 3) fresh launches
+#   tta        time to accuracy at 1 Gbit/s on the 4-host testbed with a core
+#              per rank (issue 39's last target; TTA_LAUNCHES, TTA_CONFIGS)
 #   crash      the CPU failure suites (kill -9, timeouts, aborts) on this
 #              machine's torch and cores, with faulthandler and core dumps
 #              (backtraces by cuda-gdb, the debugger there)
@@ -37,7 +39,7 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-"8.0;9.0"}
 STEP_TIMEOUT=${STEP_TIMEOUT:-240}
-STAGES=${*:-build tests kernels overlap allreduce mps nccl crash}
+STAGES=${*:-build tests kernels overlap allreduce mps nccl crash tta}
 
 build() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOG/device.txt"
@@ -104,6 +106,12 @@ nccl() {
   done
 }
 
+tta() {
+  timeout "$STEP_TIMEOUT" "$PY" benchmarks/time_to_accuracy.py --launches "${TTA_LAUNCHES:-3}" --rates 1gbit \
+    --out "$LOG/tta" --configs "${TTA_CONFIGS:-ddp,torch-bf16,torch-bf16-1b,int8-1b,int4-b64-noef-1b}" 2>&1 \
+    | tee "$LOG/tta.log" | tail -25
+}
+
 crash() {
   ulimit -c unlimited
   mkdir -p /tmp/cores
@@ -122,8 +130,8 @@ crash() {
 for stage in $STAGES; do
   echo "=== $stage"
   case $stage in
-    build | tests | kernels | overlap | allreduce | mps | nccl | crash) "$stage" || [ "$stage" != build ] || { pack; exit 1; } ;;
-    *) echo "unknown stage $stage (build tests kernels overlap allreduce mps nccl crash)"; exit 2 ;;
+    build | tests | kernels | overlap | allreduce | mps | nccl | tta | crash) "$stage" || [ "$stage" != build ] || { pack; exit 1; } ;;
+    *) echo "unknown stage $stage (build tests kernels overlap allreduce mps nccl tta crash)"; exit 2 ;;
   esac
   pack
 done

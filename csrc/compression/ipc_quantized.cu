@@ -71,6 +71,7 @@ void ipc_quantized_all_reduce(CudaIpcAllReduce& group, const IpcQuantCall& c, cu
   red.requant = kernels::QuantSpec{c.bits, c.block, c.stochastic, c.seed_requantize};
   red.residual = c.server_residual;
   red.index_base = rank * shard;
+  red.cancel = group.failure_word();  // a barrier gave up: the peers' slots may be gone
   kernels::dequant_reduce_cuda(red, stream);
   // 4. Every rank's reduced shard is written (and every slot of step 1 read).
   group.barrier(stream);
@@ -80,7 +81,7 @@ void ipc_quantized_all_reduce(CudaIpcAllReduce& group, const IpcQuantCall& c, cu
     size_t lo;
     const size_t len = span(q, &lo);
     kernels::dequantize_cuda(c.bits, c.block, buffer(q) + world * slot, len, c.dtype,
-                             static_cast<char*>(c.output) + lo * es, false, stream);
+                             static_cast<char*>(c.output) + lo * es, false, stream, group.failure_word());
   }
   // 6. Nobody refills its buffer (the next call) before every rank read it.
   group.barrier(stream);

@@ -123,6 +123,10 @@ class CudaIpcAllReduce {
   void* peer_buffer(int q) const { return peer_buffers_.at(q); }
   void barrier(cudaStream_t stream);
   void check_usable() const { throw_if_failed(); }
+  // A device-visible word that is non-zero once a wait of this group gave
+  // up: kernels reading peers' buffers check it and do nothing (a dead
+  // peer's memory may be gone).
+  const uint32_t* failure_word() const { return &status_dev_->code; }
 
   // What kAuto picks for a call of `bytes` among `world` ranks.
   static IpcAlgo choose(size_t bytes, int world);

@@ -68,6 +68,7 @@ struct InputValue {
   const T* x;
   const float* r;
   __device__ float operator()(size_t /*blk*/, size_t /*j*/, size_t i) const { return load_f(x, i) + (r ? r[i] : 0.f); }
+  const uint32_t* cancel = nullptr;
 };
 
 template <typename D>
@@ -78,6 +79,7 @@ struct SumValue {
   const float* r;  // added after post_scale (server error feedback)
   size_t nblocks;
   int bits, block;
+  const uint32_t* cancel;  // see DequantReduce::cancel
   __device__ float operator()(size_t blk, size_t j, size_t i) const {
     float acc = dense ? load_f(dense, i) : 0.f;
     for (int k = 0; k < s.n; ++k) {
@@ -89,6 +91,16 @@ struct SumValue {
   }
 };
 
+// A kernel whose `cancel` word (device-visible, may be host-mapped) is
+// non-zero when it starts does nothing: its sources may be a dead peer's
+// memory (kernels_cuda.h). One read per thread block.
+__device__ __forceinline__ bool cancelled(const uint32_t* cancel) {
+  __shared__ int stop;
+  if (threadIdx.x == 0) stop = cancel != nullptr && *reinterpret_cast<const volatile uint32_t*>(cancel) != 0;
+  __syncthreads();
+  return stop != 0;
+}
+
 // One quantization block per thread block. `value(blk, j, i)` is recomputed
 // in the second pass instead of staged: blocks may be larger than shared
 // memory, and the re-read hits L2.
@@ -96,6 +108,7 @@ template <typename V>
 __global__ void quantize_kernel(V value, size_t n, int bits, int block, bool stochastic, uint64_t key,
                                 uint64_t index_base, uint8_t* payload, float* residual) {
   __shared__ uint32_t smem[32];
+  if (cancelled(value.cancel)) return;
   const size_t nb = quant_num_blocks(n, block);
   float* scales = reinterpret_cast<float*>(payload);
   uint8_t* codes = payload + nb * 4;
@@ -153,7 +166,9 @@ __global__ void quantize_kernel(V value, size_t n, int bits, int block, bool sto
 }
 
 template <typename T>
-__global__ void dequantize_kernel(const uint8_t* payload, size_t n, int bits, int block, T* out, bool accumulate) {
+__global__ void dequantize_kernel(const uint8_t* payload, size_t n, int bits, int block, T* out, bool accumulate,
+                                  const uint32_t* cancel) {
+  if (cancelled(cancel)) return;
   const size_t nb = quant_num_blocks(n, block);
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
@@ -165,6 +180,7 @@ __global__ void dequantize_kernel(const uint8_t* payload, size_t n, int bits, in
 // The dense sum, rounded once into the output dtype like the CPU kernel.
 template <typename T, typename O>
 __global__ void store_sum_kernel(SumValue<T> sum, size_t n, O* out) {
+  if (cancelled(sum.cancel)) return;
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<size_t>(gridDim.x) * blockDim.x)
     out[i] = store_acc<O>(sum(i / sum.block, i % sum.block, i));
@@ -185,12 +201,12 @@ void quantize_cuda(const QuantSpec& s, DType dtype, const void* x, float* residu
 }
 
 void dequantize_cuda(int bits, int block, const uint8_t* payload, size_t n, DType dtype, void* out, bool accumulate,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, const uint32_t* cancel) {
   if (n == 0) return;
   with_float_type(dtype, "CUDA dequantize", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     dequantize_kernel<T><<<grid_for(n), kThreads, 0, stream>>>(payload, n, bits, block, static_cast<T*>(out),
-                                                                accumulate);
+                                                                accumulate, cancel);
   });
   check(cudaGetLastError(), "dequantize");
 }
@@ -205,7 +221,7 @@ void dequant_reduce_cuda(const DequantReduce& a, cudaStream_t stream) {
   const size_t nb = quant_num_blocks(a.n, a.block);
   with_float_type(a.dense ? a.dense_dtype : DType::kFloat32, "CUDA dequant_reduce", [&](auto* tag) {
     using D = std::remove_pointer_t<decltype(tag)>;
-    SumValue<D> sum{src, static_cast<const D*>(a.dense), a.post_scale, nullptr, nb, a.bits, a.block};
+    SumValue<D> sum{src, static_cast<const D*>(a.dense), a.post_scale, nullptr, nb, a.bits, a.block, a.cancel};
     if (a.out) {
       with_float_type(a.out_dtype, "CUDA dequant_reduce", [&](auto* otag) {
         using O = std::remove_pointer_t<decltype(otag)>;
