@@ -184,3 +184,16 @@ def test_device_program_refuses_what_it_cannot_run():
         C.simulate_program(C.algorithms["direct"], ALL_REDUCE, 0, C.reduce_ops["sum"], xs, [torch.zeros(4) for _ in range(2)], 65536)
     with pytest.raises(Exception, match="concrete schedule"):
         C.simulate_program(TREE, ALL_GATHER, 0, C.reduce_ops["sum"], xs, [torch.zeros(8) for _ in range(2)], 65536)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_program_traffic_of_the_ring(world):
+    """Bytes the ring's programs read and write, against its closed form per
+    rank: the first reduce-scatter step copies its chunk out (2c) and reduces
+    two sources into the staging (3c), later ones reduce (3c), the last also
+    writes the output (4c); all-gather steps copy a chunk in and forward it
+    (3c), the last only copies (2c): (8 + 6 (world - 2)) c, c = n / world."""
+    n, es = 64 * 1024 * world, 4
+    got = C.program_traffic(RING, ALL_REDUCE, world, 0, es, n, 64 * n)  # one round
+    assert got == world * (8 + 6 * (world - 2)) * (n // world) * es
+    assert C.program_traffic(RING, ALL_REDUCE, 1, 0, es, n, 64 * n) == 0

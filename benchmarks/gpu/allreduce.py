@@ -6,7 +6,10 @@ against gloo on the same CUDA tensors, nccl-tests style, in one run.
     python benchmarks/gpu/allreduce.py --world 2 [--max-bytes 268435456]
         [--algorithms one_shot,two_shot,ring,tree,int8,int4,gloo]
 
-busbw = algbw x 2(n-1)/n of the float32 bytes (for int8 / int4 too: what
+%copy: the memory traffic of the call's kernels (modelled for one-shot and
+two-shot, counted from the programs for ring and tree) per second, against
+the device-to-device copy's measured in the same run. busbw = algbw x
+2(n-1)/n of the float32 bytes (for int8 / int4 too: what
 the caller's data would take). Every point is checked (#wrong): rank r adds
 r + 1 everywhere, so the sum is n(n+1)/2 exactly (int8 / int4: within 1 %). All ranks share one GPU's HBM:
 rank 0 first measures the device-to-device copy bandwidth alone (a copy
@@ -32,6 +35,23 @@ def timed(fn, repeats):
     return t.item()
 
 
+def traffic(core, name: str, world: int, n: int, round_bytes: int) -> int:
+    """Bytes all ranks' kernels of one float32 call read and write (0: not
+    modelled). One-shot: each rank stages its input (n read, n written) and
+    reduces every buffer (world x n read, n written); two-shot: the staging,
+    its part reduced from every buffer (n read, n / world written), every part
+    gathered (n read, n written); the schedules: counted from their programs."""
+    es = 4
+    if name == "one_shot":
+        return world * (world + 3) * n * es
+    if name == "two_shot":
+        return world * (5 * n + n // world) * es
+    if name in ("ring", "tree"):
+        return core.program_traffic(core.algorithms[name], core.collectives.index("all_reduce"), world, 0, es, n,
+                                    round_bytes)
+    return 0
+
+
 def worker(rank, world, port, args):
     torch.cuda.set_device(0)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=120))
@@ -45,38 +65,47 @@ def worker(rank, world, port, args):
         copy_s = event_median_ms(lambda: b.copy_(a), 10) / 1e3
         del a, b
         mps = "MPS" if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else "no MPS"
+        # A copy reads and writes each byte: its memory traffic rate.
+        copy_rate = 2 * args.max_bytes / copy_s
         print(f"# {torch.cuda.get_device_name()} | {world} processes on one GPU, {mps} | float32 sum | "
-              f"device copy {args.max_bytes / copy_s / 1e9:.0f} GB/s ({args.max_bytes >> 20} MB)")
+              f"device copy {args.max_bytes / copy_s / 1e9:.0f} GB/s ({args.max_bytes >> 20} MB; "
+              f"{copy_rate / 1e9:.0f} GB/s read + written)")
+        print("# %copy: the bytes the call's kernels read and write on the shared GPU, per second, against "
+              "the copy's")
         print(f"{'size':>11} {'count':>10} {'algorithm':>9} | {'time us':>9} {'algbw GB/s':>10} "
-              f"{'busbw GB/s':>10} {'#wrong':>6}")
+              f"{'busbw GB/s':>10} {'%copy':>7} {'#wrong':>6}")
+    core = pycomm.load_core()
     size = 4096
     while size <= args.max_bytes:
         n = size // 4
         x = torch.empty(n, device="cuda")
         for name in args.algorithms.split(","):
             if name == "gloo":
-                def step():
-                    x.fill_(rank + 1)
+                def call():
                     dist.all_reduce(x)
             elif name in ("int8", "int4"):
                 codec = pycomm.Int8() if name == "int8" else pycomm.Int4()
 
-                def step(codec=codec):
-                    x.fill_(rank + 1)
+                def call(codec=codec):
                     ipc.all_reduce(x, compression=codec)
             else:
-                def step(name=name):
-                    x.fill_(rank + 1)
+                def call(name=name):
                     ipc.all_reduce(x, algorithm=name)
-            t = timed(step, args.repeats if name != "gloo" else max(3, args.repeats // 4))
-            step()
+            # Timed on whatever x holds (it grows: 4^25 stays finite); the
+            # check is one more call on fresh values.
+            x.fill_(rank + 1)
+            t = timed(call, args.repeats if name != "gloo" else max(3, args.repeats // 4))
+            x.fill_(rank + 1)
+            call()
             torch.cuda.synchronize()
             tol = 0.01 * want if name in ("int8", "int4") else 0.0
             wrong = int(((x - want).abs() > tol).sum())
             if rank == 0:
                 algbw = size / t / 1e9
+                moved = traffic(core, name, world, n, ipc.round_bytes)
+                share = f"{moved / t / copy_rate:7.0%}" if moved else f"{'-':>7}"
                 print(f"{size:>11} {n:>10} {name:>9} | {t * 1e6:9.1f} {algbw:10.2f} {algbw * factor:10.2f} "
-                      f"{wrong:>6}", flush=True)
+                      f"{share} {wrong:>6}", flush=True)
         size *= 4
     dist.destroy_process_group()
 

@@ -378,6 +378,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("algorithm"), py::arg("collective"), py::arg("root"), py::arg("op"), py::arg("inputs"),
       py::arg("outputs"), py::arg("round_bytes"),
       "Every rank's program of the CUDA executor of schedules run on the CPU, in this process (tests).");
+  m.def(
+      "program_traffic",
+      [](int algo, int coll, int world, int root, int element_size, size_t count, size_t round_bytes) {
+        // Only the element size matters (chunks are cut in elements).
+        const DType dt = element_size == 1   ? DType::kUInt8
+                         : element_size == 2 ? DType::kFloat16
+                         : element_size == 8 ? DType::kFloat64
+                                             : DType::kFloat32;
+        TORCH_CHECK(element_size == 1 || element_size == 2 || element_size == 4 || element_size == 8,
+                    "pycomm: program_traffic takes an element size of 1, 2, 4 or 8 bytes");
+        return program_traffic(to_algo(algo), to_coll(coll), world, root, dt, count, round_bytes);
+      },
+      py::arg("algorithm"), py::arg("collective"), py::arg("world"), py::arg("root"), py::arg("element_size"),
+      py::arg("count"), py::arg("round_bytes"),
+      "Bytes every rank's program of a call reads and writes, summed over the ranks.");
   m.def("schedule_shape", [](int algo, int coll, int world, int root) {
     Schedule s{to_algo(algo), to_coll(coll), world, root};
     return std::make_pair(s.num_chunks(), s.num_steps());

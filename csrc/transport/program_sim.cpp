@@ -141,4 +141,30 @@ void simulate_program(Algorithm algo, Collective coll, int root, DType dtype, Re
   }
 }
 
+uint64_t program_traffic(Algorithm algo, Collective coll, int world, int root, DType dtype, size_t count,
+                         size_t round_bytes) {
+  if (world <= 1 || count == 0) return 0;
+  CollectiveDesc d;
+  d.coll = coll;
+  d.count = count;
+  d.dtype = dtype;
+  const size_t es = dtype_size(dtype);
+  const Schedule schedule{algo, coll, world, root};
+  uint64_t total = 0;
+  for (int r = 0; r < world; ++r) {
+    const Program prog = flatten_plan(*build_plan(schedule, r));
+    const RoundLayout layout(d, prog.num_chunks, world, round_bytes);
+    for (uint64_t j = 0; j < layout.rounds; ++j)
+      for (const ProgOp& o : prog.ops) {
+        if (o.kind != ProgKind::kCopy && o.kind != ProgKind::kReduce) continue;
+        int64_t in, out;
+        size_t len;
+        layout.span(j, o.chunk, r, &in, &out, &len);
+        const int writes = 1 + (o.dst2.peer < 0 && static_cast<Loc>(o.dst2.where) != Loc::kNone ? 1 : 0);
+        total += static_cast<uint64_t>(o.nsrc + writes) * len * es;
+      }
+  }
+  return total;
+}
+
 }  // namespace pycomm

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include "../core/collective.h"
@@ -21,5 +22,13 @@ namespace pycomm {
 void simulate_program(Algorithm algo, Collective coll, int root, DType dtype, RedOp op, size_t count,
                       const std::vector<const void*>& inputs, const std::vector<void*>& outputs,
                       size_t round_bytes);
+
+// The device memory one rank's program reads and writes for such a call
+// (bytes: every copy reads and writes its chunk, every reduction reads each
+// source and writes each destination), the sum over ranks: what a GPU's
+// memory must carry when the ranks share it (benchmarks/gpu/allreduce.py
+// sets it against the device's copy bandwidth).
+uint64_t program_traffic(Algorithm algo, Collective coll, int world, int root, DType dtype, size_t count,
+                         size_t round_bytes);
 
 }  // namespace pycomm
