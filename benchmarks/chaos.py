@@ -38,6 +38,7 @@ import argparse
 import importlib
 import io
 import datetime
+import faulthandler
 import hashlib
 import json
 import multiprocessing as mp
@@ -102,6 +103,9 @@ def reporting(uid: int, conn: Any, body: Callable[[Reporter], None]) -> None:
     from pycomm.elastic import FencedOut
 
     torch.set_num_threads(1)
+    # The driver asks every live process for its Python stacks (on stderr)
+    # before it gives up on a hang.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     report = Reporter(uid, conn)
     try:
         body(report)
@@ -319,6 +323,24 @@ class Soak:
     # ---------------------------------------------------------- the soak
 
     def run(self) -> Dict[str, Any]:
+        try:
+            return self._run()
+        except BaseException:
+            # Never leave a process behind: one still holding the caller's
+            # pipes keeps a test waiting on them until its own timeout.
+            for p in self.procs.values():
+                try:
+                    os.kill(p["pid"], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if getattr(self, "store_pid", None):
+                try:
+                    os.kill(self.store_pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            raise
+
+    def _run(self) -> Dict[str, Any]:
         args = self.args
         before = {f for f in os.listdir("/dev/shm") if f.startswith("pycomm.")}
         self.start_store()
@@ -329,10 +351,14 @@ class Soak:
         next_at = None
         frozen: Dict[int, float] = {}  # uid -> when to continue it
         last = time.monotonic()
+        # Anything at all happening: a step, or a process changing state.
+        seen, last_change = None, last
         while True:
             self.poll(0.02)
             now = time.monotonic()
             states = [p["state"] for p in self.procs.values()]
+            if (states, self.max_step) != seen:
+                seen, last_change = (states, self.max_step), now
             running = [u for u in self.alive()]
             if not running and not frozen:
                 break
@@ -357,26 +383,32 @@ class Soak:
                     # Until the replacement replica is in, only newcomers: a
                     # member now could be of the one whole replica left.
                     live = [u for u in live if self.procs[u]["state"] == "joining"]
-                if len(members) - sum(1 for u in members if u in frozen) > args.min_world:
-                    victim = self.rng.choice(live)
-                    freeze = self.rng.random() < 0.25 and self.procs[victim]["state"] == "member"
-                    t = time.monotonic()
-                    os.kill(self.procs[victim]["pid"], signal.SIGSTOP if freeze else signal.SIGKILL)
-                    recent = bool(self.events) and t - self.events[-1]["t"] < 0.5
-                    during = "recovery" if recent else "a join" if self.procs[victim]["state"] == "joining" else "a step"
-                    self.events.append(dict(t=t, uid=victim, kind="freeze" if freeze else "kill", during=during,
-                                            step=self.max_step))
-                    injected += 1
-                    if freeze:
-                        frozen[victim] = t + args.heartbeat + 2.0
-                        self.procs[victim]["state"] = "frozen"
-                    else:
-                        self.procs[victim]["state"] = "dead"
-                    self.start(next_uid, joining=True)  # its replacement
-                    next_uid += 1
-                last = now
-                quick = self.rng.random() < 0.25 and not args.calm
-                next_at = now + (self.rng.uniform(0.0, 0.3) if quick else self.rng.uniform(0.5, 1.5) * args.gap)
+                if not live:
+                    # Nobody to hit yet (a pipeline's replacement replica is
+                    # not in, and no newcomer is on its way): look again soon.
+                    next_at = now + 0.05
+                else:
+                    if len(members) - sum(1 for u in members if u in frozen) > args.min_world:
+                        victim = self.rng.choice(live)
+                        freeze = self.rng.random() < 0.25 and self.procs[victim]["state"] == "member"
+                        t = time.monotonic()
+                        os.kill(self.procs[victim]["pid"], signal.SIGSTOP if freeze else signal.SIGKILL)
+                        recent = bool(self.events) and t - self.events[-1]["t"] < 0.5
+                        during = ("recovery" if recent else "a join" if self.procs[victim]["state"] == "joining"
+                                  else "a step")
+                        self.events.append(dict(t=t, uid=victim, kind="freeze" if freeze else "kill", during=during,
+                                                step=self.max_step))
+                        injected += 1
+                        if freeze:
+                            frozen[victim] = t + args.heartbeat + 2.0
+                            self.procs[victim]["state"] = "frozen"
+                        else:
+                            self.procs[victim]["state"] = "dead"
+                        self.start(next_uid, joining=True)  # its replacement
+                        next_uid += 1
+                    last = now
+                    quick = self.rng.random() < 0.25 and not args.calm
+                    next_at = now + (self.rng.uniform(0.0, 0.3) if quick else self.rng.uniform(0.5, 1.5) * args.gap)
             if any(s == "done" for s in states):
                 # The others are done: a pipeline's broken-replica survivor
                 # that rejoined (a member to us) may wait for a partner that
@@ -393,9 +425,15 @@ class Soak:
                     if self.procs[u]["state"] == "joining":
                         os.kill(self.procs[u]["pid"], signal.SIGKILL)
                         self.procs[u]["state"] = "late-joiner"
-            if now - last > args.stall_s and self.max_step < args.steps:
-                raise RuntimeError(f"no step completed for {args.stall_s} s (a hang?); states: "
-                                   f"{ {u: p['state'] for u, p in self.procs.items()} }")
+            # A hang: no step for stall_s while steps remain, or nothing at
+            # all (after the last step too: processes that never finish).
+            stalled = now - last > args.stall_s and self.max_step < args.steps
+            if stalled or now - last_change > args.stall_s:
+                self.dump_stacks(running)
+                crashes = {u: r.get("why", "")[:800] for u, r in self.reports.items() if r.get("kind") == "crash"}
+                raise RuntimeError(f"{'no step completed' if stalled else 'nothing happened'} for {args.stall_s} s "
+                                   f"(a hang?) at step {self.max_step} of {args.steps}; states: "
+                                   f"{ {u: p['state'] for u, p in self.procs.items()} }; crashes: {crashes}")
             if self.completions and self.completions[-1][0] > last:
                 last = self.completions[-1][0]
         hung = self.reap() + [self.procs[u]["pid"] for u in self.procs if self.procs[u]["state"] == "stuck"]
@@ -403,6 +441,16 @@ class Soak:
         os.waitpid(self.store_pid, 0)
         leaked = sorted({f for f in os.listdir("/dev/shm") if f.startswith("pycomm.")} - before)
         return self.verdict(injected, hung, leaked)
+
+    def dump_stacks(self, uids: List[int]) -> None:
+        """Every live process's Python stacks, on stderr (faulthandler)."""
+        for u in uids:
+            try:
+                os.kill(self.procs[u]["pid"], signal.SIGCONT)
+                os.kill(self.procs[u]["pid"], signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(2.0)
 
     def reap(self) -> List[int]:
         hung = []

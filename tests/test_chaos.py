@@ -26,9 +26,12 @@ SIZES = {
 def test_chaos_soak(tmp_path, job):
     out = tmp_path / "chaos.json"
     size = SIZES[job]
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "chaos.py"), "--job", job, *size,
-                           "--json", str(out)], capture_output=True, text=True, timeout=5400 if LONG else 600,
-                          env=dict(os.environ, PYTHONPATH=ROOT))
+    try:
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "chaos.py"), "--job", job, *size,
+                               "--json", str(out)], capture_output=True, text=True, timeout=5400 if LONG else 600,
+                              env=dict(os.environ, PYTHONPATH=ROOT))
+    except subprocess.TimeoutExpired as e:  # the driver's own hang detector should have fired first
+        pytest.fail(f"the soak ran past its limit:\n{(e.stdout or b'')[-3000:]!r}\n{(e.stderr or b'')[-6000:]!r}")
     summary = [line for line in proc.stdout.splitlines() if line.startswith("chaos soak")]
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -39,3 +42,25 @@ def test_chaos_soak(tmp_path, job):
     assert soak["not_fenced"] == [], summary
     assert len(soak["acc"]) == 1 and soak["acc"][0] >= base["acc"][0] - 1.0, (summary, soak["acc"], base["acc"])
     assert res["ok"] and proc.returncode == 0, summary
+
+
+def test_chaos_driver_ends_and_leaves_nothing_when_the_job_cannot_go_on(tmp_path):
+    """Failures every ~0.1 s outrun a PP x DP job's recoveries: at times there
+    is no one to hit (the driver once crashed choosing from nobody, and its
+    orphaned ranks kept the caller waiting on their pipes until its 600 s
+    limit), and at last no whole replica survives, so nothing happens any
+    more. The driver must end on its own with what it saw (states, crash
+    reasons, the ranks' Python stacks), and leave no process behind."""
+    out = tmp_path / "chaos.json"
+    marker = str(out)  # forked ranks carry the driver's command line
+    try:
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "chaos.py"), "--job", "pipeline",
+                               "--failures", "6", "--gap", "0.1", "--stall-s", "10", "--json", marker],
+                              capture_output=True, text=True, timeout=180, env=dict(os.environ, PYTHONPATH=ROOT))
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the driver or its ranks outlived 180 s:\n{(e.stderr or b'')[-3000:]!r}")
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    assert not left, f"processes left behind: {left}"
+    if proc.returncode != 0:  # the usual end: the job cannot go on, said with what the driver saw
+        assert "(a hang?)" in proc.stderr and "states:" in proc.stderr, proc.stderr[-3000:]
+        assert "IndexError" not in proc.stderr, proc.stderr[-3000:]
