@@ -129,9 +129,10 @@ class IpcAllReduce:
 
     def _quantized_call(self, tensor, out, op, codec, error_feedback, key) -> Callable[[], None]:
         """Checks a compressed call and returns its launch."""
-        op = str(getattr(op, "name", op)).lower()
-        if op not in ("sum", "avg"):
+        op_id = reduce_op_id(op)
+        if op_id not in (REDUCE_OPS["sum"], REDUCE_OPS["avg"]):
             raise CommError(f"pycomm: a compressed CUDA IPC all-reduce sums or averages; op={op!r} is not supported")
+        avg = op_id == REDUCE_OPS["avg"]
         if not _compression.is_quantizer(codec):
             raise CommError(f"pycomm: the CUDA IPC all-reduce compresses with pycomm.Int8() or pycomm.Int4(), got "
                             f"{codec!r} (top-k goes through pycomm.GroupCommunicator)")
@@ -157,7 +158,7 @@ class IpcAllReduce:
         stochastic = bool(codec.stochastic)
 
         def launch() -> None:
-            self._c.quantized_all_reduce(tensor, out, op == "avg", bits, block, stochastic, seeds[0], seeds[1],
+            self._c.quantized_all_reduce(tensor, out, avg, bits, block, stochastic, seeds[0], seeds[1],
                                          worker, server)
             for r in (worker, server):
                 if r is not None:
