@@ -8,6 +8,9 @@
 #   tests      the CUDA tests (tests/test_cuda.py and the docs' CUDA examples;
 #              CUDA_TESTS= to narrow them)
 #   kernels    the kernel benchmark against the device's copy bandwidth
+#   profile    Nsight Compute's view of pycomm's memory-bound kernels (speed of
+#              light, memory workload, occupancy, launch) on 16M elements:
+#              what to read before changing a kernel (ncu.txt)
 #   overlap    DDP on CUDA with int8_hook under torch.profiler: pycomm's
 #              kernels' share of a step and their overlap with the backward
 #              on another stream (benchmarks/gpu/overlap_trace.py; the trace
@@ -39,7 +42,7 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-"8.0;9.0"}
 STEP_TIMEOUT=${STEP_TIMEOUT:-240}
-STAGES=${*:-build tests kernels overlap allreduce mps nccl crash tta}
+STAGES=${*:-build tests kernels profile overlap allreduce mps nccl crash tta}
 
 build() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOG/device.txt"
@@ -63,6 +66,15 @@ tests() {
 
 kernels() {
   timeout "$STEP_TIMEOUT" "$PY" benchmarks/gpu/kernels.py 2>&1 | tee "$LOG/kernels.log"
+}
+
+profile() {
+  local kernels="quantize_kernel|dequantize_kernel|store_sum_kernel|reduce_kernel|fold_kernel|histogram_kernel"
+  kernels="$kernels|choose_kernel|gather_kernel|scatter_kernel"
+  timeout "$STEP_TIMEOUT" ncu --clock-control none --kernel-name "regex:$kernels" --launch-count 24 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+    "$PY" benchmarks/gpu/kernels.py --elems $((16 << 20)) --repeats 1 > "$LOG/ncu.txt" 2>&1
+  grep -E "^  [a-z_]+kernel|Memory Throughput|DRAM Throughput|Achieved Occupancy|Duration" "$LOG/ncu.txt" | head -80
 }
 
 overlap() {
@@ -130,8 +142,8 @@ crash() {
 for stage in $STAGES; do
   echo "=== $stage"
   case $stage in
-    build | tests | kernels | overlap | allreduce | mps | nccl | tta | crash) "$stage" || [ "$stage" != build ] || { pack; exit 1; } ;;
-    *) echo "unknown stage $stage (build tests kernels overlap allreduce mps nccl tta crash)"; exit 2 ;;
+    build | tests | kernels | profile | overlap | allreduce | mps | nccl | tta | crash) "$stage" || [ "$stage" != build ] || { pack; exit 1; } ;;
+    *) echo "unknown stage $stage (build tests kernels profile overlap allreduce mps nccl tta crash)"; exit 2 ;;
   esac
   pack
 done
