@@ -8,18 +8,17 @@
 #include "cuda_ipc.h"
 
 #include <cuda_runtime.h>
-#include <signal.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 
 #include "../algorithms/schedule.h"
 #include "../kernels/cuda/common.cuh"
 #include "../kernels/reduce.h"
 #include "cuda_ipc_detail.cuh"
+#include "process.h"
 
 namespace pycomm {
 namespace {
@@ -223,9 +222,9 @@ std::string CudaIpcAllReduce::handles() const {
   cudaIpcMemHandle_t h[2];
   check(cudaIpcGetMemHandle(&h[0], buffer_), "handle of the staging buffer");
   check(cudaIpcGetMemHandle(&h[1], signal_), "handle of the signal block");
-  const int32_t pid = static_cast<int32_t>(getpid());
+  const ProcessId self = this_process();
   return std::string(reinterpret_cast<const char*>(h), sizeof h) +
-         std::string(reinterpret_cast<const char*>(&pid), sizeof pid);
+         std::string(reinterpret_cast<const char*>(&self), sizeof self);
 }
 
 void CudaIpcAllReduce::open(const std::vector<std::string>& all) {
@@ -233,15 +232,14 @@ void CudaIpcAllReduce::open(const std::vector<std::string>& all) {
   if (static_cast<int>(all.size()) != world_)
     throw CommError("pycomm: CUDA IPC open() needs " + std::to_string(world_) + " ranks' handles, got " +
                     std::to_string(all.size()));
-  peer_pids_.assign(world_, 0);
+  peers_.assign(world_, ProcessId{});
   for (int q = 0; q < world_; ++q) {
-    if (all[q].size() != 2 * sizeof(cudaIpcMemHandle_t) + sizeof(int32_t))
+    if (all[q].size() != 2 * sizeof(cudaIpcMemHandle_t) + sizeof(ProcessId))
       throw CommError("pycomm: rank " + std::to_string(q) + "'s CUDA IPC handles are malformed");
-    std::memcpy(&peer_pids_[q], all[q].data() + 2 * sizeof(cudaIpcMemHandle_t), sizeof(int32_t));
+    // (A peer in another pid namespace: the watchdog cannot tell, and leaves
+    // it to the timeout.)
+    std::memcpy(&peers_[q], all[q].data() + 2 * sizeof(cudaIpcMemHandle_t), sizeof(ProcessId));
     if (q == rank_) continue;
-    // A peer in another process namespace is not visible from here: the
-    // watchdog leaves it to the timeout instead of taking it for dead.
-    if (::kill(peer_pids_[q], 0) != 0 && errno == ESRCH) peer_pids_[q] = 0;
     cudaIpcMemHandle_t h[2];
     std::memcpy(h, all[q].data(), sizeof h);
     // Lazy peer access: ranks on other GPUs of the host are reached over
@@ -253,14 +251,15 @@ void CudaIpcAllReduce::open(const std::vector<std::string>& all) {
   }
   opened_ = true;
   // The watchdog: the ranks share this host, so a peer's death is seen from
-  // its process id at once (its kernels' flags would just stop moving).
+  // its process id at once (its kernels' flags would just stop moving), a
+  // zombie counted as dead.
   // 20 ms keeps its cost nil and a survivor's wait short.
   watch_ = std::thread([this] {
     while (!stop_watch_) {
       for (int q = 0; q < world_; ++q) {
-        if (q == rank_ || peer_pids_[q] <= 0) continue;
-        if (::kill(peer_pids_[q], 0) != 0 && errno == ESRCH) {
-          abort("rank " + std::to_string(q) + " (process " + std::to_string(peer_pids_[q]) + ") is gone");
+        if (q == rank_) continue;
+        if (process_gone(peers_[q])) {
+          abort("rank " + std::to_string(q) + " (process " + std::to_string(peers_[q].pid) + ") is gone");
           return;
         }
       }

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "../core/common.h"
+#include "process.h"
 
 namespace pycomm {
 
@@ -166,7 +167,7 @@ class CudaIpcAllReduce {
   IpcStatus* status_ = nullptr;      // host view
   IpcStatus* status_dev_ = nullptr;  // the same memory, as the device sees it
   uint64_t timeout_ns_;
-  std::vector<int> peer_pids_;
+  std::vector<ProcessId> peers_;  // [world], from their handles
   mutable std::mutex mu_;
   std::string abort_why_;  // guarded by mu_
   std::atomic<bool> stop_watch_{false};

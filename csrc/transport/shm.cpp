@@ -25,51 +25,17 @@
 #include "../kernels/kernels.h"
 #include "futex.h"
 #include "layout.h"
+#include "process.h"
 #include "shm_segment.h"
 
 namespace pycomm {
 
 namespace {
 
-// State and start time (clock ticks since boot) of a process from
-// /proc/<pid>/stat. The start time tells a recycled pid from the original.
-bool read_proc_stat(int pid, char* state, uint64_t* starttime) {
-  char path[64];
-  std::snprintf(path, sizeof path, "/proc/%d/stat", pid);
-  FILE* f = std::fopen(path, "r");
-  if (!f) return false;
-  char buf[1024];
-  size_t n = std::fread(buf, 1, sizeof buf - 1, f);
-  std::fclose(f);
-  buf[n] = '\0';
-  // The command name may contain spaces and parentheses: fields start after
-  // the last ')'.
-  char* p = std::strrchr(buf, ')');
-  if (!p || p[1] == '\0') return false;
-  p += 2;
-  *state = *p;
-  // starttime is field 22; the state is field 3.
-  int field = 3;
-  char* save = nullptr;
-  for (char* tok = strtok_r(p, " ", &save); tok; tok = strtok_r(nullptr, " ", &save), ++field) {
-    if (field == 22) {
-      *starttime = std::strtoull(tok, nullptr, 10);
-      return true;
-    }
-  }
-  return false;
-}
-
 uint64_t monotonic_ns() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);  // one clock for every process of the host
   return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
-}
-
-uint64_t pid_namespace_id() {
-  struct stat st;
-  if (stat("/proc/self/ns/pid", &st) != 0) return 0;
-  return static_cast<uint64_t>(st.st_ino);
 }
 
 // PYCOMM_SHM_STORES: auto (default), cached or streaming.
@@ -207,13 +173,11 @@ void ShmTransport::map_segment(const ShmConfig& config) {
   }
 
   RankControl& me = controls_[rank_];
-  char state = 0;
-  uint64_t starttime = 0;
-  read_proc_stat(getpid(), &state, &starttime);
-  me.starttime = starttime;
-  me.pidns = pid_namespace_id();
+  const ProcessId self = this_process();
+  me.starttime = self.starttime;
+  me.pidns = self.pidns;
   me.exited.store(0);
-  me.pid.store(static_cast<int32_t>(getpid()), std::memory_order_release);
+  me.pid.store(self.pid, std::memory_order_release);
   // The last rank to map the segment removes its name: from then on it lives
   // only as long as some rank maps it, and a kill -9 leaves nothing behind.
   if (header_->attached.fetch_add(1) + 1 == static_cast<uint32_t>(world_)) {
@@ -350,19 +314,19 @@ std::string ShmTransport::peer_gone(int q, const OpContext& ctx, Blame* blame) {
     *blame = {FailureKind::kShutDown, name(q)};
     return os.str();
   }
-  // Its pid means something only in our pid namespace.
-  if (pc.pidns == controls_[rank_].pidns) {
-    char state = 0;
-    uint64_t starttime = 0;
-    const bool found = read_proc_stat(pid, &state, &starttime);
-    if (!found || state == 'Z' || state == 'X' || starttime != pc.starttime) {
-      // "Connection closed by peer" is Gloo's phrase for a lost peer, which
-      // users' error handling matches on; the rest says which and where.
-      os << "pycomm: rank " << name(q) << " (pid " << pid << ") died; detected by rank " << name(rank_)
-         << " during " << collective_name(ctx.coll) << " #" << ctx.seq << " (Connection closed by peer)";
-      *blame = {FailureKind::kDied, name(q)};
-      return os.str();
-    }
+  // (Its pid means something only in our pid namespace: process_gone says
+  // false for another's.)
+  ProcessId peer;
+  peer.pid = pid;
+  peer.starttime = pc.starttime;
+  peer.pidns = pc.pidns;
+  if (process_gone(peer)) {
+    // "Connection closed by peer" is Gloo's phrase for a lost peer, which
+    // users' error handling matches on; the rest says which and where.
+    os << "pycomm: rank " << name(q) << " (pid " << pid << ") died; detected by rank " << name(rank_)
+       << " during " << collective_name(ctx.coll) << " #" << ctx.seq << " (Connection closed by peer)";
+    *blame = {FailureKind::kDied, name(q)};
+    return os.str();
   }
   // Alive but frozen (or, in another pid namespace, perhaps dead): its
   // heartbeat thread stopped beating too.
