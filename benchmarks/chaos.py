@@ -27,6 +27,14 @@ without failures (run first, in the same invocation), nothing of pycomm's left
 in /dev/shm, no process left running, and recovery (a failure to the step
 that every survivor completed next) min / median / max.
 
+When nothing happens for ``--stall-s`` seconds (no step, no process changing
+state, before or after the last step) the driver asks every live rank for its
+Python stacks and fails; on any failure of its own it kills every rank, so
+a caller never waits on ranks it left behind.
+
+About 600 lines: the two jobs (DDP, PP x DP) and the driver share one report
+protocol and one verdict, which one file keeps in step.
+
 Examples::
 
     python benchmarks/chaos.py --failures 10                    # CI's size
