@@ -145,3 +145,21 @@ def test_overlap_trace_analysis_on_a_synthetic_trace():
     assert res["overlapped_share"] == pytest.approx(20 / 60)
     assert res["pycomm_streams"] == [20] and res["other_streams"] == [7, 20]
     assert mod.analyse({"traceEvents": []}, 1) == {"error": "no kernels in the trace"}
+
+
+def test_gpu_kernel_benchmark_checks_itself_on_cpu():
+    """benchmarks/gpu/kernels.py (the GPU kernels against the copy bandwidth,
+    float32 and bfloat16, and top-k at two sizes) runs on a GPU machine only
+    when one is lent: here it runs on CPU tensors at a small size, so a broken
+    script cannot waste a lease, and every row's check against the CPU
+    kernels counts nothing wrong."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "kernels.py", "--device", "cpu", "--elems", "65536", "--repeats", "2"],
+                       capture_output=True, text=True, env=ENV, timeout=300,
+                       cwd=os.path.join(root, "benchmarks", "gpu"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [line for line in r.stdout.splitlines() if "|" in line and not line.lstrip().startswith("kernel")]
+    kernels = [line for line in rows if "(float32)" in line or "(bfloat16)" in line]
+    assert len(kernels) == 10 and all(line.rsplit("|", 1)[1].strip() == "0" for line in kernels), r.stdout
+    topk = [line for line in r.stdout.splitlines() if line.startswith("top-k")]
+    assert len(topk) == 1 and topk[0].endswith("#wrong 0"), r.stdout
