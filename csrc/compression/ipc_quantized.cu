@@ -28,10 +28,11 @@ void ipc_quantized_all_reduce(CudaIpcAllReduce& group, const IpcQuantCall& c, cu
   const int world = group.world(), rank = group.rank();
   const size_t shard = QuantizedAllReduce::shard_elems(c.n, world, c.block);
   const size_t slot = slot_bytes(shard, c.bits, c.block);
-  if (ipc_quantized_bytes(c.n, world, c.bits, c.block) > group.buffer_bytes())
+  const size_t need = ipc_quantized_bytes(c.n, world, c.bits, c.block);
+  if (need > group.buffer_bytes())
     throw CommError("pycomm: a quantized CUDA IPC all-reduce of " + std::to_string(c.n) + " elements needs " +
-                    std::to_string(ipc_quantized_bytes(c.n, world, c.bits, c.block)) +
-                    " bytes of staging per rank; this group has " + std::to_string(group.buffer_bytes()) +
+                    std::to_string(need) + " bytes of staging per rank; this group has " +
+                    std::to_string(group.buffer_bytes()) +
                     " (make the group with a larger buffer_bytes)");
   if (c.n == 0) return;
   const size_t es = dtype_size(c.dtype);

@@ -152,18 +152,6 @@ __global__ void barrier_kernel(SignalTable t, int rank, int world, uint32_t epoc
   ipc_detail::block_wait_each(wait, slots, world, epoch, kIpcWaitBarrier);
 }
 
-template <typename T>
-void launch_typed(const IpcArgs& a, RedOp op, void* out, size_t count, unsigned grid, cudaStream_t stream) {
-  auto* o = static_cast<T*>(out);
-  switch (op) {
-    case RedOp::kSum:
-    case RedOp::kAvg: ipc_all_reduce_kernel<T, RedOp::kSum><<<grid, kThreads, 0, stream>>>(a, o, count); break;
-    case RedOp::kMax: ipc_all_reduce_kernel<T, RedOp::kMax><<<grid, kThreads, 0, stream>>>(a, o, count); break;
-    case RedOp::kMin: ipc_all_reduce_kernel<T, RedOp::kMin><<<grid, kThreads, 0, stream>>>(a, o, count); break;
-    default: throw CommError(std::string("pycomm: CUDA IPC all-reduce takes op sum, avg, max or min, got ") + redop_name(op));
-  }
-}
-
 }  // namespace
 
 IpcAlgo CudaIpcAllReduce::choose(size_t bytes, int world) {
@@ -358,18 +346,12 @@ void CudaIpcAllReduce::all_reduce(const void* in, void* out, size_t count, DType
     const unsigned grid = static_cast<unsigned>(
         std::max<size_t>(1, std::min<size_t>(kIpcMaxBlocks, (std::max<size_t>(work, 1) + kThreads - 1) / kThreads)));
     void* o = static_cast<char*>(out) + off * es;
-    switch (dtype) {
-      case DType::kFloat32: launch_typed<float>(a, op, o, n, grid, stream); break;
-      case DType::kFloat64: launch_typed<double>(a, op, o, n, grid, stream); break;
-      case DType::kFloat16: launch_typed<kernels::Half>(a, op, o, n, grid, stream); break;
-      case DType::kBFloat16: launch_typed<kernels::BFloat16>(a, op, o, n, grid, stream); break;
-      case DType::kInt32: launch_typed<int32_t>(a, op, o, n, grid, stream); break;
-      case DType::kInt64: launch_typed<int64_t>(a, op, o, n, grid, stream); break;
-      case DType::kUInt8: launch_typed<uint8_t>(a, op, o, n, grid, stream); break;
-      default:
-        throw CommError(std::string("pycomm: CUDA IPC all-reduce takes float32, float64, float16, bfloat16, int32, "
-                                    "int64 and uint8 tensors, got ") + dtype_name(dtype));
-    }
+    ipc_detail::with_ipc_dtype(dtype, [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      ipc_detail::with_ipc_op(op, [&](auto k) {
+        ipc_all_reduce_kernel<T, decltype(k)::value><<<grid, kThreads, 0, stream>>>(a, static_cast<T*>(o), n);
+      });
+    });
     check(cudaGetLastError(), "all-reduce launch");
   }
 }

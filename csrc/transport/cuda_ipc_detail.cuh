@@ -18,7 +18,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
+#include <type_traits>
 
+#include "../kernels/reduce.h"
 #include "cuda_ipc.h"
 
 namespace pycomm {
@@ -120,6 +123,37 @@ __device__ inline bool block_wait_each(const WaitCtx& w, uint32_t* const* slots,
     failed = 1;
   __syncthreads();
   return failed == 0;
+}
+
+// The kernels' element types and reductions, in one place for every IPC
+// kernel: f(T*) with a null pointer of the element type, and g(Op) with an
+// std::integral_constant of the reduction (avg sums; the caller divides).
+template <typename F>
+void with_ipc_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32: return f(static_cast<float*>(nullptr));
+    case DType::kFloat64: return f(static_cast<double*>(nullptr));
+    case DType::kFloat16: return f(static_cast<kernels::Half*>(nullptr));
+    case DType::kBFloat16: return f(static_cast<kernels::BFloat16*>(nullptr));
+    case DType::kInt32: return f(static_cast<int32_t*>(nullptr));
+    case DType::kInt64: return f(static_cast<int64_t*>(nullptr));
+    case DType::kUInt8: return f(static_cast<uint8_t*>(nullptr));
+    default:
+      throw CommError(std::string("pycomm: CUDA IPC all-reduce takes float32, float64, float16, bfloat16, int32, "
+                                  "int64 and uint8 tensors, got ") + dtype_name(dtype));
+  }
+}
+
+template <typename G>
+void with_ipc_op(RedOp op, G&& g) {
+  switch (op) {
+    case RedOp::kSum:
+    case RedOp::kAvg: return g(std::integral_constant<RedOp, RedOp::kSum>{});
+    case RedOp::kMax: return g(std::integral_constant<RedOp, RedOp::kMax>{});
+    case RedOp::kMin: return g(std::integral_constant<RedOp, RedOp::kMin>{});
+    default:
+      throw CommError(std::string("pycomm: CUDA IPC all-reduce takes op sum, avg, max or min, got ") + redop_name(op));
+  }
 }
 
 }  // namespace ipc_detail

@@ -51,7 +51,6 @@ struct ScheduleArgs {
   const char* in;
   char* out;
   char* mailbox[kIpcMaxRanks];  // every rank's buffer (ours at [rank])
-  size_t half_bytes, phase_bytes, chunk_bytes;
   IpcSignal* sig[kIpcMaxRanks];
   WaitCtx wait;
   uint32_t steps_done, rounds_done;
@@ -142,7 +141,6 @@ __device__ bool wait_rounds(const ScheduleArgs& a, uint32_t target) {
 template <typename T, RedOp kOp>
 __global__ void __launch_bounds__(kThreads) schedule_kernel(ScheduleArgs a) {
   __shared__ RoundPointers p;
-  const size_t es = sizeof(T);
   for (uint64_t j = 0; j < a.layout.rounds; ++j) {
     const uint32_t round_id = a.rounds_done + static_cast<uint32_t>(j);
     const uint32_t step_base = a.steps_done + static_cast<uint32_t>(j) * a.steps;
@@ -150,17 +148,7 @@ __global__ void __launch_bounds__(kThreads) schedule_kernel(ScheduleArgs a) {
     //    half of this rank's mailbox (earlier calls ended with step 5).
     if (j >= 2 && !wait_rounds(a, round_id - 1)) return;
     // 2. This round's chunks, and every rank's mailbox half for it.
-    if (threadIdx.x == 0) {
-      for (int q = 0; q < a.world; ++q) p.mailbox[q] = a.mailbox[q] + (round_id % 2) * a.half_bytes;
-      p.phase_bytes = a.phase_bytes;
-      p.chunk_bytes = a.chunk_bytes;
-      for (int c = 0; c < a.layout.K; ++c) {
-        int64_t i, o;
-        a.layout.span(j, c, a.rank, &i, &o, &p.len[c]);
-        p.in[c] = i < 0 ? nullptr : a.in + i * es;
-        p.out[c] = o < 0 ? nullptr : a.out + o * es;
-      }
-    }
+    if (threadIdx.x == 0) point_round(p, a.layout, round_id, j, a.rank, a.world, a.mailbox, a.in, a.out);
     __syncthreads();
     // 3. The program's ops, in order.
     for (int k = 0; k < a.nops; ++k) {
@@ -202,18 +190,6 @@ __global__ void __launch_bounds__(kThreads) schedule_kernel(ScheduleArgs a) {
   // 6. Nobody returns while a peer may still read its mailbox: the next
   //    call (of any algorithm) refills it.
   if (a.layout.rounds > 0) wait_rounds(a, a.rounds_done + static_cast<uint32_t>(a.layout.rounds));
-}
-
-template <typename T>
-void launch_typed(const ScheduleArgs& a, RedOp op, unsigned grid, cudaStream_t stream) {
-  switch (op) {
-    case RedOp::kSum:
-    case RedOp::kAvg: schedule_kernel<T, RedOp::kSum><<<grid, kThreads, 0, stream>>>(a); break;
-    case RedOp::kMax: schedule_kernel<T, RedOp::kMax><<<grid, kThreads, 0, stream>>>(a); break;
-    case RedOp::kMin: schedule_kernel<T, RedOp::kMin><<<grid, kThreads, 0, stream>>>(a); break;
-    default:
-      throw CommError(std::string("pycomm: CUDA IPC all-reduce takes op sum, avg, max or min, got ") + redop_name(op));
-  }
 }
 
 }  // namespace
@@ -261,9 +237,6 @@ void CudaIpcAllReduce::run_schedule(const void* in, void* out, size_t count, DTy
   a.steps = static_cast<uint32_t>(prog.num_steps);
   a.in = static_cast<const char*>(in);
   a.out = static_cast<char*>(out);
-  a.chunk_bytes = a.layout.chunk_max * es;
-  a.phase_bytes = prog.num_chunks * a.chunk_bytes;
-  a.half_bytes = kNumPhases * a.phase_bytes;
   for (int q = 0; q < world_; ++q) {
     a.mailbox[q] = static_cast<char*>(peer_buffers_[q]);
     a.sig[q] = static_cast<IpcSignal*>(peer_signals_[q]);
@@ -278,21 +251,14 @@ void CudaIpcAllReduce::run_schedule(const void* in, void* out, size_t count, DTy
   // 3. The grid: from what every rank agrees on (the chunk size), so that
   //    segment b of a chunk is block b's on every rank; at least 4 packs
   //    per thread before another block joins.
-  const size_t chunk_bytes = a.layout.chunk_max * es;
   const unsigned grid = static_cast<unsigned>(
-      std::max<size_t>(1, std::min<size_t>(kIpcMaxBlocks, chunk_bytes / (kThreads * 16 * 4))));
-  switch (dtype) {
-    case DType::kFloat32: launch_typed<float>(a, op, grid, stream); break;
-    case DType::kFloat64: launch_typed<double>(a, op, grid, stream); break;
-    case DType::kFloat16: launch_typed<kernels::Half>(a, op, grid, stream); break;
-    case DType::kBFloat16: launch_typed<kernels::BFloat16>(a, op, grid, stream); break;
-    case DType::kInt32: launch_typed<int32_t>(a, op, grid, stream); break;
-    case DType::kInt64: launch_typed<int64_t>(a, op, grid, stream); break;
-    case DType::kUInt8: launch_typed<uint8_t>(a, op, grid, stream); break;
-    default:
-      throw CommError(std::string("pycomm: CUDA IPC all-reduce takes float32, float64, float16, bfloat16, int32, "
-                                  "int64 and uint8 tensors, got ") + dtype_name(dtype));
-  }
+      std::max<size_t>(1, std::min<size_t>(kIpcMaxBlocks, a.layout.chunk_max * es / (kThreads * 16 * 4))));
+  ipc_detail::with_ipc_dtype(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    ipc_detail::with_ipc_op(op, [&](auto k) {
+      schedule_kernel<T, decltype(k)::value><<<grid, kThreads, 0, stream>>>(a);
+    });
+  });
   check(cudaGetLastError(), "schedule launch");
   // 4. The counters every rank advances alike.
   steps_done_ += static_cast<uint32_t>(a.layout.rounds * prog.num_steps);

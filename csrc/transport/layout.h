@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "../algorithms/program.h"
 #include "../algorithms/schedule.h"
 #include "../core/collective.h"
 #include "../kernels/kernels.h"
@@ -97,5 +98,24 @@ struct RoundLayout {
  private:
   size_t align_;
 };
+
+// A program's pointers for one round (algorithms/program.h) of `rank`: every
+// rank's mailbox half for it (`mailboxes[q]`: rank q's whole mailbox; the
+// half alternates with `round_id`, the round's number across calls) and the
+// chunks of round `j` of this call in the caller's buffers. The CUDA executor
+// and its CPU twin both point their rounds here, so both cut a call alike.
+PYCOMM_HOST_DEVICE void point_round(RoundPointers& p, const RoundLayout& layout, uint64_t round_id, uint64_t j,
+                                    int rank, int world, char* const* mailboxes, const char* in, char* out) {
+  p.chunk_bytes = layout.chunk_max * layout.es;
+  p.phase_bytes = layout.K * p.chunk_bytes;
+  const size_t half = kNumPhases * p.phase_bytes;  // program_mailbox_bytes is two of them
+  for (int q = 0; q < world; ++q) p.mailbox[q] = mailboxes[q] + (round_id % 2) * half;
+  for (int c = 0; c < layout.K; ++c) {
+    int64_t i, o;
+    layout.span(j, c, rank, &i, &o, &p.len[c]);
+    p.in[c] = i < 0 ? nullptr : in + i * layout.es;
+    p.out[c] = o < 0 ? nullptr : out + o * layout.es;
+  }
+}
 
 }  // namespace pycomm

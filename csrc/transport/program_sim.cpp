@@ -60,25 +60,19 @@ void simulate_program(Algorithm algo, Collective coll, int root, DType dtype, Re
   const int K = ranks[0].prog.num_chunks;
   const uint64_t T = static_cast<uint64_t>(ranks[0].prog.num_steps);
   const RoundLayout layout(d, K, world, round_bytes);
-  const size_t chunk_bytes = layout.chunk_max * es;
-  const size_t half = kNumPhases * K * chunk_bytes;
-  for (RankState& s : ranks) {
+  std::vector<char*> mailboxes(world);
+  for (int r = 0; r < world; ++r) {
     // 64-byte aligned, as a device allocation would be (and as the chunk
     // slots' alignment assumes).
-    s.mailbox.reset(static_cast<char*>(std::aligned_alloc(64, program_mailbox_bytes(K, chunk_bytes))));
-    if (!s.mailbox) throw CommError("pycomm: simulate_program: out of memory");
+    ranks[r].mailbox.reset(
+        static_cast<char*>(std::aligned_alloc(64, program_mailbox_bytes(K, layout.chunk_max * es))));
+    if (!ranks[r].mailbox) throw CommError("pycomm: simulate_program: out of memory");
+    mailboxes[r] = ranks[r].mailbox.get();
   }
   auto pointers = [&](int r, uint64_t j) {
     RoundPointers p{};
-    for (int q = 0; q < world; ++q) p.mailbox[q] = ranks[q].mailbox.get() + (j % 2) * half;
-    p.phase_bytes = K * chunk_bytes;
-    p.chunk_bytes = chunk_bytes;
-    for (int c = 0; c < K; ++c) {
-      int64_t i, o;
-      layout.span(j, c, r, &i, &o, &p.len[c]);
-      p.in[c] = i < 0 ? nullptr : static_cast<const char*>(inputs[r]) + i * es;
-      p.out[c] = o < 0 ? nullptr : static_cast<char*>(outputs[r]) + o * es;
-    }
+    point_round(p, layout, j, j, r, world, mailboxes.data(), static_cast<const char*>(inputs[r]),
+                static_cast<char*>(outputs[r]));
     return p;
   };
   // Runs rank r until it finishes or meets a wait it cannot pass; returns
