@@ -143,8 +143,8 @@ class IpcAllReduce:
                 or out.device != tensor.device or not out.is_contiguous():
             raise CommError("pycomm: the tensor and out must be contiguous, of one shape, dtype and device")
         n, bits, block = tensor.numel(), int(codec.bits), int(codec.block)
-        need = self._c.quantized_bytes(n, bits, block)
-        if need > self._c.buffer_bytes:
+        if not self.fits(n, codec):
+            need = self._c.quantized_bytes(n, bits, block)
             raise CommError(f"pycomm: a compressed CUDA IPC all-reduce of {n} elements needs {need} bytes of "
                             f"staging per rank; this group has {self._c.buffer_bytes} (make it with a larger "
                             "buffer_bytes)")
@@ -212,6 +212,11 @@ class IpcAllReduce:
         :class:`~pycomm.CommError` if one of them gave up (a peer gone, or
         silent for ``timeout`` seconds): its result is not whole."""
         self._stream.synchronize()
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        """Raises CommError if a wait of this group's kernels gave up (read
+        once the kernels in question are done)."""
         why = self._c.failure()
         if why:
             raise CommError(why)
@@ -244,17 +249,13 @@ class IpcWork:
         the call is already known to have given up (see ``synchronize``)."""
         torch.cuda.current_stream(self._result.device).wait_event(self._done)
         if self._done.query():
-            why = self._group._c.failure()
-            if why:
-                raise CommError(why)
+            self._group._raise_failure()
         return True
 
     def synchronize(self) -> None:
         """Blocks until the call is done; raises CommError if it gave up."""
         self._done.synchronize()
-        why = self._group._c.failure()
-        if why:
-            raise CommError(why)
+        self._group._raise_failure()
 
     def is_completed(self) -> bool:
         return self._done.query()

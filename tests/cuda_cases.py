@@ -266,27 +266,27 @@ def run_ipc_quantized(rank: int, world: int, name: str, cases: List[tuple], step
     sequence numbers, which key stochastic rounding, start together), with
     error feedback over several steps: the mismatches in outputs and
     residuals per case (none expected)."""
-    from group_cases import CODECS, _input, mismatches
+    from group_cases import paired_steps
     from harness import make_comm
 
     comm = make_comm(rank, world, name + ".cpu", timeout=60)
     ipc = pycomm.cuda_ipc.IpcAllReduce(worker_store(), rank, world, device="cuda:0", buffer_bytes=4 << 20,
                                        prefix=name, timeout=60)
-    out = []
-    for ci, (codec_name, n, dtype, op) in enumerate(cases):
-        codec = CODECS[codec_name]()
-        ef_cpu, ef_gpu = pycomm.compression.ErrorFeedback(), pycomm.compression.ErrorFeedback()
-        bad = []
-        for step in range(steps):
-            x = _input(ci, rank, step, n, dtype)
-            a, b = x.clone(), x.cuda()
-            comm.all_reduce(a, op=op, compression=codec, error_feedback=ef_cpu, key="k")
-            work = ipc.all_reduce(b, op=op, compression=codec, error_feedback=ef_gpu, key="k", async_op=True)
-            work.synchronize()
-            bad += mismatches(step, a, b, ef_cpu, ef_gpu)
-            if world > 1 and n > 0 and not 0 < work.bytes_sent < work.bytes_uncompressed:
-                bad.append((step, f"bytes_sent {work.bytes_sent} of {work.bytes_uncompressed}"))
-        out.append(bad)
+
+    def through_ipc(b, op, codec, ef):
+        work = ipc.all_reduce(b, op=op, compression=codec, error_feedback=ef, key="k", async_op=True)
+        work.synchronize()
+        return work
+
+    def sent(step, n, work):
+        if world > 1 and n > 0 and not 0 < work.bytes_sent < work.bytes_uncompressed:
+            return [(step, f"bytes_sent {work.bytes_sent} of {work.bytes_uncompressed}")]
+        return []
+
+    out = [bad for bad, _ in paired_steps(
+        rank, cases, steps,
+        lambda a, op, codec, ef: comm.all_reduce(a, op=op, compression=codec, error_feedback=ef, key="k"),
+        through_ipc, to_other=lambda x: x.cuda(), check=sent)]
     msgs = []
     for call in (lambda: ipc.all_reduce(torch.randn(8, device="cuda"), op="max", compression=pycomm.Int8()),
                  lambda: ipc.all_reduce(torch.randn(8, device="cuda"), compression=pycomm.TopK(0.1)),

@@ -4,7 +4,7 @@ shared-memory one on the same inputs (run inside harness workers)."""
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -85,13 +85,14 @@ def mismatches(step: int, a: torch.Tensor, b: torch.Tensor, ef_a, ef_b, key: str
     return bad
 
 
-def versus_shm(rank: int, world: int, name: str, cases: List[tuple], steps: int = 3) -> List[dict]:
+def paired_steps(rank: int, cases: List[tuple], steps: int, reference: Callable, other: Callable,
+                 to_other: Callable = torch.Tensor.clone, check: Optional[Callable] = None) -> List[tuple]:
     """Each case (codec, n, dtype, op) for `steps` steps with error feedback,
-    through both paths on the same inputs: do outputs and residuals agree
-    bit for bit? Returns per case the mismatches and the group output."""
-    comm, gc = pair(rank, world, name)
-    if gc is None:
-        return []
+    on the same inputs, through ``reference(x, op, codec, ef)`` and
+    ``other(x, op, codec, ef)`` (in place; ``other`` returns its work, done;
+    ``to_other`` puts its copy of the input where it runs): per case the
+    mismatches of outputs and residuals (and what ``check(step, n, work)``
+    adds), and the other's last output."""
     out = []
     for ci, (codec_name, n, dtype, op) in enumerate(cases):
         codec = CODECS[codec_name]()
@@ -99,15 +100,37 @@ def versus_shm(rank: int, world: int, name: str, cases: List[tuple], steps: int 
         bad = []
         for step in range(steps):
             x = _input(ci, rank, step, n, dtype)
-            a, b = x.clone(), x.clone()
-            comm.all_reduce(a, op=op, compression=codec, error_feedback=ef_a, key="k")
-            work = gc.all_reduce(b, op=op, compression=codec, error_feedback=ef_b, key="k", async_op=True)
-            work.get_future().wait()
+            a, b = x.clone(), to_other(x)
+            reference(a, op, codec, ef_a)
+            work = other(b, op, codec, ef_b)
             bad += mismatches(step, a, b, ef_a, ef_b)
-            if work.bytes_sent <= 0 and world > 1 and n > 0:
-                bad.append((step, "bytes_sent"))
-        out.append({"bad": bad, "out": b, "digest": digest(b)})
+            if check is not None:
+                bad += check(step, n, work)
+        out.append((bad, b))
     return out
+
+
+def versus_shm(rank: int, world: int, name: str, cases: List[tuple], steps: int = 3) -> List[dict]:
+    """Each case (codec, n, dtype, op) for `steps` steps with error feedback,
+    through both paths on the same inputs: do outputs and residuals agree
+    bit for bit? Returns per case the mismatches and the group output."""
+    comm, gc = pair(rank, world, name)
+    if gc is None:
+        return []
+
+    def group_path(b, op, codec, ef):
+        work = gc.all_reduce(b, op=op, compression=codec, error_feedback=ef, key="k", async_op=True)
+        work.get_future().wait()
+        return work
+
+    def sent(step, n, work):
+        return [(step, "bytes_sent")] if work.bytes_sent <= 0 and world > 1 and n > 0 else []
+
+    res = paired_steps(rank, cases, steps,
+                       lambda a, op, codec, ef: comm.all_reduce(a, op=op, compression=codec, error_feedback=ef,
+                                                                key="k"),
+                       group_path, check=sent)
+    return [{"bad": bad, "out": b, "digest": digest(b)} for bad, b in res]
 
 
 def bad_calls(rank: int, world: int, name: str) -> List[str]:

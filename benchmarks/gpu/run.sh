@@ -44,6 +44,8 @@ export PYTHONUNBUFFERED=1
 # The lent machines are Hopper (H100, H200): one target halves nvcc's time.
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-"9.0"}
 STEP_TIMEOUT=${STEP_TIMEOUT:-240}
+# Every test under its own limit too (pytest-timeout, where installed).
+PER_TEST=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${TEST_TIMEOUT:-120}")
 STAGES=${*:-build tests kernels profile overlap allreduce mps nccl crash tta}
 
 build() {
@@ -59,10 +61,7 @@ build() {
 tests() {
   "$PY" -c "import pycomm, pycomm._C as c; assert c.has_cuda, 'built without CUDA'; print('pycomm built with CUDA')" \
     || return 1
-  # Every test under its own limit too (pytest-timeout, where installed).
-  local per_test
-  per_test=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${TEST_TIMEOUT:-120}")
-  timeout "${TESTS_TIMEOUT:-420}" "$PY" -m pytest -q -m cuda -p no:cacheprovider $per_test -rf --durations=15 \
+  timeout "${TESTS_TIMEOUT:-420}" "$PY" -m pytest -q -m cuda -p no:cacheprovider $PER_TEST -rf --durations=15 \
     ${CUDA_TESTS:-tests/test_cuda.py tests/test_docs.py} \
     2>&1 | tee "$LOG/tests.log" | tail -30
 }
@@ -131,9 +130,7 @@ crash() {
   ulimit -c unlimited
   mkdir -p /tmp/cores
   echo "/tmp/cores/core.%e.%p" > /proc/sys/kernel/core_pattern 2>/dev/null || echo "(core_pattern not writable)"
-  local per_test
-  per_test=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${TEST_TIMEOUT:-120}")
-  PYTHONFAULTHANDLER=1 timeout "$STEP_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider $per_test -rf \
+  PYTHONFAULTHANDLER=1 timeout "$STEP_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider $PER_TEST -rf \
     ${CRASH_TESTS:-tests/test_reliability.py tests/test_errors.py} 2>&1 | tee "$LOG/crash.log" | tail -30
   for c in /tmp/cores/core.*; do
     [ -e "$c" ] || continue
