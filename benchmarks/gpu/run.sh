@@ -26,10 +26,13 @@
 #              DDP on CUDA over NCCL on the 4-host testbed, NCCL_RATES
 #              (default 1gbit 10gbit) x NCCL_LAUNCHES (default 3) fresh launches
 #   tta        time to accuracy at 1 Gbit/s on the 4-host testbed with a core
-#              per rank (issue 39's last target; TTA_LAUNCHES, TTA_CONFIGS)
+#              per rank (issue 39's last target; TTA_LAUNCHES, TTA_CONFIGS,
+#              TTA_TIMEOUT s in all, default 540)
 #   crash      the CPU failure suites (kill -9, timeouts, aborts) on this
 #              machine's torch and cores, with faulthandler and core dumps
 #              (backtraces by cuda-gdb, the debugger there)
+# The testbed's stages need ip and tc: carry .iproute (pack_iproute.sh) in
+# case the image lacks them.
 # Logs go to ./gpu-logs; with $OUT set (the device tool), to a folder packed
 # into $OUT/gpu-logs.tgz after every stage (one file: few come back). Every
 # stage, and every test, runs under a timeout: a hang must not eat the lease.
@@ -47,6 +50,12 @@ STEP_TIMEOUT=${STEP_TIMEOUT:-240}
 # Every test under its own limit too (pytest-timeout, where installed).
 PER_TEST=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${TEST_TIMEOUT:-120}")
 STAGES=${*:-build tests kernels profile overlap allreduce mps nccl crash tta}
+# The testbed (nccl, tta) needs ip and tc; an image without iproute2 gets the
+# ones packed by pack_iproute.sh, when the call carried them.
+if ! { command -v ip && command -v tc; } >/dev/null && [ -x .iproute/bin/ip ]; then
+  export PATH="$PWD/.iproute/bin:$PATH"
+  echo "ip and tc from .iproute (the image has no iproute2)"
+fi
 
 build() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$LOG/device.txt"
@@ -121,7 +130,8 @@ nccl() {
 }
 
 tta() {
-  timeout "$STEP_TIMEOUT" "$PY" benchmarks/time_to_accuracy.py --launches "${TTA_LAUNCHES:-3}" --rates 1gbit \
+  # Three launches of five configs: more than one step's limit.
+  timeout "${TTA_TIMEOUT:-540}" "$PY" benchmarks/time_to_accuracy.py --launches "${TTA_LAUNCHES:-3}" --rates 1gbit \
     --out "$LOG/tta" --configs "${TTA_CONFIGS:-ddp,torch-bf16,torch-bf16-1b,int8-1b,int4-b64-noef-1b}" 2>&1 \
     | tee "$LOG/tta.log" | tail -25
 }
