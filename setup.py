@@ -47,7 +47,11 @@ cuda_sources = cuda_glue + _sources("csrc/**/*.cu")
 # -g0 overrides the -g that Python's own build flags carry: DWARF for torch's
 # headers is most of a torch-glue file's compile time (about a third of the
 # build) and 30+ MB of the library; symbols still name every frame.
-cxx_flags = ["-O3", "-g0", "-fvisibility=hidden", "-Wall", "-ffp-contract=off"]
+#
+# C++17 on every torch: torch 2.11's extension builder compiles C++17 and
+# newer ones C++20; pinning the older standard makes a build with any torch
+# check the code for all of them.
+cxx_flags = ["-std=c++17", "-O3", "-g0", "-fvisibility=hidden", "-Wall", "-ffp-contract=off"]
 link_flags: list = []
 macros: list = []
 
