@@ -346,7 +346,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "simulate_program",
       [](int algo, int coll, int root, int op, const std::vector<at::Tensor>& inputs,
-         const std::vector<at::Tensor>& outputs, size_t round_bytes) {
+         const std::vector<at::Tensor>& outputs, size_t round_bytes, uint64_t seed) {
         TORCH_CHECK(!inputs.empty() && inputs.size() == outputs.size(),
                     "pycomm: simulate_program takes one input and one output per rank");
         std::vector<const void*> in;
@@ -373,10 +373,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         DType dt = DType::kFloat32;
         to_dtype(inputs[0].scalar_type(), &dt);
         py::gil_scoped_release nogil;
-        simulate_program(to_algo(algo), c, root, dt, to_op(op), static_cast<size_t>(count), in, out, round_bytes);
+        simulate_program(to_algo(algo), c, root, dt, to_op(op), static_cast<size_t>(count), in, out, round_bytes,
+                         seed);
       },
       py::arg("algorithm"), py::arg("collective"), py::arg("root"), py::arg("op"), py::arg("inputs"),
-      py::arg("outputs"), py::arg("round_bytes"),
+      py::arg("outputs"), py::arg("round_bytes"), py::arg("seed") = 0,
       "Every rank's program of the CUDA executor of schedules run on the CPU, in this process (tests).");
   m.def(
       "program_traffic",

@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <memory>
+#include <random>
 #include <string>
 
 #include "../algorithms/program.h"
@@ -28,7 +29,7 @@ struct RankState {
 
 void simulate_program(Algorithm algo, Collective coll, int root, DType dtype, RedOp op, size_t count,
                       const std::vector<const void*>& inputs, const std::vector<void*>& outputs,
-                      size_t round_bytes) {
+                      size_t round_bytes, uint64_t seed) {
   const int world = static_cast<int>(inputs.size());
   if (world < 1 || world > kProgMaxRanks || outputs.size() != inputs.size())
     throw CommError("pycomm: simulate_program takes 1.." + std::to_string(kProgMaxRanks) +
@@ -75,9 +76,9 @@ void simulate_program(Algorithm algo, Collective coll, int root, DType dtype, Re
                 static_cast<char*>(outputs[r]));
     return p;
   };
-  // Runs rank r until it finishes or meets a wait it cannot pass; returns
-  // whether it moved.
-  auto advance = [&](int r) {
+  // Runs rank r until it finishes, meets a wait it cannot pass, or has run
+  // `budget` ops; returns whether it moved.
+  auto advance = [&](int r, uint64_t budget) {
     RankState& s = ranks[r];
     bool moved = false;
     while (s.round < layout.rounds) {
@@ -91,6 +92,7 @@ void simulate_program(Algorithm algo, Collective coll, int root, DType dtype, Re
       const std::vector<ProgOp>& ops = s.prog.ops;
       // 2. The round's ops, in order.
       for (; s.pc < ops.size(); ++s.pc) {
+        if (budget == 0) return moved;
         const ProgOp& o = ops[s.pc];
         const size_t len = p.len[o.chunk];
         switch (o.kind) {
@@ -110,6 +112,7 @@ void simulate_program(Algorithm algo, Collective coll, int root, DType dtype, Re
           }
         }
         moved = true;
+        --budget;
       }
       // 3. avg: each output chunk divided once, when the round is done (the
       //    kernel's order; the same bits as dividing the whole output).
@@ -122,16 +125,32 @@ void simulate_program(Algorithm algo, Collective coll, int root, DType dtype, Re
     }
     return moved;
   };
-  for (;;) {
-    bool moved = false, done = true;
-    for (int r = 0; r < world; ++r) {
-      moved = advance(r) || moved;
-      done = done && ranks[r].round == layout.rounds;
+  auto deadlock = [&] {
+    return CommError(std::string("pycomm internal error: the program of ") + algorithm_name(algo) + "/" +
+                     collective_name(coll) + " deadlocks on " + std::to_string(world) + " ranks");
+  };
+  auto finished = [&] {
+    for (const RankState& s : ranks)
+      if (s.round < layout.rounds) return false;
+    return true;
+  };
+  constexpr uint64_t kUnbounded = ~uint64_t{0};
+  if (seed == 0) {
+    for (;;) {
+      bool moved = false;
+      for (int r = 0; r < world; ++r) moved = advance(r, kUnbounded) || moved;
+      if (finished()) return;
+      if (!moved) throw deadlock();
     }
-    if (done) return;
-    if (!moved)
-      throw CommError(std::string("pycomm internal error: the program of ") + algorithm_name(algo) + "/" +
-                      collective_name(coll) + " deadlocks on " + std::to_string(world) + " ranks");
+  }
+  std::mt19937_64 rng(seed);
+  while (!finished()) {
+    const int r = static_cast<int>(rng() % static_cast<uint64_t>(world));
+    if (advance(r, 1 + rng() % 8)) continue;
+    // r could not move: someone else must, or nobody ever will.
+    bool moved = false;
+    for (int q = 0; q < world && !moved; ++q) moved = advance(q, 1);
+    if (!moved && !finished()) throw deadlock();
   }
 }
 

@@ -19,9 +19,16 @@ namespace pycomm {
 // concrete one: ring, tree, one-shot or two-shot) over `inputs`, cut into
 // rounds of `round_bytes` as a communicator with that round size cuts it.
 // Throws CommError on a deadlock (a program that waits forever).
+//
+// `seed` 0 interleaves greedily: each rank in turn runs as far as it can.
+// Any other seed interleaves at random: a random rank runs a random number
+// of ops (1 to 8), so that any rank may run ahead of any other and refill a
+// mailbox slot before a slow reader got to it, as blocks on a GPU may. A
+// program whose waits do not protect every slot gives a wrong output under
+// some seed.
 void simulate_program(Algorithm algo, Collective coll, int root, DType dtype, RedOp op, size_t count,
                       const std::vector<const void*>& inputs, const std::vector<void*>& outputs,
-                      size_t round_bytes);
+                      size_t round_bytes, uint64_t seed = 0);
 
 // The device memory one rank's program reads and writes for such a call
 // (bytes: every copy reads and writes its chunk, every reduction reads each
