@@ -2,7 +2,9 @@
 # Before a GPU lease: builds the CUDA extension here, without a GPU, against
 # the torch the GPU machine has (its C++17, its headers, its libraries), and
 # checks that every symbol the library needs is exported by that torch, the
-# CUDA runtime or the C/C++ runtimes. A build or import failure found here
+# CUDA runtime or the C/C++ runtimes, and that every torch name the Python
+# code spells out exists in that torch (not its keyword arguments: run the
+# tests with that torch for those). A build or import failure found here
 # costs nothing; found there, it costs a call of the lease.
 #   bash benchmarks/gpu/prebuild_check.sh [TORCH_VERSION]   # default 2.11.0
 # Downloads that torch's wheel (~0.5 GB, no dependencies) into
@@ -15,7 +17,7 @@ mkdir -p "$DIR/obj"
 PY=${PYTHON:-python3}
 if [ ! -d "$DIR/torch/lib" ]; then
   "$PY" -m pip download -q --no-deps --only-binary=:all: "torch==$VERSION" -d "$DIR"
-  (cd "$DIR" && unzip -q -o torch-"$VERSION"-*.whl 'torch/include/*' 'torch/lib/*.so')
+  (cd "$DIR" && unzip -q -o torch-"$VERSION"-*.whl 'torch/include/*' 'torch/lib/*.so' 'torch/*.py' 'torch/*.pyi')
 fi
 T=$DIR/torch/include
 L=$DIR/torch/lib
@@ -47,3 +49,42 @@ if [ -n "$missing" ]; then
   echo "symbols torch $VERSION does not export:"; echo "$missing"; exit 1
 fi
 echo "pycomm's CUDA build compiles and links against torch $VERSION: $(wc -l < "$DIR/needed.txt") symbols needed, all found"
+# The Python side: every torch name the package, tests and benchmarks spell
+# out (torch.x.y, dist.x, from torch.x import y) must appear somewhere in that
+# torch's Python tree or its bindings' strings. A heuristic (a name may exist
+# and mean something else), but an attribute that torch added later shows.
+strings "$L/libtorch_python.so" | grep -oE '^[A-Za-z_][A-Za-z0-9_]*$' | sort -u > "$DIR/bound.txt"
+"$PY" - "$DIR" <<'PYEOF'
+import ast, os, re, sys
+root = sys.argv[1]
+alias = {"torch": "torch", "dist": "torch.distributed", "nn": "torch.nn", "F": "torch.nn.functional"}
+used = {}
+for top in ("pycomm", "tests", "benchmarks"):
+    for dp, _, fs in os.walk(top):
+        for f in fs:
+            if f.endswith(".py"):
+                path = os.path.join(dp, f)
+                for node in ast.walk(ast.parse(open(path).read())):
+                    if isinstance(node, ast.Attribute):
+                        parts, n = [], node
+                        while isinstance(n, ast.Attribute):
+                            parts.append(n.attr)
+                            n = n.value
+                        if isinstance(n, ast.Name) and n.id in alias:
+                            used.setdefault(alias[n.id] + "." + ".".join(reversed(parts)), set()).add(path)
+                    elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+                        for a in node.names:
+                            used.setdefault(node.module + "." + a.name, set()).add(path)
+words = set(open(os.path.join(root, "bound.txt")).read().split())
+for dp, _, fs in os.walk(os.path.join(root, "torch")):
+    for f in fs:
+        if f.endswith((".py", ".pyi")):
+            words.update(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", open(os.path.join(dp, f), errors="ignore").read()))
+# torch.ops.pycomm.* is pycomm's own.
+bad = {u: p for u, p in used.items() if not u.startswith("torch.ops.pycomm")
+       and any(w not in words for w in u.split(".")[1:])}
+for u, p in sorted(bad.items()):
+    print(f"not in this torch: {u} (used in {', '.join(sorted(p)[:3])})")
+print(f"torch names used: {len(used)}; unknown to this torch: {len(bad)}")
+sys.exit(1 if bad else 0)
+PYEOF
