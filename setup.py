@@ -31,6 +31,30 @@ def _want_cuda() -> bool:
     return torch.version.cuda is not None and has_nvcc
 
 
+def _loaded_cxx_runtime() -> list:
+    """The C++ runtime this interpreter loaded with torch, as a link input.
+
+    The extension must use the one shared libstdc++ that torch uses. A
+    toolchain that finds no libstdc++.so to link (only the static archive;
+    so it was on the GPU machine's image) pulls libstdc++'s code into the
+    extension instead: the extension's exported std:: symbols then bind at
+    load time to torch's copy while the rest stays in its own, and the two
+    copies disagree on their locales' facet numbering. Every number written
+    to a std::ostream in the extension then crashes (error messages: a rank
+    that saw its peer die segfaulted formatting the message) or comes out
+    empty. Naming the loaded library satisfies every std:: symbol from it,
+    so nothing of the archive is linked, whatever the toolchain's defaults.
+    """
+    if not os.path.exists("/proc/self/maps"):
+        return []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if os.path.basename(path).startswith("libstdc++.so") and os.path.exists(path):
+                return [path]
+    return []
+
+
 def _sources(pattern: str) -> list:
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
 
@@ -52,7 +76,7 @@ cuda_sources = cuda_glue + _sources("csrc/**/*.cu")
 # newer headers need it). The code stays C++17: benchmarks/gpu/
 # prebuild_check.sh builds it against an older torch's headers.
 cxx_flags = ["-O3", "-g0", "-fvisibility=hidden", "-Wall", "-ffp-contract=off"]
-link_flags: list = []
+link_flags: list = _loaded_cxx_runtime()
 macros: list = []
 
 # Sanitizers that may be combined, and the ones that must run alone (TSan
@@ -76,7 +100,7 @@ def _sanitize_flags(setting: str) -> list:
 if os.environ.get("PYCOMM_SANITIZE"):
     sanitize = _sanitize_flags(os.environ["PYCOMM_SANITIZE"])
     cxx_flags = [f for f in cxx_flags if f not in ("-O3", "-g0")] + sanitize
-    link_flags = [f for f in sanitize if f.startswith("-fsanitize")]
+    link_flags += [f for f in sanitize if f.startswith("-fsanitize")]
     macros = [("PYCOMM_RACE_WINDOWS", "1")]
 
 if _want_cuda():

@@ -1,0 +1,50 @@
+"""The built extension uses torch's C++ runtime and carries no copy of its own.
+
+A toolchain that links libstdc++'s static archive into the extension (the GPU
+machine's image did) leaves two runtimes in one process: the extension's
+exported std:: symbols bind to torch's shared copy, the rest stays in its own,
+and the two disagree on how their locales number facets. Every number the
+extension writes into a std::ostream then crashes the process or comes out
+empty, which is every error message that names a rank, a count or a size.
+setup.py links the runtime torch loaded; these tests check the result, and
+that such messages come out whole.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import pycomm
+import pycomm._C as _C
+
+#: libstdc++'s own definitions, which a shared build only references:
+#: std::ostream::_M_insert<long> (how every integer is written to a stream)
+#: and std::locale::classic().
+RUNTIME_SYMBOLS = ("_ZNSo9_M_insertIlEERSoT_", "_ZNSt6locale7classicEv")
+
+
+def _defined_dynamic_symbols() -> set:
+    out = subprocess.run(["nm", "-D", "--defined-only", _C.__file__], capture_output=True, text=True, check=True)
+    return {line.split()[-1].split("@")[0] for line in out.stdout.splitlines() if line.strip()}
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs nm (binutils)")
+def test_extension_carries_no_copy_of_the_cxx_runtime():
+    defined = _defined_dynamic_symbols()
+    assert not defined & set(RUNTIME_SYMBOLS), (
+        f"{_C.__file__} defines libstdc++'s own symbols {sorted(defined & set(RUNTIME_SYMBOLS))}: the build "
+        "linked the static libstdc++ (see setup.py, _loaded_cxx_runtime)")
+    needed = subprocess.run(["readelf", "-d", _C.__file__], capture_output=True, text=True).stdout
+    assert "libstdc++.so" in needed, needed
+
+
+def test_numbers_in_the_extension_s_messages_come_out_whole():
+    """A message the C++ side formats with numbers in it, in this process:
+    a quantized buffer too small for the elements asked of it."""
+    n = 4097
+    with pytest.raises((RuntimeError, ValueError, pycomm.CommError)) as e:
+        torch.ops.pycomm.dequantize(torch.zeros(3, dtype=torch.uint8), n, 8, 256, torch.float32)
+    assert str(n) in str(e.value), str(e.value)
