@@ -266,7 +266,7 @@ def run_ipc_quantized(rank: int, world: int, name: str, cases: List[tuple], step
     sequence numbers, which key stochastic rounding, start together), with
     error feedback over several steps: the mismatches in outputs and
     residuals per case (none expected)."""
-    from group_cases import paired_steps
+    from group_cases import paired_steps, same_accounting, through_communicator
     from harness import make_comm
 
     comm = make_comm(rank, world, name + ".cpu", timeout=60)
@@ -278,15 +278,8 @@ def run_ipc_quantized(rank: int, world: int, name: str, cases: List[tuple], step
         work.synchronize()
         return work
 
-    def sent(step, n, work):
-        if world > 1 and n > 0 and not 0 < work.bytes_sent < work.bytes_uncompressed:
-            return [(step, f"bytes_sent {work.bytes_sent} of {work.bytes_uncompressed}")]
-        return []
-
-    out = [bad for bad, _ in paired_steps(
-        rank, cases, steps,
-        lambda a, op, codec, ef: comm.all_reduce(a, op=op, compression=codec, error_feedback=ef, key="k"),
-        through_ipc, to_other=lambda x: x.cuda(), check=sent)]
+    out = [bad for bad, _ in paired_steps(rank, cases, steps, through_communicator(comm), through_ipc,
+                                          to_other=lambda x: x.cuda(), check=same_accounting(world))]
     msgs = []
     for call in (lambda: ipc.all_reduce(torch.randn(8, device="cuda"), op="max", compression=pycomm.Int8()),
                  lambda: ipc.all_reduce(torch.randn(8, device="cuda"), compression=pycomm.TopK(0.1)),

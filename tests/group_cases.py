@@ -91,8 +91,8 @@ def paired_steps(rank: int, cases: List[tuple], steps: int, reference: Callable,
     on the same inputs, through ``reference(x, op, codec, ef)`` and
     ``other(x, op, codec, ef)`` (in place; ``other`` returns its work, done;
     ``to_other`` puts its copy of the input where it runs): per case the
-    mismatches of outputs and residuals (and what ``check(step, n, work)``
-    adds), and the other's last output."""
+    mismatches of outputs and residuals (and what ``check(step, n,
+    reference's return, other's work)`` adds), and the other's last output."""
     out = []
     for ci, (codec_name, n, dtype, op) in enumerate(cases):
         codec = CODECS[codec_name]()
@@ -101,13 +101,34 @@ def paired_steps(rank: int, cases: List[tuple], steps: int, reference: Callable,
         for step in range(steps):
             x = _input(ci, rank, step, n, dtype)
             a, b = x.clone(), to_other(x)
-            reference(a, op, codec, ef_a)
+            ref = reference(a, op, codec, ef_a)
             work = other(b, op, codec, ef_b)
             bad += mismatches(step, a, b, ef_a, ef_b)
             if check is not None:
-                bad += check(step, n, work)
+                bad += check(step, n, ref, work)
         out.append((bad, b))
     return out
+
+
+def through_communicator(comm) -> Callable:
+    """The reference of :func:`paired_steps`: the CPU communicator's
+    compressed all-reduce, returning its (done) work."""
+    def run(a, op, codec, ef):
+        work = comm.all_reduce(a, op=op, compression=codec, error_feedback=ef, key="k", async_op=True)
+        work.wait()
+        return work
+    return run
+
+
+def same_accounting(world: int) -> Callable:
+    """A ``check`` of :func:`paired_steps`: the other path reports the bytes
+    the communicator reports for the same call (sent, and uncompressed)."""
+    def check(step, n, ref, work):
+        got, want = (work.bytes_sent, work.bytes_uncompressed), (ref.bytes_sent, ref.bytes_uncompressed)
+        if got != want:
+            return [(step, f"bytes sent/uncompressed {got}, the communicator's {want}")]
+        return [(step, "bytes_sent")] if work.bytes_sent <= 0 and world > 1 and n > 0 else []
+    return check
 
 
 def versus_shm(rank: int, world: int, name: str, cases: List[tuple], steps: int = 3) -> List[dict]:
@@ -123,13 +144,7 @@ def versus_shm(rank: int, world: int, name: str, cases: List[tuple], steps: int 
         work.get_future().wait()
         return work
 
-    def sent(step, n, work):
-        return [(step, "bytes_sent")] if work.bytes_sent <= 0 and world > 1 and n > 0 else []
-
-    res = paired_steps(rank, cases, steps,
-                       lambda a, op, codec, ef: comm.all_reduce(a, op=op, compression=codec, error_feedback=ef,
-                                                                key="k"),
-                       group_path, check=sent)
+    res = paired_steps(rank, cases, steps, through_communicator(comm), group_path, check=same_accounting(world))
     return [{"bad": bad, "out": b, "digest": digest(b)} for bad, b in res]
 
 
