@@ -27,13 +27,16 @@ def _gather(t: torch.Tensor, group) -> List[torch.Tensor]:
 
 
 def stale_closed_form(rank: int, world: int, staleness: int, wire: str, steps: int = 6,
-                      bucket_view: bool = False, device: str = "cpu") -> Dict[str, object]:
+                      bucket_view: bool = False, device: str = "cpu", busy_gpu: bool = False) -> Dict[str, object]:
     """Trains hooks_cases' MLP with StaleState (SGD, lr 0.1, buckets small
     enough to be several, rebuilt after the first step) and, beside it, each
     rank's own gradient at the same parameters (a copy without DDP),
     gathered and averaged in float64: the closed form. Returns per step what
     was applied and what the closed form says, and whether every rank had
-    the same parameters and applied gradients."""
+    the same parameters and applied gradients. ``busy_gpu``: each backward
+    starts with ~10 ms of GPU sleep on its stream, so the hooks run while
+    the gradients they hand back are still to be written there (what a
+    large model's backward does), which a hook must order itself after."""
     g, comm = hooks_cases._group(world)
     if rank >= world:
         return {}
@@ -55,7 +58,10 @@ def stale_closed_form(rank: int, world: int, staleness: int, wire: str, steps: i
         mine = hooks_cases._grads(twin).double().cpu()
         refs.append(torch.stack(_gather(mine, g)).mean(0))
         opt.zero_grad()
-        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        if busy_gpu:
+            loss.register_hook(lambda grad: (torch.cuda._sleep(20_000_000), grad)[1])
+        loss.backward()
         got = hooks_cases._grads(model).cpu()
         same_applied &= all(torch.equal(got, o) for o in _gather(got, g))
         applied.append(got.double())

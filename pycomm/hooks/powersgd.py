@@ -269,7 +269,13 @@ class _Bucket:
         self.state, self.route = state, route
         self.buf = bucket.buffer()
         self.index, self.last = bucket.index(), bucket.is_last()
-        self.future: torch.futures.Future = torch.futures.Future()
+        # CUDA-aware for CUDA buckets: the last products are written into the
+        # bucket on the thread and stream that saw Q arrive (the group path),
+        # so whoever waits (DDP, on its stream) must be ordered after them; a
+        # plain future let DDP read the bucket before they ran (ranks disagreed
+        # on an H200).
+        self.future: torch.futures.Future = torch.futures.Future(
+            devices=[self.buf.device] if self.buf.is_cuda else None)
         self.started = time.perf_counter()
         self.sent = 0
         grads = bucket.gradients()

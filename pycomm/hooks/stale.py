@@ -223,7 +223,21 @@ class StaleState(HookState):
         ids = tuple(id(p) for p in bucket.parameters())
         same = next((e for e in old if e.ids == ids), None)
         if same is not None:
-            return same.future.then(lambda fut: buf.copy_(self._value(same)))
+            # The copy runs on a stream of the future's choosing, ordered after
+            # that old average only. The bucket's gradients (and this step's
+            # snapshot of them) are still being written and read on this
+            # stream, perhaps not yet run: the copy must come after them, or
+            # a late gradient write lands on top of the average and ranks
+            # diverge (seen on an H100/H200 without the device-wide
+            # synchronize this used to make).
+            ready = _stream_point(buf)
+
+            def copy(_: torch.futures.Future) -> torch.Tensor:
+                if ready is not None:
+                    torch.cuda.current_stream(buf.device).wait_event(ready)
+                return buf.copy_(self._value(same))
+
+            return same.future.then(copy)
         # DDP rebuilt its buckets since (after the first iteration): gather
         # each parameter's slice from wherever it travelled.
         where = {pid: (e, off) for e in old for pid, off in zip(e.ids, e.offsets)}
@@ -236,6 +250,15 @@ class StaleState(HookState):
                 buf[off:off + p.numel()].copy_(self._value(hit[0])[hit[1]:hit[1] + p.numel()])
             off += p.numel()
         return completed(buf)
+
+
+def _stream_point(t: torch.Tensor) -> Optional[Any]:
+    """An event at the current end of ``t``'s current stream (None on CPU)."""
+    if not t.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(t.device))
+    return event
 
 
 def stale_hook(state: StaleState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
