@@ -3,6 +3,7 @@ every collective and algorithm on real separate network namespaces, checked
 against closed-form results. Prints one line "testbed-check ok <details>" on
 rank 0 when everything matched."""
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -69,6 +70,12 @@ def main() -> None:
             if not torch.equal(b, torch.full((n,), float(world - 1))):
                 bad.append(f"broadcast n={n} {algo}")
     bad += pipeline_check(comm)
+    # Every host looks like a host of its own to NCCL too: one NCCL_HOSTID per host.
+    ids = [None] * world
+    dist.all_gather_object(ids, os.environ.get("NCCL_HOSTID"))
+    local = comm.local_size
+    if None in ids or len(set(ids)) != world // local or any(ids[r] != ids[r - r % local] for r in range(world)):
+        bad.append(f"NCCL_HOSTID per host: {ids}")
     flag = torch.tensor([len(bad)])
     dist.all_reduce(flag)
     if rank == 0:

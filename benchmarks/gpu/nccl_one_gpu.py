@@ -1,6 +1,6 @@
 """NCCL with several ranks on one GPU: each rank in a network namespace of
-its own (benchmarks/multihost/testbed.py), with an NCCL_HOSTID of its own, so
-that NCCL takes it for a host of its own (it refuses two ranks on one GPU of
+its own (benchmarks/multihost/testbed.py), which gives it an NCCL_HOSTID of its
+own, so that NCCL takes it for a host of its own (it refuses two ranks on one GPU of
 one host); peer-to-peer and shared memory off, the socket transport only.
 
     python benchmarks/multihost/testbed.py --hosts 2 --timeout 200 -- benchmarks/gpu/nccl_one_gpu.py
@@ -19,11 +19,9 @@ import hashlib
 import os
 import sys
 
-# NCCL reads these when it starts: before torch.distributed does.
-_HOST = os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0"))
-os.environ.setdefault("NCCL_HOSTID", f"pycomm-testbed-host-{_HOST}")
-for _k, _v in (("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1"), ("NCCL_IB_DISABLE", "1"),
-               ("NCCL_SOCKET_IFNAME", "eth0"), ("NCCL_DEBUG", "WARN")):
+# NCCL reads these when it starts: before torch.distributed does. (The
+# testbed gives each host its NCCL_HOSTID and the socket interface.)
+for _k, _v in (("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1"), ("NCCL_DEBUG", "WARN")):
     os.environ.setdefault(_k, _v)
 
 import torch  # noqa: E402

@@ -174,13 +174,21 @@ class Testbed:
         # rank) would steal them from the other hosts and from the kernel,
         # which runs the simulated network.
         base_env = dict({"TORCH_CPP_LOG_LEVEL": "ERROR", "PYCOMM_SPIN_US": "5"}, **os.environ)
-        base_env.update(GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1", **(env or {}))
+        base_env.update(GLOO_SOCKET_IFNAME="eth0", NCCL_SOCKET_IFNAME="eth0", NCCL_IB_DISABLE="1",
+                        OMP_NUM_THREADS="1", **(env or {}))
         procs = []
         for h, ns in enumerate(self.names):
+            # NCCL tells hosts apart by a host id (the boot id by default, the
+            # same for every namespace here): each simulated host gets its own,
+            # so NCCL sends between them over the sockets of their links, and
+            # ranks of several hosts may share one GPU (it refuses two ranks on
+            # one GPU of one host).
+            host_env = dict(base_env)
+            host_env.setdefault("NCCL_HOSTID", f"pycomm-testbed-host-{h}")
             cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run",
                    f"--nnodes={self.hosts}", f"--node-rank={h}", f"--nproc-per-node={nproc_per_host}",
                    f"--master-addr={self.address(0)}", f"--master-port={port}", *command]
-            procs.append(subprocess.Popen(cmd, env=base_env, stdout=stdout, stderr=subprocess.STDOUT
+            procs.append(subprocess.Popen(cmd, env=host_env, stdout=stdout, stderr=subprocess.STDOUT
                                           if stdout is not None else None, start_new_session=True))
         deadline = None if timeout is None else time.monotonic() + timeout
         code = 0
