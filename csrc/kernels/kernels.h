@@ -89,7 +89,7 @@ struct DequantReduce {
   QuantSpec requant;  // bits/block of out_payload; must equal the sources' for now
   float* residual = nullptr;
   uint64_t index_base = 0;
-  // CUDA only (optional): a device-visible word; non-zero when the kernels
+  // CUDA only (optional): a word in device memory; non-zero when the kernels
   // start, they do nothing, since the sources may be a dead peer's memory
   // (the quantized IPC all-reduce passes its group's failure word).
   const uint32_t* cancel = nullptr;

@@ -23,8 +23,9 @@ void divide_cuda(DType dtype, void* data, size_t count, double divisor, cudaStre
 
 void quantize_cuda(const QuantSpec& spec, DType dtype, const void* x, float* residual, size_t n, uint8_t* payload,
                    uint64_t index_base, cudaStream_t stream);
-// `cancel` (optional): a device-visible word; non-zero when the kernel
-// starts, it does nothing (the payload may be a dead peer's memory).
+// `cancel` (optional): a word in device memory (every thread block reads it
+// once: host-mapped memory would cost a PCIe trip per block); non-zero when
+// the kernel starts, it does nothing (the payload may be a dead peer's memory).
 void dequantize_cuda(int bits, int block, const uint8_t* payload, size_t n, DType dtype, void* out, bool accumulate,
                      cudaStream_t stream, const uint32_t* cancel = nullptr);
 // args.srcs is a host array of device pointers (at most kMaxCudaSources).

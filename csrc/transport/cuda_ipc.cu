@@ -140,7 +140,10 @@ struct SignalTable {
   IpcSignal* sig[kIpcMaxRanks];
 };
 
-__global__ void barrier_kernel(SignalTable t, int rank, int world, uint32_t epoch, WaitCtx wait) {
+// A barrier that gave up also sets `gave_up` (device memory, sticky): the
+// kernels after it on the stream read peers' buffers only while it is 0.
+__global__ void barrier_kernel(SignalTable t, int rank, int world, uint32_t epoch, WaitCtx wait,
+                               uint32_t* gave_up) {
   uint32_t* slots[kIpcMaxRanks];
   for (int q = 0; q < world; ++q) {
     if (threadIdx.x == q) {
@@ -149,7 +152,7 @@ __global__ void barrier_kernel(SignalTable t, int rank, int world, uint32_t epoc
     }
     slots[q] = q == rank ? nullptr : &t.sig[rank]->bar[q];
   }
-  ipc_detail::block_wait_each(wait, slots, world, epoch, kIpcWaitBarrier);
+  if (!ipc_detail::block_wait_each(wait, slots, world, epoch, kIpcWaitBarrier) && threadIdx.x == 0) *gave_up = 1;
 }
 
 }  // namespace
@@ -183,6 +186,8 @@ CudaIpcAllReduce::CudaIpcAllReduce(int rank, int world, size_t buffer_bytes, siz
   check(cudaHostAlloc(reinterpret_cast<void**>(&status_), sizeof(IpcStatus), cudaHostAllocMapped), "status block");
   std::memset(status_, 0, sizeof(IpcStatus));
   check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&status_dev_), status_, 0), "status block");
+  check(cudaMalloc(reinterpret_cast<void**>(&gave_up_), sizeof(uint32_t)), "failure word");
+  check(cudaMemset(gave_up_, 0, sizeof(uint32_t)), "failure word");
   check(cudaDeviceSynchronize(), "signal block");
   peer_buffers_.assign(world_, nullptr);
   peer_signals_.assign(world_, nullptr);
@@ -204,6 +209,7 @@ CudaIpcAllReduce::~CudaIpcAllReduce() {
   if (buffer_) cudaFree(buffer_);
   if (signal_) cudaFree(signal_);
   if (status_) cudaFreeHost(status_);
+  if (gave_up_) cudaFree(gave_up_);
 }
 
 std::string CudaIpcAllReduce::handles() const {
@@ -296,7 +302,7 @@ void CudaIpcAllReduce::barrier(cudaStream_t stream) {
   if (world_ == 1) return;
   SignalTable t{};
   for (int q = 0; q < world_; ++q) t.sig[q] = static_cast<IpcSignal*>(peer_signals_[q]);
-  barrier_kernel<<<1, 32, 0, stream>>>(t, rank_, world_, ++barriers_, WaitCtx{status_dev_, timeout_ns_});
+  barrier_kernel<<<1, 32, 0, stream>>>(t, rank_, world_, ++barriers_, WaitCtx{status_dev_, timeout_ns_}, gave_up_);
   check(cudaGetLastError(), "barrier launch");
 }
 

@@ -91,9 +91,9 @@ struct SumValue {
   }
 };
 
-// A kernel whose `cancel` word (device-visible, may be host-mapped) is
-// non-zero when it starts does nothing: its sources may be a dead peer's
-// memory (kernels_cuda.h). One read per thread block.
+// A kernel whose `cancel` word (device memory) is non-zero when it starts
+// does nothing: its sources may be a dead peer's memory (kernels_cuda.h).
+// One read per thread block.
 __device__ __forceinline__ bool cancelled(const uint32_t* cancel) {
   __shared__ int stop;
   if (threadIdx.x == 0) stop = cancel != nullptr && *reinterpret_cast<const volatile uint32_t*>(cancel) != 0;
