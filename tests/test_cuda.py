@@ -19,7 +19,9 @@ OPS = torch.ops.pycomm
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
-@pytest.mark.parametrize("bits,block,stochastic", [(8, 256, False), (8, 64, True), (4, 128, False), (4, 256, True)])
+# Blocks of 64-512 take the warp-per-block kernels, others (40, 1024) the block-wide ones.
+@pytest.mark.parametrize("bits,block,stochastic", [(8, 256, False), (8, 64, True), (4, 128, False), (4, 256, True),
+                                                   (8, 512, True), (4, 64, False), (8, 1024, False), (4, 40, True)])
 def test_quantize_and_error_feedback_match_cpu(dtype, bits, block, stochastic):
     for i, n in enumerate([1, block - 3, 100003]):
         x = rand_blocks(n, block, 10 + i, dtype)
@@ -39,9 +41,9 @@ def test_quantize_and_error_feedback_match_cpu(dtype, bits, block, stochastic):
         assert same_bits(acc, acc_gpu)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_dequant_reduce_requant_matches_cpu(bits):
-    n, block = 70001, 256
+@pytest.mark.parametrize("bits,block", [(8, 256), (4, 256), (8, 40), (4, 512)])
+def test_dequant_reduce_requant_matches_cpu(bits, block):
+    n = 70001
     payloads = [OPS.quantize(rand_blocks(n, block, s), bits, block, False, 0, None) for s in range(5)]
     dense = torch.randn(n, generator=torch.Generator().manual_seed(5))
     r = torch.zeros(n)
