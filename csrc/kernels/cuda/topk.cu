@@ -66,10 +66,23 @@ __global__ void histogram_kernel(const T* x, size_t n, const SelectState* st, in
   for (int b = threadIdx.x; b < kBins; b += blockDim.x) local[b] = 0;
   __syncthreads();
   const uint32_t prefix = st->prefix, mask = st->mask;
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    const uint32_t key = key_at(x, i);
-    if ((key & mask) == prefix) atomicAdd(&local[(key >> shift) & 0xffu], 1u);
+  // Lanes of a warp that hit one bin add once, by their count: the first
+  // pass bins by the top byte of the magnitude (mostly the exponent), where
+  // nearly every element of a tensor lands in a handful of bins, and one
+  // shared-memory atomic per element serialized on them. Every lane of a
+  // warp runs the same iterations (the match needs the whole warp); lanes
+  // past the end carry no key.
+  const int lane = threadIdx.x % 32;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t w = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x - lane; w < n; w += stride) {
+    const size_t i = w + lane;
+    uint32_t bin = kBins;  // none
+    if (i < n) {
+      const uint32_t key = key_at(x, i);
+      if ((key & mask) == prefix) bin = (key >> shift) & 0xffu;
+    }
+    const unsigned same = __match_any_sync(0xffffffffu, bin);
+    if (bin < kBins && lane == __ffs(same) - 1) atomicAdd(&local[bin], static_cast<uint32_t>(__popc(same)));
   }
   __syncthreads();
   for (int b = threadIdx.x; b < kBins; b += blockDim.x)
