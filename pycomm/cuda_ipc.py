@@ -35,6 +35,7 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Hashable, Optional
 
 import torch
@@ -52,6 +53,13 @@ IPC_ALGORITHMS = CoreTable("ipc_algorithms")
 # of a quarter (int8) or an eighth (int4) of a float32 tensor's bytes).
 DEFAULT_BUFFER_BYTES = 64 << 20
 _MASK64 = (1 << 64) - 1
+
+
+@functools.lru_cache(maxsize=None)
+def _ipc_ops() -> frozenset:
+    """The reductions the IPC kernels take (what gradients need), as op ids
+    (read from the extension on first use, not at import)."""
+    return frozenset(REDUCE_OPS[n] for n in ("sum", "avg", "max", "min"))
 
 
 class IpcAllReduce:
@@ -87,6 +95,7 @@ class IpcAllReduce:
         with torch.cuda.device(self.device):
             self._c.open([store.get(k) for k in keys])
             self._stream = torch.cuda.Stream(self.device)
+        self._side = (self._stream.stream_id, self._stream.device_index, self._stream.device_type)
 
     def all_reduce(self, tensor: torch.Tensor, op: Op = "sum", algorithm: str = "auto",
                    out: Optional[torch.Tensor] = None, async_op: bool = False, *,
@@ -120,12 +129,17 @@ class IpcAllReduce:
                                  tensor, out, async_op, compression)
         op_id = reduce_op_id(op)
         # The IPC kernels reduce with sum, avg, max and min (what gradients need).
-        if op_id is None or op_id not in {REDUCE_OPS[n] for n in ("sum", "avg", "max", "min")}:
+        if op_id is None or op_id not in _ipc_ops():
             raise CommError(f"pycomm: the CUDA IPC all-reduce takes op sum, avg, max or min, got {op!r}")
         if algorithm not in IPC_ALGORITHMS:
             raise CommError(f"pycomm: algorithm must be one of {', '.join(IPC_ALGORITHMS)}, got {algorithm!r}")
-        return self._enqueue(lambda: self._c.all_reduce(tensor, out, op_id, IPC_ALGORITHMS[algorithm]), tensor, out,
-                             async_op)
+        algo = IPC_ALGORITHMS[algorithm]
+        if not async_op:
+            # _enqueue and IpcWork.wait in one crossing into C++: in Python
+            # they cost tens of microseconds, most of a small call's time.
+            self._c.all_reduce_sync(tensor, out, op_id, algo, *self._side)
+            return out
+        return self._enqueue(lambda: self._c.all_reduce(tensor, out, op_id, algo), tensor, out, async_op)
 
     def _quantized_call(self, tensor, out, op, codec, error_feedback, key) -> Callable[[], None]:
         """Checks a compressed call and returns its launch."""

@@ -57,7 +57,7 @@ def run_ipc_graph_capture(rank: int, world: int, name: str) -> str:
 def run_ipc_async(rank: int, world: int, name: str) -> dict:
     """The all-reduce runs on the group's stream, after the caller's stream's work on the input; wait() orders
     the caller's stream after it; the future is CUDA-aware (waiting on it orders the stream, the CPU never
-    blocks)."""
+    blocks); a synchronous call is ordered the same way."""
     ipc = pycomm.cuda_ipc.IpcAllReduce(worker_store(), rank, world, device="cuda:0", buffer_bytes=1 << 20,
                                        prefix=name)
     x = torch.zeros(1 << 20, device="cuda")
@@ -70,7 +70,14 @@ def run_ipc_async(rank: int, world: int, name: str) -> dict:
     got = fut.wait()
     z = (got + 1).cpu()  # on the caller's stream, after the future
     yc = y.cpu()  # synchronizes: the kernels are done by now
-    return {"y": yc, "z": z, "future_is_x": got.data_ptr() == x.data_ptr(), "done": work.is_completed()}
+    # The synchronous call (ordered in C++) likewise: after the caller's
+    # stream's work on the input, before its later work on the output.
+    s = torch.zeros(1 << 20, device="cuda")
+    torch.cuda._sleep(50_000_000)
+    s.fill_(rank + 1)
+    ipc.all_reduce(s)
+    s2 = (s * 2).cpu()
+    return {"y": yc, "z": z, "s": s2, "future_is_x": got.data_ptr() == x.data_ptr(), "done": work.is_completed()}
 
 
 # ---------------------------------------------------------------- the group path on CUDA tensors

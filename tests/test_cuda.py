@@ -161,6 +161,7 @@ def test_ipc_all_reduce_is_stream_ordered_and_async(gpu_pool):
     for res in out:
         assert torch.equal(res["y"], torch.full((1 << 20,), 6.0)), res["y"][:4]
         assert torch.equal(res["z"], torch.full((1 << 20,), 4.0)), res["z"][:4]
+        assert torch.equal(res["s"], torch.full((1 << 20,), 6.0)), res["s"][:4]
         assert res["future_is_x"] and res["done"]
 
 

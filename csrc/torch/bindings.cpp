@@ -422,6 +422,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("input"), py::arg("output"), py::arg("op"), py::arg("algorithm"),
           py::call_guard<py::gil_scoped_release>())
       .def(
+          "all_reduce_sync",
+          [](CudaIpcAllReduce& c, const at::Tensor& in, const at::Tensor& out, int op, int algo, int64_t side_id,
+             int64_t side_device, int64_t side_type) {
+            ipc_all_reduce_sync(c, in, out, to_op(op), algo, side_id, side_device, side_type);
+          },
+          py::arg("input"), py::arg("output"), py::arg("op"), py::arg("algorithm"), py::arg("side_id"),
+          py::arg("side_device"), py::arg("side_type"), py::call_guard<py::gil_scoped_release>())
+      .def(
           "quantized_all_reduce",
           [](CudaIpcAllReduce& c, const at::Tensor& in, const at::Tensor& out, bool avg, int bits, int block,
              bool stochastic, uint64_t seed_quantize, uint64_t seed_requantize, std::optional<at::Tensor> worker,

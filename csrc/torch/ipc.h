@@ -15,6 +15,15 @@ namespace pycomm {
 // device. Raises (c10::Error) on tensors the kernels cannot take.
 void ipc_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, RedOp op, int algo);
 
+// A synchronous call as IpcAllReduce.all_reduce makes it, in one crossing
+// from Python: the call on `side` (the group's own stream: stream id, device
+// index, device type as torch.cuda.Stream gives them), after the caller's
+// current stream's work; the caller's stream then waits for it (the CPU does
+// not); the tensors' memory is marked in use on `side` for the caching
+// allocator. Raises CommError when the call is already known to have failed.
+void ipc_all_reduce_sync(CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, RedOp op, int algo,
+                         int64_t side_id, int64_t side_device, int64_t side_type);
+
 // The quantized all-reduce (compression/ipc_quantized.h) on the current
 // CUDA stream; residuals are float32 tensors on the device, or undefined.
 void ipc_quantized_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, bool avg, int bits,
