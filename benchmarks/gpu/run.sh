@@ -64,7 +64,7 @@ build() {
   SECONDS=0
   PYCOMM_FORCE_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} "$PY" -m pip install -q --no-build-isolation --no-deps -e . \
     > "$LOG/build.log" 2>&1 || { tail -50 "$LOG/build.log"; return 1; }
-  echo "built in ${SECONDS}s"
+  echo "built in ${SECONDS}s" | tee -a "$LOG/device.txt"
   # The extension must share torch's C++ runtime (setup.py says why); record
   # what the toolchain would have linked on its own.
   echo "the compiler's libstdc++.so: $(c++ -print-file-name=libstdc++.so)" | tee -a "$LOG/device.txt"
