@@ -9,6 +9,9 @@ extension (torch glue included) with those sanitizers, frame pointers, debug
 info and widened race windows (csrc/core/race_window.h). Such a build needs its
 runtime preloaded into Python: tests/sanitize.sh builds one beside the normal
 build and runs tests with it.
+
+The extension links the C++ runtime torch loaded (see _loaded_cxx_runtime);
+PYCOMM_CXX_RUNTIME=toolchain leaves that to the toolchain.
 """
 import glob
 import os
@@ -44,8 +47,10 @@ def _loaded_cxx_runtime() -> list:
     that saw its peer die segfaulted formatting the message) or comes out
     empty. Naming the loaded library satisfies every std:: symbol from it,
     so nothing of the archive is linked, whatever the toolchain's defaults.
+    PYCOMM_CXX_RUNTIME=toolchain leaves the choice to the toolchain (should
+    torch's runtime be older than the compiler's headers need).
     """
-    if not os.path.exists("/proc/self/maps"):
+    if os.environ.get("PYCOMM_CXX_RUNTIME") == "toolchain" or not os.path.exists("/proc/self/maps"):
         return []
     with open("/proc/self/maps") as maps:
         for line in maps:

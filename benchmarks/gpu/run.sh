@@ -81,7 +81,9 @@ build() {
     > "$LOG/build.log" 2>&1 || { tail -50 "$LOG/build.log"; return 1; }
   echo "built in $((SECONDS - t0))s" | tee -a "$LOG/device.txt"
   # The extension must share torch's C++ runtime (setup.py says why); record
-  # what the toolchain would have linked on its own.
+  # what the toolchain would have linked on its own. (Should the link fail
+  # against torch's runtime, PYCOMM_CXX_RUNTIME=toolchain is the old way, and
+  # tests/test_build.py then says what it costs.)
   echo "the compiler's libstdc++.so: $(c++ -print-file-name=libstdc++.so)" | tee -a "$LOG/device.txt"
   "$PY" -m pytest -q -p no:cacheprovider tests/test_build.py 2>&1 | tail -3
 }
