@@ -228,8 +228,8 @@ class StaleState(HookState):
             # snapshot of them) are still being written and read on this
             # stream, perhaps not yet run: the copy must come after them, or
             # a late gradient write lands on top of the average and ranks
-            # diverge (seen on an H100/H200 without the device-wide
-            # synchronize this used to make).
+            # diverge (seen on an H200 once the device-wide synchronize this
+            # used to make was gone).
             ready = _stream_point(buf)
 
             def copy(_: torch.futures.Future) -> torch.Tensor:
