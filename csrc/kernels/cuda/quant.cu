@@ -298,6 +298,21 @@ __global__ void quantize_kernel(V value, size_t n, int bits, int block, bool sto
   zero_payload_tail(payload, n, bits, block);
 }
 
+// Quantizes `value` (input + residual, or the fused sum) with the warp
+// kernel where the block size allows, else the block-wide one.
+template <typename V>
+void launch_quantize(const V& value, size_t n, int bits, int block, bool stochastic, uint64_t seed,
+                     uint64_t index_base, uint8_t* payload, float* residual, cudaStream_t stream) {
+  const size_t nb = quant_num_blocks(n, block);
+  const bool warp = with_warp_block(block, [&](auto e) {
+    quantize_warp_kernel<decltype(e)::value><<<grid_for(nb * 32), kThreads, 0, stream>>>(
+        value, n, bits, stochastic, mix64(seed), index_base, payload, residual);
+  });
+  if (!warp)
+    quantize_kernel<<<grid_for(nb * kThreads), kThreads, 0, stream>>>(value, n, bits, block, stochastic, mix64(seed),
+                                                                      index_base, payload, residual);
+}
+
 template <typename T>
 __global__ void dequantize_kernel(const uint8_t* payload, size_t n, int bits, int block, T* out, bool accumulate,
                                   const uint32_t* cancel) {
@@ -326,14 +341,8 @@ void quantize_cuda(const QuantSpec& s, DType dtype, const void* x, float* residu
   if (nb == 0) return;
   with_float_type(dtype, "CUDA quantize", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    InputValue<T> v{static_cast<const T*>(x), residual};
-    const bool warp = with_warp_block(s.block, [&](auto e) {
-      quantize_warp_kernel<decltype(e)::value><<<grid_for(nb * 32), kThreads, 0, stream>>>(
-          v, n, s.bits, s.stochastic, mix64(s.seed), index_base, payload, residual);
-    });
-    if (!warp)
-      quantize_kernel<<<grid_for(nb * kThreads), kThreads, 0, stream>>>(v, n, s.bits, s.block, s.stochastic,
-                                                                        mix64(s.seed), index_base, payload, residual);
+    launch_quantize(InputValue<T>{static_cast<const T*>(x), residual}, n, s.bits, s.block, s.stochastic, s.seed,
+                    index_base, payload, residual, stream);
   });
   check(cudaGetLastError(), "quantize");
 }
@@ -374,15 +383,8 @@ void dequant_reduce_cuda(const DequantReduce& a, cudaStream_t stream) {
     }
     if (a.out_payload) {
       sum.r = a.residual;
-      const bool warp = with_warp_block(a.block, [&](auto e) {
-        quantize_warp_kernel<decltype(e)::value><<<grid_for(nb * 32), kThreads, 0, stream>>>(
-            sum, a.n, a.bits, a.requant.stochastic, mix64(a.requant.seed), a.index_base, a.out_payload,
-            a.residual);
-      });
-      if (!warp)
-        quantize_kernel<<<grid_for(nb * kThreads), kThreads, 0, stream>>>(
-            sum, a.n, a.bits, a.block, a.requant.stochastic, mix64(a.requant.seed), a.index_base, a.out_payload,
-            a.residual);
+      launch_quantize(sum, a.n, a.bits, a.block, a.requant.stochastic, a.requant.seed, a.index_base, a.out_payload,
+                      a.residual, stream);
     }
   });
   check(cudaGetLastError(), "dequant_reduce");
