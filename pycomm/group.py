@@ -75,6 +75,17 @@ def _capturing(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def stream_point(tensor: torch.Tensor) -> Optional["torch.cuda.Event"]:
+    """An event at the current end of ``tensor``'s current CUDA stream (None
+    for a CPU tensor): work on another stream that waits for it comes after
+    everything issued on this one so far."""
+    if not tensor.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensor.device))
+    return event
+
+
 #: The longest sleep between two looks at a work that :func:`wait_work` polls.
 POLL_MAX_S = 1e-3
 
@@ -461,10 +472,7 @@ class GroupCommunicator:
         runs it that far and returns the rest, which the lane calls later.
         On CUDA both parts run on the lane's stream, after an event of the
         caller's stream."""
-        ready = None
-        if tensor.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(tensor.device))
+        ready = stream_point(tensor)
 
         def on_stream():
             if ready is None:

@@ -15,6 +15,7 @@ from torch.profiler import record_function
 
 from .. import communicator as _communicator
 from .. import compression as _compression
+from ..group import stream_point
 from .compressed import CompressionState, compression_hook
 from .plain import _WIRE_DTYPES, AllReduceState, allreduce_hook
 from .policy import Group, completed
@@ -230,7 +231,7 @@ class StaleState(HookState):
             # a late gradient write lands on top of the average and ranks
             # diverge (seen on an H200 once the device-wide synchronize this
             # used to make was gone).
-            ready = _stream_point(buf)
+            ready = stream_point(buf)
 
             def copy(_: torch.futures.Future) -> torch.Tensor:
                 if ready is not None:
@@ -250,15 +251,6 @@ class StaleState(HookState):
                 buf[off:off + p.numel()].copy_(self._value(hit[0])[hit[1]:hit[1] + p.numel()])
             off += p.numel()
         return completed(buf)
-
-
-def _stream_point(t: torch.Tensor) -> Optional[Any]:
-    """An event at the current end of ``t``'s current stream (None on CPU)."""
-    if not t.is_cuda:
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(t.device))
-    return event
 
 
 def stale_hook(state: StaleState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
