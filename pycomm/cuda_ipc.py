@@ -15,13 +15,20 @@ gone. The kernel then returns; :meth:`IpcAllReduce.check` (and every later
 call) raises :class:`~pycomm.CommError` naming the peer, and the group cannot
 be used again.
 
-Status: one-shot and two-shot ran on one H100 with 2 and 4 processes sharing
-the GPU (``tests/test_cuda.py``, bit for bit against the CPU reduction); the
-schedules' executor and the bounded waits are compiled but have not run on a
-GPU yet (their program runs on the CPU in CI). Sharing one GPU, a call waits
-for the peers' time slices (~4.5 ms), so the DDP hooks' policy uses IPC only
-when every rank has a GPU of its own. :class:`pycomm.Communicator` does not
-route CUDA tensors here.
+One-shot and two-shot calls (``algorithm="auto"`` too) may be captured in a
+CUDA graph and replayed, as vLLM's custom all-reduce is used: their kernels
+count their launches in device memory, so a replay is a new call on every
+rank. Every rank must replay the same graphs in the same order, and a replay
+that gave up is reported by :meth:`IpcAllReduce.check` (a replay has no host
+step to raise from). The schedules and the compressed call count on the host
+and refuse capture with a message.
+
+Status: one-shot, two-shot, the schedules' executor and the bounded waits ran
+on an H200 with 2-4 processes sharing the GPU (``tests/test_cuda.py``, bit for
+bit against the CPU reduction and executor). Sharing one GPU without CUDA MPS,
+a call waits for the peers' time slices (~4.5 ms), so the DDP hooks' policy
+uses IPC only when every rank has a GPU of its own. :class:`pycomm.Communicator`
+does not route CUDA tensors here.
 
 Example::
 
@@ -32,6 +39,12 @@ Example::
     work = ipc.all_reduce(x, async_op=True)
     work.get_future().then(lambda f: ...)  # completed off the caller's thread
     ipc.check()                            # raises if a peer died or timed out
+
+    g = torch.cuda.CUDAGraph()             # capture once, replay many times
+    with torch.cuda.graph(g):
+        ipc.all_reduce(x)
+    g.replay()
+    ipc.check()
 """
 from __future__ import annotations
 
@@ -191,8 +204,12 @@ class IpcAllReduce:
                  codec: Optional["_compression.Codec"] = None):
         caller = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(caller)
-        with torch.cuda.stream(self._stream):
-            launch()
+        try:
+            with torch.cuda.stream(self._stream):
+                launch()
+        except BaseException:
+            caller.wait_stream(self._stream)  # a refused call under capture: the capture must end joined
+            raise
         # The caching allocator must not hand these tensors' memory to the
         # caller's stream before this stream is done with it.
         tensor.record_stream(self._stream)
@@ -262,7 +279,7 @@ class IpcWork:
         """Orders the current stream after the call; raises CommError where
         the call is already known to have given up (see ``synchronize``)."""
         torch.cuda.current_stream(self._result.device).wait_event(self._done)
-        if self._done.query():
+        if not torch.cuda.is_current_stream_capturing() and self._done.query():
             self._group._raise_failure()
         return True
 

@@ -41,17 +41,65 @@ def run_ipc(rank: int, world: int, name: str, cases: List[tuple]) -> List[torch.
     return outs
 
 
-def run_ipc_graph_capture(rank: int, world: int, name: str) -> str:
+# What one captured graph holds: (dtype, op, n, algorithm), one-shot,
+# two-shot in two launches (more than the 1 MiB staging buffer) and auto.
+GRAPH_CASES = [
+    (torch.float32, "avg", 4099, "one_shot"),
+    (torch.float32, "sum", 300001, "two_shot"),
+    (torch.bfloat16, "sum", 65539, "auto"),
+]
+
+
+def run_ipc_graph(rank: int, world: int, name: str, replays: int = 12) -> dict:
+    """One-shot, two-shot and auto calls captured in one CUDA graph and
+    replayed on fresh inputs, with eager calls between the replays (they
+    share the launch counters): every replay's results are the CPU
+    reduction's bits. The schedules and the compressed call refuse capture
+    with a message, and the group still works after a refusal."""
     ipc = pycomm.cuda_ipc.IpcAllReduce(worker_store(), rank, world, device="cuda:0", buffer_bytes=1 << 20,
-                                       prefix=name)
-    x = torch.ones(1024, device="cuda")
-    g = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(g):
-            ipc.all_reduce(x)
-    except RuntimeError as e:
-        return str(e)
-    return "captured"
+                                       prefix=name, timeout=60)
+    ops = torch.ops.pycomm
+    static = [torch.empty(n, dtype=dtype, device="cuda") for dtype, _, n, _ in GRAPH_CASES]
+    for t, (dtype, _, n, _) in zip(static, GRAPH_CASES):
+        t.copy_(make_input(999, rank, n, dtype))
+    for t, (_, op, _, algo) in zip(static, GRAPH_CASES):  # eager first: the counters are not at zero
+        ipc.all_reduce(t, op=op, algorithm=algo)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for t, (_, op, _, algo) in zip(static, GRAPH_CASES):
+            ipc.all_reduce(t, op=op, algorithm=algo)
+    bad = []
+    for k in range(replays):
+        seed = 1000 + k
+        for i, (t, (dtype, _, n, _)) in enumerate(zip(static, GRAPH_CASES)):
+            t.copy_(make_input(seed + 50 * i, rank, n, dtype))
+        graph.replay()
+        for i, (t, (dtype, op, n, algo)) in enumerate(zip(static, GRAPH_CASES)):
+            exp = ops.reduce([make_input(seed + 50 * i, q, n, dtype) for q in range(world)], op)
+            got = t.cpu()
+            if not torch.equal(got.view(torch.uint8), exp.view(torch.uint8)):
+                bad.append(f"replay {k}, {algo}/{dtype}/{op}/{n}: {(got != exp).sum().item()} elements differ")
+        if k % 3 == 1:  # an eager call between replays
+            x = make_input(seed, rank, 4099, torch.float32).cuda()
+            exp = ops.reduce([make_input(seed, q, 4099, torch.float32) for q in range(world)], "sum")
+            if not torch.equal(ipc.all_reduce(x, algorithm="one_shot").cpu(), exp):
+                bad.append(f"eager call after replay {k} differs")
+    ipc.check()
+    refusals = []
+    for kwargs in ({"algorithm": "ring"}, {"algorithm": "tree", "async_op": True}, {"compression": pycomm.Int8()}):
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g):
+                ipc.all_reduce(static[0], **kwargs)
+            refusals.append(f"{kwargs} captured")
+        except (RuntimeError, pycomm.CommError) as e:
+            refusals.append(str(e))
+    x = make_input(7, rank, 4099, torch.float32).cuda()
+    exp = ops.reduce([make_input(7, q, 4099, torch.float32) for q in range(world)], "sum")
+    if not torch.equal(ipc.all_reduce(x, algorithm="one_shot").cpu(), exp):
+        bad.append("the group does not work after a refused capture")
+    ipc.check()
+    return {"bad": bad, "refusals": refusals}
 
 
 def run_ipc_async(rank: int, world: int, name: str) -> dict:

@@ -147,11 +147,21 @@ def test_ipc_all_reduce_on_one_gpu_matches_the_cpu_reduction(gpu_pool, world):
                 assert same_bits(per_rank[r][k], exp), (dtype, op, n, algo, r, k)
 
 
-def test_ipc_all_reduce_refuses_graph_capture(gpu_pool):
-    from cuda_cases import run_ipc_graph_capture
+@pytest.mark.parametrize("world", [2, 4])
+def test_ipc_all_reduce_replays_from_a_cuda_graph(gpu_pool, world):
+    """One-shot, two-shot and auto captured in one graph, replayed on fresh
+    inputs with eager calls in between: the CPU reduction's bits every time.
+    Ring, tree (async) and the compressed call refuse capture with a message,
+    and the group works after it."""
+    from cuda_cases import run_ipc_graph
 
-    msgs = gpu_pool.run(run_ipc_graph_capture, 2, gpu_pool.new_name(), world=2)
-    assert all("CUDA graph" in m for m in msgs), msgs
+    per_rank = gpu_pool.run(run_ipc_graph, world, gpu_pool.new_name(), world=world)
+    for rank, res in enumerate(per_rank):
+        assert not res["bad"], f"rank {rank}:\n" + "\n".join(res["bad"])
+        ring, tree, int8 = res["refusals"]
+        assert "schedules" in ring and "CUDA graph" in ring, ring
+        assert "schedules" in tree and "CUDA graph" in tree, tree
+        assert "quantized" in int8 and "CUDA graph" in int8, int8
 
 
 def test_ipc_all_reduce_is_stream_ordered_and_async(gpu_pool):

@@ -4,14 +4,24 @@ executor, and the quantized int8 / int4 all-reduce through the same buffers)
 against gloo on the same CUDA tensors, nccl-tests style, in one run.
 
     python benchmarks/gpu/allreduce.py --world 2 [--max-bytes 268435456]
-        [--algorithms one_shot,two_shot,ring,tree,int8,int4,gloo]
+        [--algorithms one_shot,two_shot,ring,tree,int8,int4,gloo] [--iters 20] [--runs 5]
+
+Time per call as nccl-tests measures it: ``--iters`` calls issued back to back
+between two CUDA events (the host's cost per call hides behind the device's
+where it is smaller), the median of ``--runs`` such batches, the slowest
+rank's. ``graph us``: the same calls captured in one CUDA graph and replayed
+(nccl-tests' ``-G``; one-shot and two-shot, the kernels that may be
+captured): the device's time without launch costs. ``1-call us``: one call
+between events, waited for before the next (the latency a caller that
+synchronizes after every call sees).
 
 %copy: the memory traffic of the call's kernels (modelled for one-shot and
 two-shot, counted from the programs for ring and tree) per second, against
 the device-to-device copy's measured in the same run. busbw = algbw x
 2(n-1)/n of the float32 bytes (for int8 / int4 too: what
-the caller's data would take). Every point is checked (#wrong): rank r adds
-r + 1 everywhere, so the sum is n(n+1)/2 exactly (int8 / int4: within 1 %). All ranks share one GPU's HBM:
+the caller's data would take); both from the back-to-back time. Every point
+is checked (#wrong): rank r adds r + 1 everywhere, so the sum is n(n+1)/2
+exactly (int8 / int4: within 1 %). All ranks share one GPU's HBM:
 rank 0 first measures the device-to-device copy bandwidth alone (a copy
 reads and writes each byte: GB/s counts the bytes copied), printed in the
 header. Under CUDA MPS (benchmarks/gpu/run.sh mps) the header says so.
@@ -25,12 +35,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import pycomm
-from timing import event_median_ms
+from timing import batch_median_ms, event_median_ms
+
+# The kernels a CUDA graph may capture (the others count their calls on the host).
+CAPTURABLE = ("one_shot", "two_shot")
 
 
-def timed(fn, repeats):
-    """Seconds: the slowest rank's median."""
-    t = torch.tensor([event_median_ms(fn, repeats, before=dist.barrier) / 1e3])
+def slowest(seconds: float) -> float:
+    """The slowest rank's figure."""
+    t = torch.tensor([seconds])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
@@ -72,8 +85,8 @@ def worker(rank, world, port, args):
               f"{copy_rate / 1e9:.0f} GB/s read + written)")
         print("# %copy: the bytes the call's kernels read and write on the shared GPU, per second, against "
               "the copy's")
-        print(f"{'size':>11} {'count':>10} {'algorithm':>9} | {'time us':>9} {'algbw GB/s':>10} "
-              f"{'busbw GB/s':>10} {'%copy':>7} {'#wrong':>6}")
+        print(f"{'size':>11} {'count':>10} {'algorithm':>9} | {'time us':>9} {'graph us':>9} {'1-call us':>9} "
+              f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'%copy':>7} {'#wrong':>6}")
     core = pycomm.load_core()
     size = 4096
     while size <= args.max_bytes:
@@ -94,7 +107,12 @@ def worker(rank, world, port, args):
             # Timed on whatever x holds (it grows: 4^25 stays finite); the
             # check is one more call on fresh values.
             x.fill_(rank + 1)
-            t = timed(call, args.repeats if name != "gloo" else max(3, args.repeats // 4))
+            slow = name == "gloo"
+            iters = max(3, args.iters // 4) if slow else args.iters
+            t = slowest(batch_median_ms(call, iters, args.runs, before=dist.barrier) / 1e3)
+            tg = slowest(batch_median_ms(call, iters, args.runs, before=dist.barrier, graph=True) / 1e3) \
+                if name in CAPTURABLE else 0.0
+            t1 = slowest(event_median_ms(call, max(3, args.runs * 2), before=dist.barrier) / 1e3)
             x.fill_(rank + 1)
             call()
             torch.cuda.synchronize()
@@ -104,8 +122,9 @@ def worker(rank, world, port, args):
                 algbw = size / t / 1e9
                 moved = traffic(core, name, world, n, ipc.round_bytes)
                 share = f"{moved / t / copy_rate:7.0%}" if moved else f"{'-':>7}"
-                print(f"{size:>11} {n:>10} {name:>9} | {t * 1e6:9.1f} {algbw:10.2f} {algbw * factor:10.2f} "
-                      f"{share} {wrong:>6}", flush=True)
+                graph = f"{tg * 1e6:9.1f}" if tg else f"{'-':>9}"
+                print(f"{size:>11} {n:>10} {name:>9} | {t * 1e6:9.1f} {graph} {t1 * 1e6:9.1f} {algbw:10.2f} "
+                      f"{algbw * factor:10.2f} {share} {wrong:>6}", flush=True)
         size *= 4
     dist.destroy_process_group()
 
@@ -114,7 +133,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--max-bytes", type=int, default=256 << 20)
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--iters", type=int, default=20, help="calls per timed batch (gloo: a quarter)")
+    p.add_argument("--runs", type=int, default=5, help="timed batches; the median is reported")
     p.add_argument("--algorithms", default="one_shot,two_shot,ring,tree,int8,int4,gloo")
     args = p.parse_args()
     port = 29500 + os.getpid() % 1000

@@ -22,3 +22,37 @@ def event_median_ms(fn: Callable[[], object], repeats: int, before: Optional[Cal
         b.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
+
+
+def batch_median_ms(fn: Callable[[], object], iters: int, runs: int, before: Optional[Callable[[], object]] = None,
+                    graph: bool = False) -> float:
+    """Milliseconds per call, nccl-tests' way: ``iters`` calls issued back to back between two CUDA events, so
+    the host's cost per call hides behind the device's wherever it is the smaller; the median of ``runs`` such
+    batches, after 3 warm-up calls (``before`` runs before each batch: a barrier keeps the ranks' batches
+    together). With ``graph``, the ``iters`` calls are captured once in a CUDA graph and each batch is one
+    replay (nccl-tests' ``-G``): the device's time alone, no launch costs."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    g = None
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(iters):
+                fn()
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(runs):
+        if before is not None:
+            before()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        if g is not None:
+            g.replay()
+        else:
+            for _ in range(iters):
+                fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / iters)
+    return statistics.median(times)

@@ -25,6 +25,11 @@ size_t ipc_quantized_bytes(size_t n, int world, int bits, int block) {
 
 void ipc_quantized_all_reduce(CudaIpcAllReduce& group, const IpcQuantCall& c, cudaStream_t stream) {
   group.check_usable();
+  if (CudaIpcAllReduce::capturing(stream))
+    throw CommError(
+        "pycomm: the quantized CUDA IPC all-reduce cannot be captured in a CUDA graph: its barriers, rounding keys "
+        "and error feedback advance per call on the host, which every replay would repeat; run it outside the "
+        "captured region");
   const int world = group.world(), rank = group.rank();
   const size_t shard = QuantizedAllReduce::shard_elems(c.n, world, c.block);
   const size_t slot = slot_bytes(shard, c.bits, c.block);

@@ -62,25 +62,32 @@ void ipc_all_reduce_sync(CudaIpcAllReduce& group, const at::Tensor& in, const at
   const c10::cuda::CUDAStream side = c10::cuda::CUDAStream::unpack3(
       side_id, static_cast<c10::DeviceIndex>(side_device), static_cast<c10::DeviceType>(side_type));
   // 1. The group's stream waits for the caller's (under graph capture this
-  //    draws it into the capture, which the launch then refuses).
+  //    draws it into the capture: one-shot and two-shot replay from it).
   CallEvent ready;
   ready.record(caller.stream());
   ready.block(side.stream());
-  // 2. The kernels, on the group's stream.
-  {
+  // 2. The kernels, on the group's stream. A call refused after the fork
+  //    joins the group's stream back first: a capture must end joined.
+  try {
     const c10::cuda::CUDAStreamGuard on_side(side);
     ipc_all_reduce(group, in, out, op, algo);
+  } catch (...) {
+    CallEvent back;
+    back.record(side.stream());
+    back.block(caller.stream());
+    throw;
   }
   // 3. The caching allocator must not hand the tensors' memory to the
   //    caller's stream before the group's stream is done with it.
   c10::cuda::CUDACachingAllocator::recordStream(in.storage().data_ptr(), side);
   c10::cuda::CUDACachingAllocator::recordStream(out.storage().data_ptr(), side);
   // 4. The caller's stream waits for the result; a call already done and
-  //    failed raises now (otherwise IpcAllReduce.check() tells).
+  //    failed raises now (otherwise IpcAllReduce.check() tells). A capture
+  //    may not query an event: replays report through check().
   CallEvent done;
   done.record(side.stream());
   done.block(caller.stream());
-  if (done.done()) group.check_usable();
+  if (!CudaIpcAllReduce::capturing(caller.stream()) && done.done()) group.check_usable();
 }
 
 void ipc_quantized_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, bool avg, int bits,

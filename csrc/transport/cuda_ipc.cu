@@ -4,7 +4,8 @@
 // The flag protocol and its memory ordering are in cuda_ipc_detail.cuh.
 // Each phase has its own flag row, so a fast peer already in the next
 // launch's start barrier cannot disturb a slow one still waiting at this
-// launch's end.
+// launch's end. Their flag values come from device memory, not from the
+// launch's arguments: a CUDA graph that captured the call replays it.
 #include "cuda_ipc.h"
 
 #include <cuda_runtime.h>
@@ -36,7 +37,6 @@ struct IpcArgs {
   WaitCtx wait;
   int rank;
   int world;
-  uint32_t epoch;
   bool two_shot;
   bool avg;
 };
@@ -51,14 +51,27 @@ using kernels::cuda_detail::reduce_pack;
 // mapping is identical on every rank), so this is all the ordering needed.
 // False: a peer did not come within the timeout (or the host aborted); the
 // block leaves the kernel and the failure is in the status.
-__device__ bool barrier(const IpcArgs& a, int phase) {
+__device__ bool barrier(const IpcArgs& a, int phase, uint32_t epoch) {
   __syncthreads();
   uint32_t* slots[kIpcMaxRanks];
   for (int q = 0; q < a.world; ++q) {
-    if (threadIdx.x == q) st_release(&a.sig[q]->flag[phase][blockIdx.x][a.rank], a.epoch);
+    if (threadIdx.x == q) st_release(&a.sig[q]->flag[phase][blockIdx.x][a.rank], epoch);
     slots[q] = &a.sig[a.rank]->flag[phase][blockIdx.x][q];
   }
-  return ipc_detail::block_wait_each(a.wait, slots, a.world, a.epoch, kIpcWaitBarrier);
+  return ipc_detail::block_wait_each(a.wait, slots, a.world, epoch, kIpcWaitBarrier);
+}
+
+// This block's flag value for the launch: its launch count, advanced. Only
+// this block of this rank touches the word, one launch after another.
+__device__ uint32_t next_epoch(const IpcArgs& a) {
+  __shared__ uint32_t epoch;
+  if (threadIdx.x == 0) {
+    uint32_t* count = &a.sig[a.rank]->launches[blockIdx.x];
+    epoch = *count + 1;
+    *count = epoch;
+  }
+  __syncthreads();
+  return epoch;
 }
 
 // The CPU transports' bits: sum in the accumulator type, store, and for avg
@@ -102,7 +115,8 @@ __global__ void __launch_bounds__(kThreads) ipc_all_reduce_kernel(IpcArgs a, T* 
   const bool aligned = (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
 
   // 1. Every rank's buffer holds its input.
-  if (!barrier(a, 0)) return;
+  const uint32_t epoch = next_epoch(a);
+  if (!barrier(a, 0, epoch)) return;
   if (!a.two_shot) {
     // 2. One-shot: reduce everything from every buffer.
     for (size_t i = tid; i < nvec; i += stride) store_pack(out, i, reduce_ranks<T, kOp>(a, i), aligned);
@@ -115,7 +129,7 @@ __global__ void __launch_bounds__(kThreads) ipc_all_reduce_kernel(IpcArgs a, T* 
       if (i < nvec) static_cast<Pack<T>*>(a.own)[i] = reduce_ranks<T, kOp>(a, i);
     }
     // 3. Every part is reduced (by the same thread index that reads it next).
-    if (!barrier(a, 1)) return;
+    if (!barrier(a, 1, epoch)) return;
     // 4. All-gather: part q from rank q's buffer.
     for (int q = 0; q < a.world; ++q)
       for (size_t j = tid; j < part; j += stride) {
@@ -129,7 +143,7 @@ __global__ void __launch_bounds__(kThreads) ipc_all_reduce_kernel(IpcArgs a, T* 
     out[i] = finish<T>(reduce_elem<T, kOp>(a.buf, a.world, i), a.avg, a.world);
   // 6. Nobody refills its buffer (the next launch's copy) before every rank
   //    has read it.
-  if (!barrier(a, 2)) return;
+  if (!barrier(a, 2, epoch)) return;
 }
 
 // barrier(): thread q pushes this rank's arrival to rank q, then waits for
@@ -156,6 +170,12 @@ __global__ void barrier_kernel(SignalTable t, int rank, int world, uint32_t epoc
 }
 
 }  // namespace
+
+bool CudaIpcAllReduce::capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(stream, &status), "capture status");
+  return status != cudaStreamCaptureStatusNone;
+}
 
 IpcAlgo CudaIpcAllReduce::choose(size_t bytes, int world) {
   // A starting point to tune on the GPU (vLLM's crossovers are of this
@@ -299,6 +319,10 @@ void CudaIpcAllReduce::throw_if_failed() const {
 void CudaIpcAllReduce::barrier(cudaStream_t stream) {
   if (!opened_) throw CommError("pycomm: CUDA IPC barrier called before open()");
   throw_if_failed();
+  if (capturing(stream))
+    throw CommError(
+        "pycomm: a CUDA IPC barrier cannot be captured in a CUDA graph: it carries a count the host keeps per "
+        "call, which every replay would repeat");
   if (world_ == 1) return;
   SignalTable t{};
   for (int q = 0; q < world_; ++q) t.sig[q] = static_cast<IpcSignal*>(peer_signals_[q]);
@@ -312,12 +336,11 @@ void CudaIpcAllReduce::all_reduce(const void* in, void* out, size_t count, DType
   throw_if_failed();
   if (op == RedOp::kAvg && !dtype_is_floating(dtype))
     throw CommError("pycomm: avg is only defined for floating-point dtypes");
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  check(cudaStreamIsCapturing(stream, &capture), "capture status");
-  if (capture != cudaStreamCaptureStatusNone)
+  if ((algo == IpcAlgo::kRing || algo == IpcAlgo::kTree || algo == IpcAlgo::kDirect) && capturing(stream))
     throw CommError(
-        "pycomm: a CUDA IPC all-reduce cannot be captured in a CUDA graph yet: each launch carries its barrier "
-        "epoch as an argument, which every replay would repeat; run the all-reduce outside the captured region");
+        "pycomm: the ring, tree and direct schedules of the CUDA IPC all-reduce cannot be captured in a CUDA graph: "
+        "their flags carry step counts the host keeps per call, which every replay would repeat; capture "
+        "algorithm=\"auto\", \"one_shot\" or \"two_shot\", or run the schedule outside the captured region");
   if (count == 0) return;
   if (algo == IpcAlgo::kRing || algo == IpcAlgo::kTree || algo == IpcAlgo::kDirect) {
     run_schedule(in, out, count, dtype, op, static_cast<int>(algo), stream);
@@ -346,7 +369,6 @@ void CudaIpcAllReduce::all_reduce(const void* in, void* out, size_t count, DType
     //    element i maps to the same thread index on every rank.
     const IpcAlgo use = algo == IpcAlgo::kAuto ? choose(n * es, world_) : algo;
     a.two_shot = use == IpcAlgo::kTwoShot && world_ > 1;
-    a.epoch = ++epoch_;
     const size_t vec = 16 / es;
     const size_t work = a.two_shot ? ((n / vec + world_ - 1) / world_) : n / vec;
     const unsigned grid = static_cast<unsigned>(

@@ -110,8 +110,10 @@ class CudaIpcAllReduce {
   // divides the sum, like the CPU transports). Every rank calls with the
   // same arguments, in the same order, each on its own stream; in and out
   // are device pointers and may alias. Sources are combined in rank order,
-  // so every rank gets the bits the CPU transports compute. Refused while
-  // `stream` is capturing a CUDA graph (see the .cu).
+  // so every rank gets the bits the CPU transports compute. One-shot and
+  // two-shot (and kAuto) may be captured in a CUDA graph and replayed (their
+  // flag values live in device memory); the schedules are refused while
+  // `stream` is capturing.
   void all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, IpcAlgo algo,
                   cudaStream_t stream);
 
@@ -134,6 +136,8 @@ class CudaIpcAllReduce {
 
   // What kAuto picks for a call of `bytes` among `world` ranks.
   static IpcAlgo choose(size_t bytes, int world);
+  // Whether `stream` is capturing a CUDA graph.
+  static bool capturing(cudaStream_t stream);
 
   int rank() const { return rank_; }
   size_t round_bytes() const { return round_bytes_; }
@@ -147,9 +151,6 @@ class CudaIpcAllReduce {
   void* signal_ = nullptr;
   std::vector<void*> peer_buffers_, peer_signals_;  // [world]; ours at [rank_]
   bool opened_ = false;
-  // Flag value of the next launch: the same on every rank, because every
-  // rank makes the same launches in the same order.
-  uint32_t epoch_ = 0;
 
   // The executor of schedules (cuda_schedule.cu).
   struct DeviceProgram {

@@ -12,7 +12,11 @@
 // signal block, so every spin reads local memory.
 //
 // Flags never reset: they carry counters the same on every rank (every rank
-// makes the same launches in the same order), compared modulo 2^32.
+// makes the same launches in the same order), compared modulo 2^32. The
+// one-shot and two-shot kernels keep theirs in device memory (`launches`),
+// one per block, so a launch's arguments never change and a CUDA graph can
+// replay it; the executor of schedules and barrier() still count on the
+// host.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -41,6 +45,10 @@ struct IpcSignal {
   // barrier(): the last barrier src entered (one row serves every barrier:
   // values only grow, and a wait is for "at least").
   alignas(128) uint32_t bar[kIpcMaxRanks];
+  // One-shot / two-shot: the launches block b of this rank has made, read
+  // and advanced only by that block (stream order separates the launches).
+  // Block b of every rank runs the same launches, so the counts agree.
+  alignas(128) uint32_t launches[kIpcMaxBlocks];
 };
 
 __device__ __forceinline__ void st_release(uint32_t* p, uint32_t v) {
