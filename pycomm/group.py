@@ -7,10 +7,10 @@ does: on GPUs over NCCL with everything on the device, on CPUs over Gloo.
 
 * Int8 / Int4: quantize each rank's shard of (input + worker residual) →
   ``all_to_all_single`` of the payloads → dequantize, reduce in float32 in
-  rank order, requantize with the server residual → ``all_gather_into_tensor``
-  → dequantize.
+  rank order, requantize with the server residual → all-gather (on Gloo,
+  small shards by an all-to-all: one round instead of a ring) → dequantize.
 * TopK: select (value, index) pairs from (input + residual) →
-  ``all_gather_into_tensor`` of every rank's list → scatter-add in rank order
+  all-gather of every rank's list → scatter-add in rank order
   into float32 → average → round once into the tensor's dtype.
 
 Shard sizes, payload sizes, top-k entry counts and stochastic-rounding keys
@@ -85,6 +85,14 @@ def stream_point(tensor: torch.Tensor) -> Optional["torch.cuda.Event"]:
     event.record(torch.cuda.current_stream(tensor.device))
     return event
 
+
+#: The largest block (bytes per rank) that the Gloo lanes all-gather by an
+#: all-to-all: the same bytes as Gloo's all-gather, a ring of world - 1 hops
+#: one after another, in one round. Between 4 hosts of the testbed at
+#: 1 Gbit/s, idle: 0.9 ms instead of 3.7 ms for 1 KB, 1.5 instead of 4.2 ms for
+#: 86 KB, equal at 256 KB; above that three flows per link at once ran slower
+#: (an int4 all-reduce of 16M elements 10 % slower). See benchmarks/RESULTS.md.
+GLOO_GATHER_BY_ALL_TO_ALL = 128 << 10
 
 #: The longest sleep between two looks at a work that :func:`wait_work` polls.
 POLL_MAX_S = 1e-3
@@ -230,11 +238,18 @@ class _Lane:
     def wait(self, work: Any) -> None:
         wait_work(work, self.poll and not self.nccl)
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor):
-        """Started, not waited for: returns the Work."""
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, parity: int):
+        """Started, not waited for: returns the Work. On Gloo, blocks of up to
+        :data:`GLOO_GATHER_BY_ALL_TO_ALL` bytes go by an all-to-all that
+        sends ``inp`` to every rank (its send buffer is the call's:
+        ``parity``, two calls may be in flight)."""
         if self.nccl:
             return self.pg._allgather_base(out, inp, _c10d.AllgatherOptions())
-        return self.pg.allgather([list(out.chunk(self.size))], [inp])  # Gloo's list form takes CUDA tensors too
+        if inp.numel() > GLOO_GATHER_BY_ALL_TO_ALL:
+            return self.pg.allgather([list(out.chunk(self.size))], [inp])  # the list form takes CUDA tensors too
+        send = self.buffer(f"gather-send{parity}", self.size * inp.numel(), inp.device)
+        send.view(self.size, -1).copy_(inp.view(1, -1).expand(self.size, -1))
+        return self.pg.alltoall_base(out, send, [], [], _c10d.AllToAllOptions())
 
 
 _LANES: Dict[tuple, _Lane] = {}
@@ -565,7 +580,7 @@ class GroupCommunicator:
         #    previous call while it travels.
         with record_function("pycomm::communicate"):
             gathered = lane.buffer(f"gathered{parity}", w * slot, dev)
-            gather = lane.all_gather(gathered, mine)
+            gather = lane.all_gather(gathered, mine, parity)
         yield
         lane.wait(gather)
         # 5. Every rank decodes the same bytes: the same result everywhere.
@@ -595,7 +610,7 @@ class GroupCommunicator:
         #    finishes the previous call while it travels.
         with record_function("pycomm::communicate"):
             gathered = lane.buffer(f"gathered{parity}", w * slot, tensor.device)
-            gather = lane.all_gather(gathered, mine)
+            gather = lane.all_gather(gathered, mine, parity)
         yield
         lane.wait(gather)
         # 3. Scatter-add the lists in rank order into float32, average, round once.

@@ -26,6 +26,9 @@ def _cases(world):
             n = [1, 1021, 70001, 4099][(i + j + world) % 4]
             cases.append((codec, n, dtype, "avg" if (i + j) % 2 == 0 else "sum"))
     cases.append(("int8", 0, torch.float32, "avg"))
+    # Shards over GLOO_GATHER_BY_ALL_TO_ALL bytes (1-4 ranks): gathered by Gloo's
+    # all-gather instead of an all-to-all, the same bits.
+    cases.append(("int8", 600011, torch.float32, "avg"))
     cases.append(("topk_half_entry", 10, torch.float32, "sum"))
     return cases
 
