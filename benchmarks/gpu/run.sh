@@ -101,12 +101,18 @@ kernels() {
 }
 
 profile() {
-  local kernels="quantize_kernel|dequantize_kernel|store_sum_kernel|reduce_kernel|fold_kernel|histogram_kernel"
-  kernels="$kernels|choose_kernel|gather_kernel|scatter_kernel"
-  timeout "$(cap "$STEP_TIMEOUT")" ncu --clock-control none --kernel-name "regex:$kernels" --launch-count 24 \
-    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-    "$PY" benchmarks/gpu/kernels.py --elems $((16 << 20)) --repeats 1 > "$LOG/ncu.txt" 2>&1
-  grep -E "^  [a-z_]+kernel|Memory Throughput|DRAM Throughput|Achieved Occupancy|Duration" "$LOG/ncu.txt" | head -80
+  # Two passes, each with its own launch count: the quantization kernels
+  # come first in kernels.py and would use up a shared count before top-k's.
+  local quant="quantize_kernel|quantize_warp_kernel|dequantize_warp_kernel|store_sum_kernel|reduce_kernel"
+  local topk="fold_kernel|histogram_kernel|choose_kernel|gather_kernel|DeviceSelect"
+  local sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats"
+  : > "$LOG/ncu.txt"
+  for kernels in "$quant" "$topk"; do
+    timeout "$(cap "$STEP_TIMEOUT")" ncu --clock-control none --kernel-name "regex:$kernels" --launch-count 20 \
+      $sections "$PY" benchmarks/gpu/kernels.py --elems $((16 << 20)) --repeats 1 >> "$LOG/ncu.txt" 2>&1
+  done
+  grep -E "^  [A-Za-z_:<> ]*[Kk]ernel|Memory Throughput|DRAM Throughput|Achieved Occupancy|Duration" "$LOG/ncu.txt" \
+    | head -120
 }
 
 overlap() {
