@@ -2,7 +2,7 @@
 // the twins of kernels/cpu/topk.cpp, same keys (quant.h), same results.
 //
 // Selection is a radix select over the 31-bit magnitude keys, one byte per
-// pass, highest first: a histogram pass, then a one-thread step that picks
+// pass, highest first: a histogram pass, then a one-block step that picks
 // the byte value holding the k-th largest key. On a GPU a histogram of every
 // element costs one read of the tensor, so the "sample" the CPU kernel draws
 // is the whole tensor here; the approximate mode stops refining as soon as
@@ -89,10 +89,9 @@ __global__ void histogram_kernel(const T* x, size_t n, const SelectState* st, in
     if (local[b]) atomicAdd(&hist[b], local[b]);
 }
 
-// One thread: pick the byte value that holds the k-th largest key.
-__global__ void choose_kernel(SelectState* st, const uint32_t* hist, int shift, bool last, bool exact, uint32_t lo_ok,
-                              uint32_t hi_ok) {
-  if (st->done) return;
+// Thread 0 of choose_kernel: the byte value of this pass's prefix.
+__device__ void choose_byte(SelectState* st, const uint32_t* hist, int shift, bool last, bool exact, uint32_t lo_ok,
+                            uint32_t hi_ok) {
   uint32_t above = 0;
   int b = kBins - 1;
   for (; b > 0; --b) {
@@ -111,6 +110,24 @@ __global__ void choose_kernel(SelectState* st, const uint32_t* hist, int shift, 
   } else if (last) {
     st->threshold = st->prefix;  // the exact k-th key; k_left of its ties go
   }
+}
+
+// The selection's starting state and an empty histogram, from the launch's
+// arguments: a copy from pageable host memory may wait for the stream.
+__global__ void init_kernel(SelectState* st, SelectState init, uint32_t* hist) {
+  if (threadIdx.x == 0) *st = init;
+  for (int b = threadIdx.x; b < kBins; b += blockDim.x) hist[b] = 0;
+}
+
+// One block: pick the byte value that holds the k-th largest key (thread 0),
+// then empty the histogram for the next pass (all threads).
+__global__ void choose_kernel(SelectState* st, uint32_t* hist, int shift, bool last, bool exact, uint32_t lo_ok,
+                              uint32_t hi_ok) {
+  if (st->done) return;  // every thread reads it before thread 0 may set it: the histogram stays as it is
+  __syncthreads();
+  if (threadIdx.x == 0) choose_byte(st, hist, shift, last, exact, lo_ok, hi_ok);
+  __syncthreads();
+  for (int b = threadIdx.x; b < kBins; b += blockDim.x) hist[b] = 0;
 }
 
 template <typename T>
@@ -239,14 +256,14 @@ size_t topk_cuda(const TopK& s, DType dtype, const void* x, float* residual, siz
     if (k == 0) return;
     auto run = [&](auto* eff) {
       using E = std::remove_cv_t<std::remove_pointer_t<decltype(eff)>>;
-      SelectState init{0, 0, static_cast<uint32_t>(k), 0, k >= n ? 1u : 0u, 0, -1, 0};
-      check(cudaMemcpyAsync(st, &init, sizeof init, cudaMemcpyHostToDevice, stream), "topk state");
-      // 1. Radix select, highest byte first (the key has 31 bits).
+      const SelectState init{0, 0, static_cast<uint32_t>(k), 0, k >= n ? 1u : 0u, 0, -1, 0};
+      init_kernel<<<1, kBins, 0, stream>>>(st, init, hist);
+      // 1. Radix select, highest byte first (the key has 31 bits); each
+      //    choice leaves the histogram empty for the next pass.
       const int shifts[4] = {23, 15, 7, 0};
       for (int p = 0; p < 4; ++p) {
-        check(cudaMemsetAsync(hist, 0, kBins * 4, stream), "topk histogram");
         histogram_kernel<E><<<grid_for(n), kThreads, 0, stream>>>(eff, n, st, shifts[p], hist);
-        choose_kernel<<<1, 1, 0, stream>>>(st, hist, shifts[p], p == 3, s.exact, lo_ok, hi_ok);
+        choose_kernel<<<1, kBins, 0, stream>>>(st, hist, shifts[p], p == 3, s.exact, lo_ok, hi_ok);
       }
       // 2. Unless the approximate mode settled: the lowest-index ties of
       //    the k-th key complete the k (the predicate is free when settled).
