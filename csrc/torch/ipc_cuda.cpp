@@ -23,34 +23,6 @@ void ipc_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, const at::Ten
                    c10::cuda::getCurrentCUDAStream().stream());
 }
 
-namespace {
-
-// One call's ordering event (no timing: the cheap kind). Plain CUDA: ATen's
-// event header drags in the CUDA math libraries' headers.
-class CallEvent {
- public:
-  CallEvent() { C10_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming)); }
-  ~CallEvent() { cudaEventDestroy(event_); }
-  CallEvent(const CallEvent&) = delete;
-  CallEvent& operator=(const CallEvent&) = delete;
-  void record(cudaStream_t s) { C10_CUDA_CHECK(cudaEventRecord(event_, s)); }
-  void block(cudaStream_t s) { C10_CUDA_CHECK(cudaStreamWaitEvent(s, event_, 0)); }
-  bool done() const {
-    const cudaError_t e = cudaEventQuery(event_);
-    if (e == cudaErrorNotReady) {
-      (void)cudaGetLastError();  // not an error: clear it
-      return false;
-    }
-    C10_CUDA_CHECK(e);
-    return true;
-  }
-
- private:
-  cudaEvent_t event_ = nullptr;
-};
-
-}  // namespace
-
 // The same steps as IpcAllReduce._enqueue and IpcWork.wait in Python, which
 // cost tens of microseconds per call (a 4 KB call took 52 us at 2 ranks on
 // an H200 under MPS); here they are a handful of CUDA calls.
@@ -63,18 +35,14 @@ void ipc_all_reduce_sync(CudaIpcAllReduce& group, const at::Tensor& in, const at
       side_id, static_cast<c10::DeviceIndex>(side_device), static_cast<c10::DeviceType>(side_type));
   // 1. The group's stream waits for the caller's (under graph capture this
   //    draws it into the capture: one-shot and two-shot replay from it).
-  CallEvent ready;
-  ready.record(caller.stream());
-  ready.block(side.stream());
+  group.order(side.stream(), caller.stream());
   // 2. The kernels, on the group's stream. A call refused after the fork
   //    joins the group's stream back first: a capture must end joined.
   try {
     const c10::cuda::CUDAStreamGuard on_side(side);
     ipc_all_reduce(group, in, out, op, algo);
   } catch (...) {
-    CallEvent back;
-    back.record(side.stream());
-    back.block(caller.stream());
+    group.order(caller.stream(), side.stream());
     throw;
   }
   // 3. The caching allocator must not hand the tensors' memory to the
@@ -84,10 +52,8 @@ void ipc_all_reduce_sync(CudaIpcAllReduce& group, const at::Tensor& in, const at
   // 4. The caller's stream waits for the result; a call already done and
   //    failed raises now (otherwise IpcAllReduce.check() tells). A capture
   //    may not query an event: replays report through check().
-  CallEvent done;
-  done.record(side.stream());
-  done.block(caller.stream());
-  if (!CudaIpcAllReduce::capturing(caller.stream()) && done.done()) group.check_usable();
+  group.order(caller.stream(), side.stream());
+  if (!CudaIpcAllReduce::capturing(caller.stream()) && group.ordered_done()) group.check_usable();
 }
 
 void ipc_quantized_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, bool avg, int bits,

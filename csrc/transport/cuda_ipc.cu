@@ -171,6 +171,23 @@ __global__ void barrier_kernel(SignalTable t, int rank, int world, uint32_t epoc
 
 }  // namespace
 
+void CudaIpcAllReduce::order(cudaStream_t waiter, cudaStream_t producer) {
+  std::lock_guard<std::mutex> lock(order_mu_);
+  check(cudaEventRecord(order_event_, producer), "ordering event");
+  check(cudaStreamWaitEvent(waiter, order_event_, 0), "ordering event");
+}
+
+bool CudaIpcAllReduce::ordered_done() {
+  std::lock_guard<std::mutex> lock(order_mu_);
+  const cudaError_t e = cudaEventQuery(order_event_);
+  if (e == cudaErrorNotReady) {
+    (void)cudaGetLastError();  // not an error: clear it
+    return false;
+  }
+  check(e, "ordering event");
+  return true;
+}
+
 bool CudaIpcAllReduce::capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   check(cudaStreamIsCapturing(stream, &status), "capture status");
@@ -208,6 +225,7 @@ CudaIpcAllReduce::CudaIpcAllReduce(int rank, int world, size_t buffer_bytes, siz
   check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&status_dev_), status_, 0), "status block");
   check(cudaMalloc(reinterpret_cast<void**>(&gave_up_), sizeof(uint32_t)), "failure word");
   check(cudaMemset(gave_up_, 0, sizeof(uint32_t)), "failure word");
+  check(cudaEventCreateWithFlags(&order_event_, cudaEventDisableTiming), "ordering event");
   check(cudaDeviceSynchronize(), "signal block");
   peer_buffers_.assign(world_, nullptr);
   peer_signals_.assign(world_, nullptr);
@@ -230,6 +248,7 @@ CudaIpcAllReduce::~CudaIpcAllReduce() {
   if (signal_) cudaFree(signal_);
   if (status_) cudaFreeHost(status_);
   if (gave_up_) cudaFree(gave_up_);
+  if (order_event_) cudaEventDestroy(order_event_);
 }
 
 std::string CudaIpcAllReduce::handles() const {

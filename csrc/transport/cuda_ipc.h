@@ -134,6 +134,15 @@ class CudaIpcAllReduce {
   // all-reduce of 64 MB took 205 ms reading the status, 98k reads).
   const uint32_t* failure_word() const { return gave_up_; }
 
+  // Makes `waiter`'s later work wait for `producer`'s work so far, with an
+  // event of the group's recorded and waited for at once (so one event
+  // serves every call: a wait takes the event's state when it is enqueued,
+  // and a fresh event per call cost a create and a destroy). Legal while
+  // capturing a CUDA graph. ordered_done(): whether the producer of the last
+  // order() has finished that work (not while capturing).
+  void order(cudaStream_t waiter, cudaStream_t producer);
+  bool ordered_done();
+
   // What kAuto picks for a call of `bytes` among `world` ranks.
   static IpcAlgo choose(size_t bytes, int world);
   // Whether `stream` is capturing a CUDA graph.
@@ -171,6 +180,8 @@ class CudaIpcAllReduce {
   IpcStatus* status_ = nullptr;      // host view
   IpcStatus* status_dev_ = nullptr;  // the same memory, as the device sees it
   uint32_t* gave_up_ = nullptr;      // device memory: failure_word()
+  cudaEvent_t order_event_ = nullptr;  // order(), ordered_done(); guarded by order_mu_
+  std::mutex order_mu_;
   uint64_t timeout_ns_;
   std::vector<ProcessId> peers_;  // [world], from their handles
   mutable std::mutex mu_;
