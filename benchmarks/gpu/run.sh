@@ -160,9 +160,11 @@ nccl() {
 }
 
 tta() {
-  # Three launches of five configs: more than one step's limit.
+  # Three launches of six configs (with a core per rank, two buckets may
+  # overlap the first one's transfer with the backward pass): more than one
+  # step's limit.
   timeout "$(cap "${TTA_TIMEOUT:-540}")" "$PY" benchmarks/time_to_accuracy.py --launches "${TTA_LAUNCHES:-3}" --rates 1gbit \
-    --out "$LOG/tta" --configs "${TTA_CONFIGS:-ddp,torch-bf16,torch-bf16-1b,int8-1b,int4-b64-noef-1b}" 2>&1 \
+    --out "$LOG/tta" --configs "${TTA_CONFIGS:-ddp,torch-bf16,torch-bf16-1b,int8-1b,int4-b64-noef-1b,int4-b64-noef}" 2>&1 \
     | tee "$LOG/tta.log" | tail -25
 }
 
