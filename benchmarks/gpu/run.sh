@@ -122,7 +122,7 @@ overlap() {
 allreduce() {
   local tag=${1:-}
   for w in 2 4; do
-    timeout "$(cap "$STEP_TIMEOUT")" "$PY" benchmarks/gpu/allreduce.py --world "$w" --max-bytes $((64 << 20)) 2>&1 \
+    timeout "$(cap "$STEP_TIMEOUT")" "$PY" benchmarks/gpu/allreduce.py --world "$w" --max-bytes $((256 << 20)) 2>&1 \
       | tee "$LOG/allreduce_${w}${tag}.log"
   done
 }
