@@ -44,7 +44,6 @@ struct IpcArgs {
 using kernels::cuda_detail::check;
 using kernels::cuda_detail::Pack;
 using kernels::cuda_detail::reduce_elem;
-using kernels::cuda_detail::reduce_pack;
 
 // Block b of every rank meets block b of every other rank. Only the same
 // block index ever exchanges data across ranks (the element-to-thread
@@ -84,15 +83,44 @@ __device__ __forceinline__ T finish(typename kernels::Acc<T>::type acc, bool avg
   return store_acc<T>(load_acc(t) / static_cast<typename Acc<T>::type>(world));
 }
 
-// Pack i reduced over the ranks' buffers in rank order, finished.
+// Whether a thread takes two packs at a time: their loads from each rank go
+// out together. One load in flight per thread, with at most kIpcMaxBlocks
+// blocks per rank, left HBM under-used when 2 ranks share a GPU (two-shot
+// 64 % of the copy rate at 64 MB, 92 % with 4 ranks; H200 under MPS). Packs
+// of 8 or 16 elements (16- and 8-bit types) would need more registers than
+// __launch_bounds__' 3 blocks per SM leave (every rank's blocks of a launch
+// must be resident at once, since they wait for each other: 8 ranks x
+// kIpcMaxBlocks on a GPU of 132 SMs).
+template <typename T>
+constexpr bool kTwoPacks = Pack<T>::kPer <= 4;
+
+// Pack i, and with kTwoPacks<T> pack i + stride when `two`, reduced over the
+// ranks' buffers in rank order (the CPU kernel's order, hence its bits),
+// finished.
 template <typename T, RedOp kOp>
-__device__ __forceinline__ Pack<T> reduce_ranks(const IpcArgs& a, size_t i) {
-  typename kernels::Acc<T>::type acc[Pack<T>::kPer];
-  reduce_pack<T, kOp>(a.buf, a.world, i, acc);
-  Pack<T> v;
+__device__ __forceinline__ void reduce_packs(const IpcArgs& a, size_t i, size_t stride, bool two, Pack<T>* v,
+                                             Pack<T>* v2) {
+  using namespace kernels;
+  constexpr int kPer = Pack<T>::kPer;
+  constexpr int kN = kTwoPacks<T> ? 2 : 1;
+  const size_t at[2] = {i, two ? i + stride : i};
+  typename Acc<T>::type acc[kN][kPer];
+  for (int q = 0; q < a.world; ++q) {
+    Pack<T> x[kN];
 #pragma unroll
-  for (int j = 0; j < Pack<T>::kPer; ++j) v.e[j] = finish<T>(acc[j], a.avg, a.world);
-  return v;
+    for (int u = 0; u < kN; ++u) x[u] = static_cast<const Pack<T>*>(a.buf[q])[at[u]];
+#pragma unroll
+    for (int u = 0; u < kN; ++u)
+#pragma unroll
+      for (int j = 0; j < kPer; ++j)
+        acc[u][j] = q == 0 ? load_acc(x[u].e[j]) : combine<kOp>(acc[u][j], load_acc(x[u].e[j]));
+  }
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) v->e[j] = finish<T>(acc[0][j], a.avg, a.world);
+  if constexpr (kN == 2) {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) v2->e[j] = finish<T>(acc[1][j], a.avg, a.world);
+  }
 }
 
 template <typename T>
@@ -106,36 +134,53 @@ __device__ __forceinline__ void store_pack(T* out, size_t i, const Pack<T>& v, b
 }
 
 template <typename T, RedOp kOp>
-__global__ void __launch_bounds__(kThreads) ipc_all_reduce_kernel(IpcArgs a, T* out, size_t count) {
+__global__ void __launch_bounds__(kThreads, 3) ipc_all_reduce_kernel(IpcArgs a, T* out, size_t count) {
   using namespace kernels;
   constexpr int kPer = Pack<T>::kPer;
   const size_t nvec = count / kPer;
   const size_t tid = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   const bool aligned = (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
+  const size_t step = kTwoPacks<T> ? 2 * stride : stride;  // a thread's packs: i, i + stride, then i + step
 
   // 1. Every rank's buffer holds its input.
   const uint32_t epoch = next_epoch(a);
   if (!barrier(a, 0, epoch)) return;
   if (!a.two_shot) {
     // 2. One-shot: reduce everything from every buffer.
-    for (size_t i = tid; i < nvec; i += stride) store_pack(out, i, reduce_ranks<T, kOp>(a, i), aligned);
+    for (size_t i = tid; i < nvec; i += step) {
+      const bool two = kTwoPacks<T> && i + stride < nvec;
+      Pack<T> v, v2;
+      reduce_packs<T, kOp>(a, i, stride, two, &v, &v2);
+      store_pack(out, i, v, aligned);
+      if (two) store_pack(out, i + stride, v2, aligned);
+    }
   } else {
     // 2. Two-shot, reduce-scatter: this rank reduces its part into its own
     //    buffer, in place (only this rank reads its part in this phase).
     const size_t part = (nvec + a.world - 1) / a.world;
-    for (size_t j = tid; j < part; j += stride) {
-      const size_t i = a.rank * part + j;
-      if (i < nvec) static_cast<Pack<T>*>(a.own)[i] = reduce_ranks<T, kOp>(a, i);
+    const size_t end = min(nvec, (a.rank + 1) * part);
+    Pack<T>* own = static_cast<Pack<T>*>(a.own);
+    for (size_t i = a.rank * part + tid; i < end; i += step) {
+      const bool two = kTwoPacks<T> && i + stride < end;
+      Pack<T> v, v2;
+      reduce_packs<T, kOp>(a, i, stride, two, &v, &v2);
+      own[i] = v;
+      if (two) own[i + stride] = v2;
     }
     // 3. Every part is reduced (by the same thread index that reads it next).
     if (!barrier(a, 1, epoch)) return;
     // 4. All-gather: part q from rank q's buffer.
-    for (int q = 0; q < a.world; ++q)
-      for (size_t j = tid; j < part; j += stride) {
-        const size_t i = q * part + j;
-        if (i < nvec) store_pack(out, i, static_cast<const Pack<T>*>(a.buf[q])[i], aligned);
+    for (int q = 0; q < a.world; ++q) {
+      const Pack<T>* src = static_cast<const Pack<T>*>(a.buf[q]);
+      const size_t end = min(nvec, (q + 1) * part);
+      for (size_t i = q * part + tid; i < end; i += step) {
+        const bool two = kTwoPacks<T> && i + stride < end;
+        const Pack<T> v = src[i], v2 = src[two ? i + stride : i];
+        store_pack(out, i, v, aligned);
+        if (two) store_pack(out, i + stride, v2, aligned);
       }
+    }
   }
   // 5. The tail after the last whole pack, element by element, from every
   //    buffer (reads only: safe in either algorithm).
