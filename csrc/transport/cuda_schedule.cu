@@ -138,8 +138,11 @@ __device__ bool wait_rounds(const ScheduleArgs& a, uint32_t target) {
   return ipc_detail::block_wait_each(a.wait, slots, a.world, target, kIpcWaitRound);
 }
 
+// 3 blocks per SM (40 registers): every rank's blocks of a launch must be
+// resident at once, since they wait for each other; with up to 60 registers
+// 8 ranks' 36 blocks each would not all fit a GPU of 132 SMs under MPS.
 template <typename T, RedOp kOp>
-__global__ void __launch_bounds__(kThreads) schedule_kernel(ScheduleArgs a) {
+__global__ void __launch_bounds__(kThreads, 3) schedule_kernel(ScheduleArgs a) {
   __shared__ RoundPointers p;
   for (uint64_t j = 0; j < a.layout.rounds; ++j) {
     const uint32_t round_id = a.rounds_done + static_cast<uint32_t>(j);
