@@ -7,6 +7,11 @@ one host); peer-to-peer and shared memory off, the socket transport only.
 
 1. An NCCL all-reduce: prints "NCCL RAN" (and whether the sum is right), or
    "NCCL REFUSED: <its message>" and stops.
+   Then its time per all-reduce of float32 sums of 4 KB, 64 KB and 1 MB
+   (nccl-tests' way: calls back to back between CUDA events, the slowest
+   rank's median of 3 batches): what "against NCCL where it runs" can mean
+   here, NCCL over the testbed's sockets and link rate, not over the GPU's
+   memory as the IPC kernels are (benchmarks/gpu/allreduce.py).
 2. pycomm.GroupCommunicator on NCCL (CUDA tensors) against the same on Gloo
    (CPU tensors, which equals pycomm's CPU path bit for bit: tests/test_group.py)
    over 3 steps with error feedback: outputs and residuals, bit for bit.
@@ -52,6 +57,19 @@ def nccl_runs(rank, world):
     right = bool((x == world * (world + 1) / 2).all())
     print(f"rank {rank}: NCCL RAN, all_reduce {'right' if right else 'WRONG'}", flush=True)
     return right
+
+
+def nccl_timing(rank, world):
+    from timing import batch_median_ms  # beside this script
+
+    say(rank, f"{'size':>9} | {'NCCL us':>9} {'busbw GB/s':>10}")
+    for size in (4 << 10, 64 << 10, 1 << 20):
+        x = torch.ones(size // 4, device="cuda")
+        t = torch.tensor([batch_median_ms(lambda: dist.all_reduce(x), 10, 3, before=dist.barrier) / 1e3],
+                         device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's
+        t = t.item()
+        say(rank, f"{size:>9} | {t * 1e6:9.1f} {size / t / 1e9 * 2 * (world - 1) / world:10.3f}")
 
 
 DEV = "cpu" if "--cpu" in sys.argv else "cuda"
@@ -140,6 +158,7 @@ def main():
                   f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
         if not nccl_runs(rank, world):
             raise SystemExit(3)
+        nccl_timing(rank, world)
     ok = group_path_bits(rank, world)
     ok = every_hook(rank, world) and ok
     dist.destroy_process_group()
