@@ -76,6 +76,27 @@ def test_topk_matches_cpu(dtype):
     assert (x.float().abs()[idx] >= 0.9 * kth).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("n", [3001, 1 << 20])
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_topk_with_many_ties_matches_cpu(dtype, n):
+    """Eleven distinct values: the k-th magnitude has ~n/11 ties, of which the lowest indices complete the
+    k (counted per range of the tensor on the GPU). Exact: the CPU's indices. Sampled never settles on such
+    data and falls back to the exact cut: the same indices."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randint(-5, 6, (n,), generator=g).to(dtype)
+    k = n // 100
+
+    def indices(buf, kept, cap):
+        off = (cap * x.element_size() + 7) // 8 * 8
+        return buf.cpu()[off:off + 4 * kept].view(torch.int32).sort().values
+
+    exact_c = indices(*OPS.topk(x, k, True, 0.1, 0.01, 0, None))
+    exact_g = indices(*OPS.topk(x.cuda(), k, True, 0.1, 0.01, 0, None))
+    sampled_g = indices(*OPS.topk(x.cuda(), k, False, 0.1, 0.01, 0, None))
+    assert exact_c.numel() == k and torch.equal(exact_g, exact_c)
+    assert torch.equal(sampled_g, exact_c)
+
+
 def test_scatter_add_matches_cpu_and_rejects_bad_indices():
     n = 100000
     dense = torch.randn(n)

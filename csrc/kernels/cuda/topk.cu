@@ -8,10 +8,13 @@
 // is the whole tensor here; the approximate mode stops refining as soon as
 // the keys at or above the chosen byte are within [k, k(1 + tolerance)], usually
 // after one or two passes. The exact mode runs all four and then keeps the
-// ties of the k-th key with the lowest indices. Kept indices come out
-// ascending from an order-preserving selection (cub::DeviceSelect).
+// ties of the k-th key with the lowest indices (found by counting ties per
+// range of the tensor: no pass at all once the approximate mode settled).
+// Kept indices come out ascending from an order-preserving selection
+// (cub::DeviceSelect).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cub/device/device_select.cuh>
 #include <thrust/iterator/counting_iterator.h>
 #include <string>
@@ -131,13 +134,6 @@ __global__ void choose_kernel(SelectState* st, uint32_t* hist, int shift, bool l
 }
 
 template <typename T>
-struct IsTie {
-  const T* x;
-  const SelectState* st;
-  __device__ bool operator()(int32_t i) const { return !st->done && key_at(x, i) == st->threshold; }
-};
-
-template <typename T>
 struct IsKept {
   const T* x;
   const SelectState* st;
@@ -148,10 +144,88 @@ struct IsKept {
   }
 };
 
-__global__ void tie_cutoff_kernel(SelectState* st, const int32_t* ties, const int* num_ties) {
+// The exact k-th key's ties complete the k with the lowest indices. The
+// tensor is cut into `ranges` contiguous ranges; each block counts the ties
+// in its own, then one block finds the range that holds the k_left-th tie
+// and, in it, its index. Both do nothing once the approximate mode settled
+// (the usual case: no pass over the tensor at all).
+constexpr int kTieRanges = 1024;
+
+int tie_ranges(size_t n) { return static_cast<int>(std::max<size_t>(1, std::min<size_t>(kTieRanges, n / 4096))); }
+
+__device__ __forceinline__ void tie_range(size_t n, int ranges, int r, size_t* lo, size_t* hi) {
+  const size_t per = (n + ranges - 1) / ranges;
+  *lo = min(n, static_cast<size_t>(r) * per);
+  *hi = min(n, *lo + per);
+}
+
+// Block-wide inclusive prefix count of `flag` over threadIdx order, and the
+// block's total (every thread gets both).
+__device__ uint32_t block_prefix_count(bool flag, uint32_t* total) {
+  __shared__ uint32_t warp_count[kThreads / 32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const unsigned ballot = __ballot_sync(0xffffffffu, flag);
+  const uint32_t in_warp = __popc(ballot & (0xffffffffu >> (31 - lane)));
+  if (lane == 31) warp_count[warp] = in_warp;
+  __syncthreads();
+  uint32_t before = 0, all = 0;
+  for (int w = 0; w < kThreads / 32; ++w) {
+    before += w < warp ? warp_count[w] : 0;
+    all += warp_count[w];
+  }
+  __syncthreads();  // warp_count is reused by the next call
+  *total = all;
+  return before + in_warp;
+}
+
+template <typename T>
+__global__ void tie_count_kernel(const T* x, size_t n, const SelectState* st, int ranges, uint32_t* counts) {
+  if (st->done) return;
+  size_t lo, hi;
+  tie_range(n, ranges, blockIdx.x, &lo, &hi);
+  const uint32_t threshold = st->threshold;
+  uint32_t total = 0;
+  for (size_t base = lo; base < hi; base += blockDim.x) {
+    const size_t i = base + threadIdx.x;
+    uint32_t t;
+    block_prefix_count(i < hi && key_at(x, i) == threshold, &t);
+    total += t;
+  }
+  if (threadIdx.x == 0) counts[blockIdx.x] = total;
+}
+
+template <typename T>
+__global__ void tie_cutoff_kernel(const T* x, size_t n, SelectState* st, int ranges, const uint32_t* counts) {
   if (st->done) return;
   const uint32_t need = st->k_left;
-  st->tie_cutoff = need == 0 ? -1 : (need <= static_cast<uint32_t>(*num_ties) ? ties[need - 1] : INT32_MAX);
+  // 1. The range that holds the need-th tie, and the ties before it.
+  __shared__ int range;
+  __shared__ uint32_t seen0;
+  if (threadIdx.x == 0) {
+    uint32_t seen = 0;
+    int r = 0;
+    for (; r < ranges && seen + counts[r] < need; ++r) seen += counts[r];
+    range = need == 0 ? -1 : r;
+    seen0 = seen;
+    // No tie needed: none kept; fewer ties than needed: all of them.
+    if (need == 0) st->tie_cutoff = -1;
+    else if (r == ranges) st->tie_cutoff = INT32_MAX;
+  }
+  __syncthreads();
+  if (range < 0 || range == ranges) return;
+  // 2. In it, the index of that tie.
+  size_t lo, hi;
+  tie_range(n, ranges, range, &lo, &hi);
+  const uint32_t threshold = st->threshold;
+  uint32_t seen = seen0;  // the same in every thread
+  for (size_t base = lo; base < hi && seen < need; base += blockDim.x) {
+    const size_t i = base + threadIdx.x;
+    const bool tie = i < hi && key_at(x, i) == threshold;
+    uint32_t total;
+    const uint32_t upto = block_prefix_count(tie, &total);
+    if (tie && seen + upto == need) st->tie_cutoff = static_cast<int32_t>(i);
+    seen += total;
+  }
 }
 
 template <typename T>
@@ -201,13 +275,14 @@ __global__ void scatter_kernel(const V* values, const int32_t* indices, size_t c
 
 
 
-// Workspace: state | histogram | 2 counters | n tie/kept indices | cub temp.
+// Workspace: state | histogram | counter | tie counts | n kept indices | cub temp.
 struct Layout {
-  size_t state = 0, hist, counters, idx, temp, total;
+  size_t state = 0, hist, counters, ties, idx, temp, total;
   explicit Layout(size_t n, size_t temp_bytes) {
     hist = 64;
     counters = hist + kBins * 4;
-    idx = counters + 64;
+    ties = counters + 64;
+    idx = ties + kTieRanges * 4;
     temp = (idx + n * 4 + 255) / 256 * 256;
     total = temp + temp_bytes;
   }
@@ -236,6 +311,7 @@ size_t topk_cuda(const TopK& s, DType dtype, const void* x, float* residual, siz
   auto* st = reinterpret_cast<SelectState*>(base + lay.state);
   auto* hist = reinterpret_cast<uint32_t*>(base + lay.hist);
   auto* counters = reinterpret_cast<int*>(base + lay.counters);
+  auto* tie_counts = reinterpret_cast<uint32_t*>(base + lay.ties);
   auto* idx = reinterpret_cast<int32_t*>(base + lay.idx);
   void* temp = base + lay.temp;
   const size_t k = s.k < n ? s.k : n;
@@ -266,22 +342,19 @@ size_t topk_cuda(const TopK& s, DType dtype, const void* x, float* residual, siz
         choose_kernel<<<1, kBins, 0, stream>>>(st, hist, shifts[p], p == 3, s.exact, lo_ok, hi_ok);
       }
       // 2. Unless the approximate mode settled: the lowest-index ties of
-      //    the k-th key complete the k (the predicate is free when settled).
-      thrust::counting_iterator<int32_t> it(0);
-      {
-        size_t tb = temp_bytes;
-        check(cub::DeviceSelect::If(temp, tb, it, idx, counters, static_cast<int>(n), IsTie<E>{eff, st}, stream),
-              "topk ties");
-        tie_cutoff_kernel<<<1, 1, 0, stream>>>(st, idx, counters);
-      }
+      //    the k-th key complete the k.
+      const int ranges = tie_ranges(n);
+      tie_count_kernel<E><<<ranges, kThreads, 0, stream>>>(eff, n, st, ranges, tie_counts);
+      tie_cutoff_kernel<E><<<1, kThreads, 0, stream>>>(eff, n, st, ranges, tie_counts);
       // 3. Everything kept, in index order, then values and residuals.
+      thrust::counting_iterator<int32_t> it(0);
       size_t tb = temp_bytes;
-      check(cub::DeviceSelect::If(temp, tb, it, idx, counters + 1, static_cast<int>(n), IsKept<E>{eff, st}, stream),
+      check(cub::DeviceSelect::If(temp, tb, it, idx, counters, static_cast<int>(n), IsKept<E>{eff, st}, stream),
             "topk select");
-      gather_kernel<T><<<grid_for(cap), kThreads, 0, stream>>>(xt, residual, residual, idx, counters + 1, cap,
+      gather_kernel<T><<<grid_for(cap), kThreads, 0, stream>>>(xt, residual, residual, idx, counters, cap,
                                                                static_cast<T*>(values), indices);
       int count = 0;
-      check(cudaMemcpyAsync(&count, counters + 1, sizeof count, cudaMemcpyDeviceToHost, stream), "topk count");
+      check(cudaMemcpyAsync(&count, counters, sizeof count, cudaMemcpyDeviceToHost, stream), "topk count");
       check(cudaStreamSynchronize(stream), "topk");
       kept = static_cast<size_t>(count);
     };
