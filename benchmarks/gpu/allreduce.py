@@ -8,10 +8,10 @@ against gloo on the same CUDA tensors, nccl-tests style, in one run.
 
 Time per call as nccl-tests measures it: ``--iters`` calls issued back to back
 between two CUDA events (the host's cost per call hides behind the device's
-where it is smaller), the median of ``--runs`` such batches, the slowest
-rank's. ``graph us``: the same calls captured in one CUDA graph and replayed
-(nccl-tests' ``-G``; one-shot and two-shot, the kernels that may be
-captured): the device's time without launch costs. ``1-call us``: one call
+where it is smaller), the median of ``--runs`` such batches (a barrier before
+the first), the slowest rank's. ``graph us``: the same calls captured in one
+CUDA graph and replayed (nccl-tests' ``-G``; one-shot and two-shot, the
+kernels that may be captured): the device's time without launch costs. ``1-call us``: one call
 between events, waited for before the next (the latency a caller that
 synchronizes after every call sees).
 
@@ -35,17 +35,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import pycomm
-from timing import batch_median_ms, event_median_ms
+from timing import batch_median_ms, event_median_ms, slowest
 
 # The kernels a CUDA graph may capture (the others count their calls on the host).
 CAPTURABLE = ("one_shot", "two_shot")
-
-
-def slowest(seconds: float) -> float:
-    """The slowest rank's figure."""
-    t = torch.tensor([seconds])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def traffic(core, name: str, world: int, n: int, round_bytes: int) -> int:

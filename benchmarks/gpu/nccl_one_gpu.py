@@ -60,15 +60,12 @@ def nccl_runs(rank, world):
 
 
 def nccl_timing(rank, world):
-    from timing import batch_median_ms  # beside this script
+    from timing import batch_median_ms, slowest  # beside this script
 
     say(rank, f"{'size':>9} | {'NCCL us':>9} {'busbw GB/s':>10}")
     for size in (4 << 10, 64 << 10, 1 << 20):
         x = torch.ones(size // 4, device="cuda")
-        t = torch.tensor([batch_median_ms(lambda: dist.all_reduce(x), 10, 3, before=dist.barrier) / 1e3],
-                         device="cuda")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's
-        t = t.item()
+        t = slowest(batch_median_ms(lambda: dist.all_reduce(x), 10, 3, before=dist.barrier) / 1e3)
         say(rank, f"{size:>9} | {t * 1e6:9.1f} {size / t / 1e9 * 2 * (world - 1) / world:10.3f}")
 
 
