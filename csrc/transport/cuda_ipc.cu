@@ -400,13 +400,14 @@ void CudaIpcAllReduce::all_reduce(const void* in, void* out, size_t count, DType
   throw_if_failed();
   if (op == RedOp::kAvg && !dtype_is_floating(dtype))
     throw CommError("pycomm: avg is only defined for floating-point dtypes");
-  if ((algo == IpcAlgo::kRing || algo == IpcAlgo::kTree || algo == IpcAlgo::kDirect) && capturing(stream))
+  const bool schedule = algo == IpcAlgo::kRing || algo == IpcAlgo::kTree || algo == IpcAlgo::kDirect;
+  if (schedule && capturing(stream))
     throw CommError(
         "pycomm: the ring, tree and direct schedules of the CUDA IPC all-reduce cannot be captured in a CUDA graph: "
         "their flags carry step counts the host keeps per call, which every replay would repeat; capture "
         "algorithm=\"auto\", \"one_shot\" or \"two_shot\", or run the schedule outside the captured region");
   if (count == 0) return;
-  if (algo == IpcAlgo::kRing || algo == IpcAlgo::kTree || algo == IpcAlgo::kDirect) {
+  if (schedule) {
     run_schedule(in, out, count, dtype, op, static_cast<int>(algo), stream);
     return;
   }
