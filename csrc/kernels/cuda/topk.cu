@@ -178,19 +178,21 @@ __device__ uint32_t block_prefix_count(bool flag, uint32_t* total) {
   return before + in_warp;
 }
 
+// Each thread counts its own ties; the block adds them up once at the end.
 template <typename T>
 __global__ void tie_count_kernel(const T* x, size_t n, const SelectState* st, int ranges, uint32_t* counts) {
   if (st->done) return;
+  __shared__ uint32_t total;
+  if (threadIdx.x == 0) total = 0;
+  __syncthreads();
   size_t lo, hi;
   tie_range(n, ranges, blockIdx.x, &lo, &hi);
   const uint32_t threshold = st->threshold;
-  uint32_t total = 0;
-  for (size_t base = lo; base < hi; base += blockDim.x) {
-    const size_t i = base + threadIdx.x;
-    uint32_t t;
-    block_prefix_count(i < hi && key_at(x, i) == threshold, &t);
-    total += t;
-  }
+  uint32_t c = 0;
+  for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) c += key_at(x, i) == threshold;
+  for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+  if (threadIdx.x % 32 == 0) atomicAdd(&total, c);
+  __syncthreads();
   if (threadIdx.x == 0) counts[blockIdx.x] = total;
 }
 
