@@ -64,6 +64,11 @@ def run_ipc_graph(rank: int, world: int, name: str, replays: int = 12) -> dict:
         t.copy_(make_input(999, rank, n, dtype))
     for t, (_, op, _, algo) in zip(static, GRAPH_CASES):  # eager first: the counters are not at zero
         ipc.all_reduce(t, op=op, algorithm=algo)
+    def eager_one_shot_right(seed: int) -> bool:
+        x = make_input(seed, rank, 4099, torch.float32).cuda()
+        exp = ops.reduce([make_input(seed, q, 4099, torch.float32) for q in range(world)], "sum")
+        return torch.equal(ipc.all_reduce(x, algorithm="one_shot").cpu(), exp)
+
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for t, (_, op, _, algo) in zip(static, GRAPH_CASES):
@@ -79,11 +84,8 @@ def run_ipc_graph(rank: int, world: int, name: str, replays: int = 12) -> dict:
             got = t.cpu()
             if not torch.equal(got.view(torch.uint8), exp.view(torch.uint8)):
                 bad.append(f"replay {k}, {algo}/{dtype}/{op}/{n}: {(got != exp).sum().item()} elements differ")
-        if k % 3 == 1:  # an eager call between replays
-            x = make_input(seed, rank, 4099, torch.float32).cuda()
-            exp = ops.reduce([make_input(seed, q, 4099, torch.float32) for q in range(world)], "sum")
-            if not torch.equal(ipc.all_reduce(x, algorithm="one_shot").cpu(), exp):
-                bad.append(f"eager call after replay {k} differs")
+        if k % 3 == 1 and not eager_one_shot_right(seed):  # an eager call between replays
+            bad.append(f"eager call after replay {k} differs")
     ipc.check()
     refusals = []
     for kwargs in ({"algorithm": "ring"}, {"algorithm": "tree", "async_op": True}, {"compression": pycomm.Int8()}):
@@ -94,9 +96,7 @@ def run_ipc_graph(rank: int, world: int, name: str, replays: int = 12) -> dict:
             refusals.append(f"{kwargs} captured")
         except (RuntimeError, pycomm.CommError) as e:
             refusals.append(str(e))
-    x = make_input(7, rank, 4099, torch.float32).cuda()
-    exp = ops.reduce([make_input(7, q, 4099, torch.float32) for q in range(world)], "sum")
-    if not torch.equal(ipc.all_reduce(x, algorithm="one_shot").cpu(), exp):
+    if not eager_one_shot_right(7):
         bad.append("the group does not work after a refused capture")
     ipc.check()
     return {"bad": bad, "refusals": refusals}
