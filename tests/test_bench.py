@@ -52,6 +52,22 @@ def test_other_collectives_under_torchrun(collective, tmp_path):
     assert "tree" not in {row["algorithm"] for row in rows} or collective == "broadcast"
 
 
+def test_deepspeed_row_checks_its_sums_and_leaves_no_segment(tmp_path):
+    pytest.importorskip("deepspeed", reason="the --deepspeed row needs DeepSpeed (pip install deepspeed)")
+    out, port = tmp_path / "rows.json", str(29000 + os.getpid() % 1000)
+    env = {**ENV, "MASTER_PORT": port}  # the segments' names carry it: only this run's are looked for
+    r = subprocess.run([sys.executable, "-m", "pycomm.bench", "--nproc", "2", "-b", "4K", "-e", "64K", "-f", "16",
+                        "-a", "auto", "--no-baseline", "--deepspeed", "--json", str(out)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [row for row in json.loads(out.read_text()) if row["backend"] == "deepspeed"]
+    assert {row["size_bytes"] for row in rows} == {4096, 65536} and all(row["wrong"] == 0 for row in rows)
+    # DeepSpeed leaves its shared-memory segments behind (~64 MB a rank, kept
+    # in memory by /dev/shm); the benchmark unlinks them once every rank mapped them.
+    left = [f for f in os.listdir("/dev/shm") if f.startswith("deepspeed_allreduce_buffer_") and f"_{port}_" in f]
+    assert left == [], left
+
+
 @pytest.mark.parametrize("args,words", [
     (["-b", "64M", "-e", "1K"], "-b must not exceed -e"),
     (["-a", "ring,butterfly"], "unknown algorithm"),

@@ -8,6 +8,7 @@ rows. DeepSpeed is not a dependency of pycomm: install it for the benchmark
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Callable
 
@@ -46,4 +47,19 @@ def setup(local_size: int) -> Callable[[torch.Tensor], None]:
     if not (hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_")):
         raise SystemExit("pycomm-bench --deepspeed: DeepSpeed's shared-memory operator did not load "
                          "(DS_ACCELERATOR must be cpu)")
+    # DeepSpeed never unlinks its segments (~64 MB per rank, kept in memory
+    # by /dev/shm after the processes end: a dozen launches of the benchmark
+    # held gigabytes). Once every rank has mapped every segment (initialize
+    # returns only then, so after a barrier), each rank unlinks its own:
+    # the mappings stay, the names go, and the memory with the last process.
+    dist.barrier()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(segment_path(dist.get_rank()))
     return lambda t: ds_comm.inference_all_reduce(t)
+
+
+def segment_path(rank: int) -> str:
+    """Where DeepSpeed's shared-memory operator keeps ``rank``'s segment (its
+    name: uid, MASTER_ADDR and MASTER_PORT as it read them, and the rank)."""
+    return (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
