@@ -35,7 +35,7 @@ the interpreter finalizes, aborts the process (CPython ends such threads
 with ``pthread_exit`` when they take the GIL back, which cannot unwind
 through pybind's GIL guard: "terminate called without an active
 exception"). ``GroupFutures(poll=True)`` waits by polling instead
-(:func:`pycomm.group.wait_work`), so its thread sits in ``time.sleep``, which a
+(:func:`pycomm._lanes.wait_work`), so its thread sits in ``time.sleep``, which a
 finalizing interpreter ends cleanly.
 
 The same abort awaits a thread that is still inside the future's C++ when
@@ -63,7 +63,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from ..group import wait_work
+from .._lanes import wait_work
 
 Done = Callable[[torch.futures.Future], Any]
 

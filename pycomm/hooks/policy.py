@@ -31,6 +31,7 @@ import torch.distributed as dist
 from .. import communicator as _communicator
 from .. import default as _default
 from .. import group as _group
+from .._lanes import device_backend
 from .._loader import CommError, load_core
 from .futures import Done, GroupFutures
 
@@ -163,7 +164,7 @@ class Router:
         if self.path == "communicator" or self._comm_arg is not None:
             raise CommError("pycomm.hooks: pycomm's communicator takes CPU tensors only; for CUDA buckets build "
                             "the state with the DDP process group (or none), not a communicator, and path='auto'")
-        backend = _group.device_backend(self.process_group, buf.device)
+        backend = device_backend(self.process_group, buf.device)
         if compressed and not quantized:
             return "group", (forced if self.path == "group" else "compressed CUDA buckets are composed from "
                              f"pycomm's CUDA kernels and the group's own collectives ({backend}), on the device")
@@ -226,7 +227,7 @@ class Router:
         own: NCCL's through ``then`` (it completes on the caller's thread),
         any other backend's from a thread of pycomm's (:mod:`.futures` says
         which deadlock that avoids)."""
-        if _group.device_backend(self.process_group, device) == "nccl":
+        if device_backend(self.process_group, device) == "nccl":
             return work.get_future().then(done)
         if self._futures is None:
             self._futures = GroupFutures()

@@ -15,7 +15,7 @@ from torch.profiler import record_function
 
 from .. import communicator as _communicator
 from .. import compression as _compression
-from ..group import stream_point
+from .._lanes import stream_point
 from .compressed import CompressionState, compression_hook
 from .plain import _WIRE_DTYPES, AllReduceState, allreduce_hook
 from .policy import Group, completed
