@@ -29,7 +29,14 @@
 #              (default 1gbit 10gbit) x NCCL_LAUNCHES (default 3) fresh launches
 #   tta        time to accuracy at 1 Gbit/s on the 4-host testbed with a core
 #              per rank (issue 39's last target; TTA_LAUNCHES, TTA_CONFIGS,
-#              TTA_TIMEOUT s in all, default 540)
+#              TTA_TIMEOUT s in all, default 540; TTA_ARGS: more options)
+#   tta_bg     the same in the background on cores of its own (the last
+#              TTA_CORES, default 4: a core per rank), while the stages after
+#              it run on the other cores: the CPU-only benchmark shares a
+#              call with the correctness stages instead of needing one of its
+#              own. Start it after build; it is waited for at tta_wait (or
+#              at the end). Put the GPU timing stages (mps, allreduce,
+#              kernels) after tta_wait: they measure host-side latency too.
 #   crash      the CPU failure suites (kill -9, timeouts, aborts) on this
 #              machine's torch and cores, with faulthandler and core dumps
 #              (backtraces by cuda-gdb, the debugger there)
@@ -164,8 +171,38 @@ tta() {
   # overlap the first one's transfer with the backward pass): more than one
   # step's limit.
   timeout "$(cap "${TTA_TIMEOUT:-540}")" "$PY" benchmarks/time_to_accuracy.py --launches "${TTA_LAUNCHES:-3}" --rates 1gbit \
-    --out "$LOG/tta" --configs "${TTA_CONFIGS:-ddp,torch-bf16,torch-bf16-1b,int8-1b,int4-b64-noef-1b,int4-b64-noef}" 2>&1 \
-    | tee "$LOG/tta.log" | tail -25
+    --out "$LOG/tta" --configs "${TTA_CONFIGS:-ddp,torch-bf16,torch-bf16-1b,int8-1b,int4-b64-noef-1b,int4-b64-noef}" \
+    ${TTA_ARGS:-} 2>&1 | tee "$LOG/tta.log" | tail -25
+}
+
+TTA_PID=
+tta_bg() {
+  local n cores first
+  n=$(nproc)
+  cores=${TTA_CORES:-4}
+  if ! command -v taskset > /dev/null; then
+    echo "tta_bg: no taskset here to give the background run cores of its own; use the tta stage"
+    return 1
+  fi
+  if [ "$n" -le "$cores" ]; then
+    echo "tta_bg: $n cores, none left beside the $cores for the background run; use the tta stage"
+    return 1
+  fi
+  first=$((n - cores))
+  # Children inherit their parent's CPUs: this shell (and every later stage)
+  # moves to the first cores, the background run to the last ones.
+  taskset -pc "0-$((first - 1))" $$ > /dev/null
+  ( taskset -pc "$first-$((n - 1))" "$BASHPID" > /dev/null; tta ) > "$LOG/tta_bg.out" 2>&1 &
+  TTA_PID=$!
+  echo "time to accuracy started in the background on cores $first-$((n - 1)); the next stages run on 0-$((first - 1))"
+}
+
+tta_wait() {
+  [ -n "$TTA_PID" ] || { echo "tta_wait: no background time-to-accuracy run (tta_bg) to wait for"; return 0; }
+  wait "$TTA_PID"  # bounded: its own timeout was cut to the budget when it started
+  TTA_PID=
+  taskset -pc "0-$(($(nproc) - 1))" $$ > /dev/null
+  cat "$LOG/tta_bg.out"
 }
 
 crash() {
@@ -188,8 +225,15 @@ for stage in $STAGES; do
   fi
   echo "=== $stage"
   case $stage in
-    build | tests | kernels | profile | overlap | allreduce | mps | nccl | tta | crash) "$stage" || [ "$stage" != build ] || { pack; exit 1; } ;;
-    *) echo "unknown stage $stage (build tests kernels profile overlap allreduce mps nccl tta crash)"; exit 2 ;;
+    build | tests | kernels | profile | overlap | allreduce | mps | nccl | tta | tta_bg | tta_wait | crash)
+      "$stage" || [ "$stage" != build ] || { pack; exit 1; } ;;
+    *) echo "unknown stage $stage (build tests kernels profile overlap allreduce mps nccl tta tta_bg tta_wait crash)"
+       exit 2 ;;
   esac
   pack
 done
+if [ -n "$TTA_PID" ]; then
+  echo "=== tta_wait (the background run)"
+  tta_wait
+  pack
+fi
