@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -416,43 +417,63 @@ def test_reduce_op_bad_input():
 
 
 CUDA_FILES = sorted(glob.glob(os.path.join(ROOT, "csrc", "**", "*.cu"), recursive=True))
+HAS_NVCC = shutil.which("nvcc") is not None
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def _compile_all(cmds):
+    """Runs the compile commands side by side, one per core: [(returncode, stderr)]."""
+    def one(cmd):
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        return r.returncode, r.stderr
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        return list(pool.map(one, cmds))
+
+
+@pytest.fixture(scope="module")
+def cuda_objects(tmp_path_factory):
+    """Every CUDA file compiled once, side by side, by nvcc alone (no torch
+    headers), for Hopper and a generic PTX target, position-independent: the
+    compile test reads each result, the link test links the objects."""
+    out = tmp_path_factory.mktemp("cuda-objects")
+    objs = [str(out / f"{i}.o") for i in range(len(CUDA_FILES))]
+    cmds = [["nvcc", "-c", "-std=c++17", "-O2", "-Xcompiler", "-fPIC", "-I", os.path.join(ROOT, "csrc"),
+             "-gencode", "arch=compute_90,code=sm_90", "-gencode", "arch=compute_80,code=compute_80", src, "-o", obj]
+            for src, obj in zip(CUDA_FILES, objs)]
+    return {src: (rc, err, obj) for src, obj, (rc, err) in zip(CUDA_FILES, objs, _compile_all(cmds))}
+
+
+@pytest.mark.skipif(not HAS_NVCC, reason="nvcc not installed")
 @pytest.mark.parametrize("path", CUDA_FILES, ids=[os.path.basename(p) for p in CUDA_FILES])
-def test_cuda_kernels_compile(path, tmp_path):
+def test_cuda_kernels_compile(path, cuda_objects):
     """The CUDA kernels build with nvcc alone (no torch headers), for Hopper and a generic PTX target."""
-    # --threads 2: the two targets compile side by side (half the wall time).
-    cmd = ["nvcc", "-c", "-std=c++17", "-O2", "--threads", "2", "-I", os.path.join(ROOT, "csrc"),
-           "-gencode", "arch=compute_90,code=sm_90", "-gencode", "arch=compute_80,code=compute_80",
-           path, "-o", str(tmp_path / "k.o")]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert (tmp_path / "k.o").stat().st_size > 0
+    rc, err, obj = cuda_objects[path]
+    assert rc == 0, err[-4000:]
+    assert os.path.getsize(obj) > 0
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-def test_cuda_layers_link_without_torch(tmp_path):
+@pytest.mark.skipif(not HAS_NVCC, reason="nvcc not installed")
+def test_cuda_layers_link_without_torch(cuda_objects, tmp_path):
     """Every torch-free layer, CUDA files included, links into one shared
     library with no undefined symbol but the CUDA runtime's: what a CUDA build
     needs from them is all there, checked where no CUDA torch can build the
-    extension (about a minute on 2 cores, at -O0)."""
+    extension (the C++ files at -O0, side by side)."""
     cpu = [p for layer in ("core", "kernels", "algorithms", "transport", "compression")
            for p in sorted(glob.glob(os.path.join(ROOT, "csrc", layer, "**", "*.cpp"), recursive=True))]
-    objs = []
-    for i, src in enumerate(CUDA_FILES + cpu):
-        obj = str(tmp_path / f"{i}.o")
-        cmd = (["nvcc", "-c", "-std=c++17", "-O0", "-Xcompiler", "-fPIC", "-gencode", "arch=compute_90,code=sm_90"]
-               if src.endswith(".cu") else ["g++", "-c", "-std=c++17", "-O0", "-fPIC"])
-        r = subprocess.run(cmd + ["-I", os.path.join(ROOT, "csrc"), src, "-o", obj], capture_output=True, text=True)
-        assert r.returncode == 0, f"{src}: {r.stderr[-3000:]}"
-        objs.append(obj)
+    objs = [str(tmp_path / f"{i}.o") for i in range(len(cpu))]
+    cmds = [["g++", "-c", "-std=c++17", "-O0", "-fPIC", "-I", os.path.join(ROOT, "csrc"), src, "-o", obj]
+            for src, obj in zip(cpu, objs)]
+    for src, (rc, err) in zip(cpu, _compile_all(cmds)):
+        assert rc == 0, f"{src}: {err[-3000:]}"
+    for src in CUDA_FILES:
+        assert cuda_objects[src][0] == 0, f"{src} did not compile (test_cuda_kernels_compile says why)"
     # Where nvcc itself links the CUDA runtime from (it may be a wrapper script).
     dry = subprocess.run(["nvcc", "-v", "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
                          capture_output=True, text=True)
     libs = re.findall(r'"(-L[^"]+)"', next(line for line in (dry.stdout + dry.stderr).splitlines()
                                            if "LIBRARIES=" in line))
-    r = subprocess.run(["g++", "-shared", "-o", str(tmp_path / "layers.so"), *objs, *libs, "-lcudart",
+    r = subprocess.run(["g++", "-shared", "-o", str(tmp_path / "layers.so"),
+                        *(cuda_objects[src][2] for src in CUDA_FILES), *objs, *libs, "-lcudart",
                         "-lpthread", "-Wl,--no-undefined"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]
 
