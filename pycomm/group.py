@@ -173,9 +173,9 @@ class GroupCommunicator:
         without waiting for their calls in flight, which may wait on a peer
         that is gone: NCCL lanes are aborted, Gloo lanes end once their
         calls do. Calls made later raise."""
-        lanes = take_lanes(self._own_lanes.values())
+        self._abandoned = True  # first: a call from now on raises instead of making a new lane
+        lanes = take_lanes(list(self._own_lanes.values()))
         self._own_lanes.clear()
-        self._abandoned = True
         for lane in lanes:
             lane.abandon()
 
