@@ -408,7 +408,7 @@ def driver(args, forward: List[str]) -> int:
     except TestbedError as e:
         print(f"testbed: {e}", file=sys.stderr)
         return 2
-    return tta_report.write_summary(runs, args.out, ALL_CONFIGS.split(","))
+    return tta_report.write_summary(summarize(runs, args.out), args.out)
 
 
 def main(argv=None) -> int:
@@ -459,7 +459,7 @@ def main(argv=None) -> int:
                 if target_given:
                     retarget(run, args.target)
                 runs.setdefault(name.split("-launch")[0], []).append(run)
-        return tta_report.write_summary(runs, args.summarize, ALL_CONFIGS.split(","))
+        return tta_report.write_summary(summarize(runs, args.summarize), args.summarize)
     forward = []
     for a in forwarded._group_actions:
         forward += [a.option_strings[0], str(getattr(args, a.dest))]

@@ -65,9 +65,9 @@ def verdict(by: Dict[str, List[Dict]], configs: List[str], base_loss: Optional[f
 def summarize(runs: Dict[str, List[Dict]], out: str, order: Sequence[str]) -> str:
     """The table per rate (min / median / max over launches), configs in
     ``order`` (unknown ones last), and the plot (time_to_accuracy.png in ``out``)."""
+    known = list(order)
     lines = []
     for rate, launches in runs.items():
-        known = list(order)
         configs = [r["config"] for r in sorted(launches[0]["rows"], key=lambda r: known.index(r["config"])
                                                if r["config"] in known else len(known))]
         by = {c: [next(r for r in run["rows"] if r["config"] == c) for run in launches] for c in configs}
@@ -118,9 +118,8 @@ def summarize(runs: Dict[str, List[Dict]], out: str, order: Sequence[str]) -> st
     return text
 
 
-def write_summary(runs: Dict[str, List[Dict]], out: str, order: Sequence[str]) -> int:
-    """The summary (summary.md in ``out``, and printed) and the plot."""
-    text = summarize(runs, out, order)
+def write_summary(text: str, out: str) -> int:
+    """The summary (summary.md in ``out``) written and printed."""
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(text + "\n")
     print(text)
