@@ -77,7 +77,8 @@ from ..communicator import Communicator
 from ..hooks.futures import GroupFutures
 from .epoch_group import EpochGroup
 from .heal import broadcast_state
-from .membership import admit, shrink_and_adopt
+from .loop import ElasticLoop
+from .membership import shrink_and_adopt
 
 logger = logging.getLogger("pycomm")
 
@@ -107,7 +108,7 @@ def _is_comm_failure(e: BaseException) -> bool:
     return isinstance(e, CommError) or "pycomm" in str(e)
 
 
-class FaultTolerantDDP(torch.nn.Module):
+class FaultTolerantDDP(torch.nn.Module, ElasticLoop):
     """Data-parallel training that survives the death of ranks and admits
     replacements (see :mod:`pycomm.elastic.ddp` for what a step does).
 
@@ -218,7 +219,7 @@ class FaultTolerantDDP(torch.nn.Module):
         # whatever they say (force), and a newcomer is never their source.
         self._first_heal = dict(force=True, newcomer=comm.joined)
         try:
-            self._rebind(comm)
+            self._bind(comm)
             self._heal()
         except CommError as e:  # a peer died while this rank was being set up: shrink with the others
             self._recover(e)
@@ -303,18 +304,7 @@ class FaultTolerantDDP(torch.nn.Module):
         """Run ``step_fn(step)`` (forward and backward of this rank's share of
         step ``step``) until ``steps`` steps are done on every rank, surviving
         failures; returns once all ranks agree they are done."""
-        while True:
-            while self.steps_done < steps:
-                self.step(lambda: step_fn(self.steps_done))
-            # A survivor may have finished the last step while another failed
-            # it: all agree on the count before anyone leaves.
-            try:
-                count = torch.tensor([self.steps_done], dtype=torch.int64)
-                self.comm.all_reduce(count, op="min")
-                if int(count) >= steps:
-                    return
-            except CommError as e:
-                self._recover(e)
+        self._train_until(steps, lambda: self.step(lambda: step_fn(self.steps_done)))
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
         """Everything this wrapper keeps, for a checkpoint: the model, the
@@ -394,7 +384,7 @@ class FaultTolerantDDP(torch.nn.Module):
 
         return fut.then(settle)
 
-    def _rebind(self, comm: Communicator) -> None:
+    def _bind(self, comm: Communicator) -> None:
         """Make the hook state (and a LocalSGD optimizer) use ``comm``; on the
         group path, over a new process group of ``comm``'s members (built
         collectively), the previous epoch's given up."""
@@ -421,26 +411,6 @@ class FaultTolerantDDP(torch.nn.Module):
         if isinstance(getattr(self.optimizer, "communicator", None), Communicator):
             self.optimizer.communicator = comm
 
-    def _maybe_admit(self) -> None:
-        if not self.admit_every or self.steps_done % self.admit_every or self.steps_done == self._admit_checked:
-            return
-        self._admit_checked = self.steps_done
-        t0 = time.monotonic()
-        try:
-            new = admit(self.comm, timeout=self.shrink_timeout)
-        except CommError as e:
-            self._recover(e)
-            return
-        if new is self.comm:
-            return
-        try:
-            self._rebind(new)
-            self._heal()
-        except CommError as e:
-            self._recover(e)
-            return
-        self._event("admit", t0)
-
     def _recover(self, error: BaseException) -> None:
         """Shrink to the survivors (again while more die) and heal."""
         t0 = time.monotonic()
@@ -449,16 +419,6 @@ class FaultTolerantDDP(torch.nn.Module):
         shrink_and_adopt(lambda: self.comm, self._adopt, error, max_recoveries=self.max_recoveries,
                          timeout=self.shrink_timeout, grace=self.grace)
         self._event("shrink", t0, cause=str(error).splitlines()[0][:300])
-
-    def _adopt(self, comm: Communicator) -> None:
-        self._rebind(comm)
-        self._heal()
-
-    def _event(self, kind: str, t0: float, cause: str = "") -> None:
-        self.events.append(dict(kind=kind, step=self.steps_done, world=self.comm.world_size, epoch=self.comm.epoch,
-                                seconds=time.monotonic() - t0, **(dict(cause=cause) if cause else {})))
-        logger.info("pycomm.elastic: %s: world %d, epoch %d, step %d (%.3f s)", kind, self.comm.world_size,
-                    self.comm.epoch, self.steps_done, time.monotonic() - t0)
 
     def _heal(self) -> None:
         """Make every rank's state the most advanced rank's (collective).

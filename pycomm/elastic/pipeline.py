@@ -56,7 +56,8 @@ from .._loader import CommError
 from ..communicator import Communicator
 from ..pipeline import Pipeline, get_schedule, stages_of
 from .heal import broadcast_state
-from .membership import FencedOut, _fence, admit, join, shrink_and_adopt
+from .loop import ElasticLoop
+from .membership import FencedOut, _fence, join, shrink_and_adopt
 
 logger = logging.getLogger("pycomm")
 
@@ -64,7 +65,7 @@ ON_FAILURE = ("redo", "drop")
 BatchFn = Callable[[int, int, int], Tuple[Any, Any]]
 
 
-class FaultTolerantPipeline:
+class FaultTolerantPipeline(ElasticLoop):
     """Pipeline x data parallelism that shrinks, heals and goes on when a rank
     dies, and admits whole replacement replicas (see the module's docstring).
 
@@ -132,7 +133,7 @@ class FaultTolerantPipeline:
         self._admit_checked = -1
         self.comm = comm
         try:
-            self._setup(comm)
+            self._bind(comm)
             self._heal()
         except FencedOut:
             raise
@@ -186,16 +187,7 @@ class FaultTolerantPipeline:
 
     def train(self, steps: int, batch_fn: BatchFn) -> None:
         """Run steps until ``steps`` are done on every rank, surviving failures."""
-        while True:
-            while self.steps_done < steps:
-                self.step(batch_fn)
-            try:
-                count = torch.tensor([self.steps_done], dtype=torch.int64)
-                self.comm.all_reduce(count, op="min")
-                if int(count) >= steps:
-                    return
-            except CommError as e:
-                self._recover(e)
+        self._train_until(steps, lambda: self.step(batch_fn))
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's stages, optimizer, scheduler and step count (a checkpoint)."""
@@ -239,7 +231,7 @@ class FaultTolerantPipeline:
 
     # ------------------------------------------------------------ membership
 
-    def _setup(self, comm: Communicator) -> None:
+    def _bind(self, comm: Communicator) -> None:
         """Take ``comm`` as the job communicator: this rank's place, its
         stages (built anew if the place changed) and the epoch's pipeline and
         data-parallel communicators."""
@@ -293,22 +285,6 @@ class FaultTolerantPipeline:
         S = self.num_stages
         return [r for r in members if all(r // S * S + s in members for s in range(S))]
 
-    def _maybe_admit(self) -> None:
-        if not self.admit_every or self.steps_done % self.admit_every or self.steps_done == self._admit_checked:
-            return
-        self._admit_checked = self.steps_done
-        t0 = time.monotonic()
-        try:
-            new = admit(self.comm, timeout=self.shrink_timeout, multiple=self.num_stages)
-            if new is self.comm:
-                return
-            self._setup(new)
-            self._heal()
-        except CommError as e:
-            self._recover(e)
-            return
-        self._event("admit", t0)
-
     def _recover(self, error: BaseException) -> None:
         """Shrink to the whole replicas (again while more die) and heal; a
         survivor of a broken replica rejoins or raises FencedOut."""
@@ -333,10 +309,6 @@ class FaultTolerantPipeline:
             return
         self._event("shrink", t0, cause=str(error).splitlines()[0][:300])
 
-    def _adopt(self, comm: Communicator) -> None:
-        self._setup(comm)
-        self._heal()
-
     def _rejoin(self, t0: float) -> None:
         """This rank's replica broke: join the job again as a newcomer."""
         self._close_pipeline()
@@ -350,7 +322,7 @@ class FaultTolerantPipeline:
                 continue
             self._newcomer = True
             try:
-                self._setup(comm)
+                self._bind(comm)
                 self._heal()
             except CommError as e:
                 # A member of the new epoch now: recover with the others
@@ -404,8 +376,9 @@ class FaultTolerantPipeline:
         # Every rank of this membership checked for newcomers at this step.
         self._admit_checked = self.steps_done
 
-    def _event(self, kind: str, t0: float, cause: str = "") -> None:
-        self.events.append(dict(kind=kind, step=self.steps_done, world=self.comm.world_size, epoch=self.comm.epoch,
-                                seconds=time.monotonic() - t0, **(dict(cause=cause) if cause else {})))
-        logger.info("pycomm.elastic: %s: world %d (%d replicas), epoch %d, step %d (%.3f s)", kind,
-                    self.comm.world_size, self.replicas, self.comm.epoch, self.steps_done, time.monotonic() - t0)
+    @property
+    def _admit_multiple(self) -> int:  # newcomers come as whole replicas
+        return self.num_stages
+
+    def _world_text(self) -> str:
+        return f"world {self.comm.world_size} ({self.replicas} replicas)"
