@@ -163,6 +163,37 @@ def test_overlap_trace_analysis_on_a_synthetic_trace():
     assert mod.analyse({"traceEvents": []}, 1) == {"error": "no kernels in the trace"}
 
 
+def test_gpu_allreduce_traffic_model():
+    """The bytes benchmarks/gpu/allreduce.py's %copy counts per call, against
+    closed forms: two-shot 4 (5n + n/w) per rank; int8 / int4 (no error
+    feedback) 2 x 4n + (3w + 1) slots per rank, a slot being a shard of
+    ceil(n / w) rounded up to whole blocks, its codes (bits / 8 a value) and
+    one float32 scale a block, padded to 8 bytes; ring from its program, more than two-shot's
+    reduce and gather alone."""
+    import importlib.util
+
+    import pycomm
+
+    gpu = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu")
+    sys.path.insert(0, gpu)
+    try:
+        spec = importlib.util.spec_from_file_location("gpu_allreduce", os.path.join(gpu, "allreduce.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(gpu)
+    core = pycomm.load_core()
+    for w in (2, 3, 4):
+        for n in (1 << 20, 1000003):
+            assert mod.traffic(core, "two_shot", w, n, 0) == w * 4 * (5 * n + n // w)
+            for name, bits, block in (("int8", 8, pycomm.Int8().block), ("int4", 4, pycomm.Int4().block)):
+                shard = -(-(-(-n // w)) // block) * block
+                slot = -(-(shard * bits // 8 + 4 * (-(-shard // block))) // 8) * 8
+                assert mod.traffic(core, name, w, n, 0) == w * (8 * n + (3 * w + 1) * slot), (name, w, n)
+            assert mod.traffic(core, "ring", w, n, 1 << 20) > w * 4 * 2 * n
+    assert mod.traffic(core, "gloo", 2, 1 << 20, 0) == 0
+
+
 def test_gpu_kernel_benchmark_checks_itself_on_cpu():
     """benchmarks/gpu/kernels.py (the GPU kernels against the copy bandwidth,
     float32 and bfloat16, and top-k at two sizes) runs on a GPU machine only

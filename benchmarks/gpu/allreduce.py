@@ -15,8 +15,8 @@ kernels that may be captured): the device's time without launch costs. ``1-call 
 between events, waited for before the next (the latency a caller that
 synchronizes after every call sees).
 
-%copy: the memory traffic of the call's kernels (modelled for one-shot and
-two-shot, counted from the programs for ring and tree) per second, against
+%copy: the memory traffic of the call's kernels (modelled for one-shot,
+two-shot, int8 and int4, counted from the programs for ring and tree) per second, against
 the device-to-device copy's measured in the same run. busbw = algbw x
 2(n-1)/n of the float32 bytes (for int8 / int4 too: what
 the caller's data would take); both from the back-to-back time. Every point
@@ -46,7 +46,16 @@ def traffic(core, name: str, world: int, n: int, round_bytes: int) -> int:
     modelled). One-shot: each rank stages its input (n read, n written) and
     reduces every buffer (world x n read, n written); two-shot: the staging,
     its part reduced from every buffer (n read, n / world written), every part
-    gathered (n read, n written); the schedules: counted from their programs."""
+    gathered (n read, n written); the schedules: counted from their programs.
+    int8 / int4 (no error feedback, as timed here): each rank quantizes its
+    input into one slot per rank (n read, world slots written), reduces its
+    shard from every rank's slot for it and requantizes it (world slots read,
+    one written), and decodes every rank's reduced slot (world slots read, n
+    written); a slot is a shard's codes and scales, as the extension sizes it.
+    Per rank that is 2n x 4 + (3 world + 1) slots: ~11n + n / world bytes for
+    int8 against two-shot's ~20n + 4n / world, so on one GPU, whose HBM is the
+    link too, int8 can be at most ~1.9x two-shot (int4 ~2.2x), and only with
+    kernels as near the copy rate as two-shot's."""
     es = 4
     if name == "one_shot":
         return world * (world + 3) * n * es
@@ -55,6 +64,11 @@ def traffic(core, name: str, world: int, n: int, round_bytes: int) -> int:
     if name in ("ring", "tree"):
         return core.program_traffic(core.algorithms[name], core.collectives.index("all_reduce"), world, 0, es, n,
                                     round_bytes)
+    if name in ("int8", "int4"):
+        codec = pycomm.Int8() if name == "int8" else pycomm.Int4()
+        shard = core.compressed_shard_elems(n, world, int(codec.block))
+        slot = core.quant_payload_bytes(shard, int(codec.bits), int(codec.block))
+        return world * (2 * n * es + (3 * world + 1) * slot)
     return 0
 
 
