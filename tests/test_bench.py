@@ -132,18 +132,28 @@ def test_gpu_nccl_script_checks_itself_on_cpu():
     assert len(lines) == 11 and not any("FAILED" in line or "DIFFER" in line for line in lines), r.stdout
 
 
+def _gpu_script(name: str):
+    """benchmarks/gpu/<name>.py as a module (its folder on the path while it
+    loads: the scripts import their shared timing module)."""
+    import importlib.util
+
+    gpu = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu")
+    sys.path.insert(0, gpu)
+    try:
+        spec = importlib.util.spec_from_file_location(f"gpu_{name}", os.path.join(gpu, f"{name}.py"))
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(gpu)
+    return mod
+
+
 def test_overlap_trace_analysis_on_a_synthetic_trace():
     """The GPU overlap report's arithmetic (benchmarks/gpu/overlap_trace.py):
     pycomm's kernels on stream 20 over 2 steps of 100 us, one half-covered by a
     backward kernel on stream 7, one not; a kernel of its own stream never
     counts as overlap."""
-    import importlib.util
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("overlap_trace",
-                                                  os.path.join(root, "benchmarks", "gpu", "overlap_trace.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _gpu_script("overlap_trace")
     k = lambda name, stream, ts, dur: {"cat": "kernel", "name": name, "ts": ts, "dur": dur,  # noqa: E731
                                       "args": {"stream": stream}}
     trace = {"traceEvents": [
@@ -168,20 +178,11 @@ def test_gpu_allreduce_traffic_model():
     closed forms: two-shot 4 (5n + n/w) per rank; int8 / int4 (no error
     feedback) 2 x 4n + (3w + 1) slots per rank, a slot being a shard of
     ceil(n / w) rounded up to whole blocks, its codes (bits / 8 a value) and
-    one float32 scale a block, padded to 8 bytes; ring from its program, more than two-shot's
-    reduce and gather alone."""
-    import importlib.util
-
+    one float32 scale a block, padded to 8 bytes; ring from its program,
+    more than two-shot's reduce and gather alone."""
     import pycomm
 
-    gpu = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu")
-    sys.path.insert(0, gpu)
-    try:
-        spec = importlib.util.spec_from_file_location("gpu_allreduce", os.path.join(gpu, "allreduce.py"))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(gpu)
+    mod = _gpu_script("allreduce")
     core = pycomm.load_core()
     for w in (2, 3, 4):
         for n in (1 << 20, 1000003):

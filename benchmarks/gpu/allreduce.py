@@ -39,6 +39,8 @@ from timing import batch_median_ms, event_median_ms, slowest
 
 # The kernels a CUDA graph may capture (the others count their calls on the host).
 CAPTURABLE = ("one_shot", "two_shot")
+# The quantized calls timed (default codecs, no error feedback) and modelled (traffic).
+QUANTIZED = {"int8": pycomm.Int8, "int4": pycomm.Int4}
 
 
 def traffic(core, name: str, world: int, n: int, round_bytes: int) -> int:
@@ -64,8 +66,8 @@ def traffic(core, name: str, world: int, n: int, round_bytes: int) -> int:
     if name in ("ring", "tree"):
         return core.program_traffic(core.algorithms[name], core.collectives.index("all_reduce"), world, 0, es, n,
                                     round_bytes)
-    if name in ("int8", "int4"):
-        codec = pycomm.Int8() if name == "int8" else pycomm.Int4()
+    if name in QUANTIZED:
+        codec = QUANTIZED[name]()
         shard = core.compressed_shard_elems(n, world, int(codec.block))
         slot = core.quant_payload_bytes(shard, int(codec.bits), int(codec.block))
         return world * (2 * n * es + (3 * world + 1) * slot)
@@ -103,8 +105,8 @@ def worker(rank, world, port, args):
             if name == "gloo":
                 def call():
                     dist.all_reduce(x)
-            elif name in ("int8", "int4"):
-                codec = pycomm.Int8() if name == "int8" else pycomm.Int4()
+            elif name in QUANTIZED:
+                codec = QUANTIZED[name]()
 
                 def call(codec=codec):
                     ipc.all_reduce(x, compression=codec)
