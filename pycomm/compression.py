@@ -56,7 +56,9 @@ def _core_default(name: str):
 
 
 class _Codec:
-    """What every codec tells the core: its id, looked up by the codec's name."""
+    """What every codec tells the core: its id, looked up by the codec's name.
+    A codec checks its parameters when built (the core's rules and words), so
+    that a bad one fails where it is written, not at the first backward pass."""
 
     _name: str
 
@@ -64,6 +66,11 @@ class _Codec:
     def kind(self) -> int:
         """The core's codec id."""
         return CODECS[self._name]
+
+    def __post_init__(self) -> None:
+        problem = load_core().codec_problem(*core_args(self))
+        if problem:
+            raise ValueError(f"pycomm.{problem}")
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,13 @@ with scale = absmax(block) / qmax, post = 1/world for avg. TopK sends the
 selected entries exactly: out == post * sum_r sent_r up to float32 summation.
 Every rank must get the same bits, and the bytes on the wire must shrink.
 """
+import dataclasses
+import pickle
+
 import pytest
 import torch
+
+import pycomm
 
 from collective_cases import EPS, make_input
 from compressed_cases import run_bad_calls, run_cases, run_error_feedback, run_mismatch
@@ -153,6 +158,29 @@ def test_bad_calls_raise_everywhere_and_leave_the_communicator_usable(pool8):
         for want, got in zip(expected, msgs):
             assert want in got, (want, got)
         assert msgs[-1] == "after: 3.0"
+
+
+@pytest.mark.parametrize("make,words", [
+    (lambda: pycomm.Int8(block=12), "Int8(block=12): block must be a multiple of 8"),
+    (lambda: pycomm.Int4(block=0), "Int4(block=0): block must be a multiple of 8"),
+    (lambda: pycomm.Int8(block=1 << 21), "between 8 and 1048576"),
+    (lambda: pycomm.TopK(ratio=0.0), "ratio must be in (0, 1]"),
+    (lambda: pycomm.TopK(ratio=1.5), "ratio must be in (0, 1]"),
+    (lambda: pycomm.TopK(ratio=float("nan")), "ratio must be in (0, 1]"),
+    (lambda: pycomm.TopK(tolerance=1.0), "tolerance must be in [0, 1)"),
+    (lambda: pycomm.TopK(sample_fraction=0.0), "sample_fraction must be in (0, 1]"),
+    (lambda: dataclasses.replace(pycomm.Int4(), block=7), "block must be a multiple of 8"),
+])
+def test_a_bad_codec_fails_where_it_is_built(make, words):
+    with pytest.raises(ValueError) as e:
+        make()
+    assert words in str(e.value)
+
+
+def test_good_codecs_build_and_travel():
+    for codec in (pycomm.Int8(block=8), pycomm.Int4(block=1 << 20, stochastic=True), pycomm.TopK(ratio=1.0),
+                  pycomm.TopK(ratio=1e-6, exact=True, tolerance=0.0, sample_fraction=1.0)):
+        assert pickle.loads(pickle.dumps(codec)) == codec
 
 
 def test_codec_mismatch_raises_on_every_rank(pool8):

@@ -105,6 +105,22 @@ py::dict codec_table() {
   for (int k = 1; k <= kLastCodecKind; ++k) d[codec_kind_name(static_cast<CodecKind>(k))] = k;
   return d;
 }
+// A codec as Python passes it (compression.core_args), checked only for its
+// kind: what else is wrong with it is Codec::check()'s to say.
+Codec make_codec(int kind, int block, bool stochastic, uint64_t seed, double ratio, bool exact, double tolerance,
+                 double sample_fraction) {
+  if (kind < 1 || kind > kLastCodecKind) throw CommError("pycomm: unknown codec id " + std::to_string(kind));
+  Codec codec;
+  codec.kind = static_cast<CodecKind>(kind);
+  codec.block = block;
+  codec.stochastic = stochastic;
+  codec.seed = seed;
+  codec.ratio = ratio;
+  codec.exact = exact;
+  codec.tolerance = tolerance;
+  codec.sample_fraction = sample_fraction;
+  return codec;
+}
 py::dict codec_defaults() {
   const Codec c;
   py::dict d;
@@ -169,6 +185,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("reduce_ops") = redop_table();
   m.attr("codecs") = codec_table();
   m.attr("codec_defaults") = codec_defaults();
+  // What is wrong with a codec's parameters ("" if nothing): the codecs check
+  // themselves when built, with the words every call would use.
+  m.def("codec_problem",
+        [](int kind, int block, bool stochastic, uint64_t seed, double ratio, bool exact, double tolerance,
+           double sample_fraction) {
+          return make_codec(kind, block, stochastic, seed, ratio, exact, tolerance, sample_fraction).check();
+        },
+        py::arg("kind"), py::arg("block"), py::arg("stochastic"), py::arg("seed"), py::arg("ratio"),
+        py::arg("exact"), py::arg("tolerance"), py::arg("sample_fraction"));
   py::tuple codec_dtypes(std::size(kCodecDtypes));
   for (size_t i = 0; i < std::size(kCodecDtypes); ++i) codec_dtypes[i] = c10::getDtypeNames(kCodecDtypes[i]).first;
   m.attr("codec_dtypes") = codec_dtypes;
@@ -261,16 +286,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](Communicator& c, const at::Tensor& in, const at::Tensor& out, int op, int kind, int block,
               bool stochastic, uint64_t seed, double ratio, bool exact, double tolerance, double sample_fraction,
               std::optional<at::Tensor> worker_residual, std::optional<at::Tensor> server_residual, bool async_op) {
-             Codec codec;
-             if (kind < 1 || kind > kLastCodecKind) throw CommError("pycomm: unknown codec id");
-             codec.kind = static_cast<CodecKind>(kind);
-             codec.block = block;
-             codec.stochastic = stochastic;
-             codec.seed = seed;
-             codec.ratio = ratio;
-             codec.exact = exact;
-             codec.tolerance = tolerance;
-             codec.sample_fraction = sample_fraction;
+             const Codec codec = make_codec(kind, block, stochastic, seed, ratio, exact, tolerance, sample_fraction);
              return c.all_reduce_compressed(in, out, to_op(op), codec, worker_residual.value_or(at::Tensor()),
                                             server_residual.value_or(at::Tensor()), async_op);
            },
