@@ -5,6 +5,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+import pycomm
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 KEYS = {"collective", "backend", "algorithm", "dtype", "size_bytes", "nranks", "time_us", "algbw_gbps",
@@ -68,7 +71,78 @@ def test_deepspeed_row_checks_its_sums_and_leaves_no_segment(tmp_path):
     assert left == [], left
 
 
+def test_all_to_all_rows_check_every_block(tmp_path):
+    out = tmp_path / "rows.json"
+    r = bench("--nproc", "3", "-c", "all_to_all", "-b", "1K", "-e", "64K", "-f", "64", "-d", "int64",
+              "-a", "ring,c10d", "--registered", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())
+    assert {row["label"] for row in rows} == {"direct", "direct+reg", "c10d", "gloo", "memcpy (each rank)"}
+    for row in rows:
+        assert row["wrong"] == 0 and row["nranks"] == 3
+        if row["backend"] != "memcpy":
+            # nccl-tests' size: the send buffer, a whole number of blocks per rank.
+            assert row["size_bytes"] % (3 * 8) == 0
+            assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 / 3)
+
+
+def test_compressed_rows_are_checked_against_each_codec_s_bound(tmp_path):
+    out = tmp_path / "rows.json"
+    r = bench("--nproc", "3", "-b", "4K", "-e", "256K", "-f", "64", "-d", "bfloat16", "-o", "avg", "-a", "auto",
+              "--compression", "int8,int4:64:stochastic,topk:0.02,topk:0.01:exact", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())
+    lossy = [row for row in rows if "compression" in row]
+    assert {row["label"] for row in lossy} == {"int8(b256)", "int4(b64,sr)", "topk(2%)", "topk(1%,exact)"}
+    assert all(row["wrong"] == 0 for row in rows)
+    big = {row["label"]: row["wire_bytes"] for row in lossy if row["size_bytes"] == 262144}
+    plain = {row["plain_bytes"] for row in lossy if row["size_bytes"] == 262144}
+    # What a rank sends of a plain bfloat16 all-reduce's bytes: 1/2 (int8), 1/4
+    # (int4), each plus a float32 scale per block; top-k's k entries, 6 bytes each.
+    assert plain == {pycomm.compression.plain_allreduce_bytes(131072, 2, 3)}
+    plain = plain.pop()
+    assert plain / 2 < big["int8(b256)"] < plain / 1.9 and plain / 4 < big["int4(b64,sr)"] < plain / 3
+    assert big["topk(1%,exact)"] < big["topk(2%)"] < plain / 4
+    # The summary never calls a lossy row the best algorithm.
+    best = [line for line in r.stdout.splitlines() if ": best " in line]
+    assert best and not any("int" in line or "topk" in line for line in best)
+    assert sum(": compressed " in line for line in r.stdout.splitlines()) == 2
+
+
+def test_compressed_check_catches_a_wrong_result(monkeypatch):
+    """The bound a compressed row is checked against fails a result off by
+    one scale in one element (one rank, no peers needed)."""
+    import torch.distributed as dist
+
+    from pycomm.bench.compressed import CompressedCase
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    comm = pycomm.Communicator()
+    try:
+        for codec in (pycomm.Int8(), pycomm.Int4(block=64), pycomm.TopK(ratio=0.05)):
+            case = CompressedCase(comm, codec, 1 << 14, torch.float32, "sum")
+            assert case.wrong() == 0
+            real_call = case._checked_call
+
+            def spoiled(**kwargs):
+                real_call(**kwargs)
+                case.out[100] += 1.0 if pycomm.compression.is_quantizer(codec) else 1e-3
+            case._checked_call = spoiled
+            assert case.wrong() == 1, codec
+    finally:
+        comm.close()
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("args,words", [
+    (["-c", "all_gather", "--compression", "int8"], "-c all_reduce only"),
+    (["--compression", "int8", "-o", "max"], "-o sum or -o avg"),
+    (["--compression", "int8", "-d", "int32"], "--compression takes float"),
+    (["--compression", "int3"], "unknown codec"),
+    (["--compression", "topk:0.1:stochastic"], "bad codec"),
+    (["--compression", "int8:0"], "bad codec"),
     (["-b", "64M", "-e", "1K"], "-b must not exceed -e"),
     (["-a", "ring,butterfly"], "unknown algorithm"),
     (["-d", "complex64"], "unknown dtype"),

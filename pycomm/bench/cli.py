@@ -14,7 +14,7 @@ from typing import List, Optional
 from ..bootstrap import parse_size as parse_bytes
 from .report import HEADER, format_size, plot, summary, write_json
 
-COLLECTIVES = ["all_reduce", "reduce_scatter", "all_gather", "broadcast"]
+COLLECTIVES = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all"]
 # "c10d": torch.distributed calls on a group whose backend is "pycomm"
 # (what a script gets from init_process_group("cpu:pycomm")).
 ALGOS = ["ring", "tree", "direct", "hierarchical", "auto", "c10d"]
@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "copy of the buffer on every rank at once (the 'memcpy' row)")
     p.add_argument("--bind-cores", action="store_true",
                    help="bind each rank to its share of the CPUs (pycomm.Communicator(bind_cores=True))")
+    p.add_argument("--compression", metavar="CODECS", default=None,
+                   help="also time pycomm's compressed all-reduce with these codecs, comma-separated: int8, int4, "
+                        "topk, with a block or ratio (int8:64, int4:128:stochastic, topk:0.001, topk:0.01:exact); "
+                        "each element is checked against the codec's accuracy")
     p.add_argument("--deepspeed", action="store_true",
                    help="also time DeepSpeed's shared-memory all-reduce in the same processes (needs "
                         "`pip install deepspeed`; all_reduce, op sum, float32/bfloat16/float16)")
@@ -80,13 +84,26 @@ def validate(args: argparse.Namespace) -> List[str]:
             raise SystemExit(f"pycomm-bench: unknown algorithm {a!r} (use {', '.join(ALGOS)})")
     if args.collective in ("reduce_scatter", "all_gather") and "tree" in algos:
         algos.remove("tree")  # no tree schedule for these (the header lists what runs)
+    if args.collective == "all_to_all":
+        # One algorithm (every block reaches its owner in one step): one row.
+        algos = ["auto"] + (["c10d"] if "c10d" in algos else [])
     if args.op == "avg" and not DTYPES[args.dtype].is_floating_point:
         raise SystemExit("pycomm-bench: avg needs a floating-point dtype")
     if args.deepspeed and (args.collective != "all_reduce" or args.op != "sum"
                            or args.dtype not in ("float32", "float", "bfloat16", "float16", "half")):
         raise SystemExit("pycomm-bench: --deepspeed times DeepSpeed's shared-memory all-reduce, which does "
                          "all_reduce with op sum on float32, bfloat16 or float16 only")
+    codecs(args)
     return algos
+
+
+def codecs(args: argparse.Namespace) -> list:
+    """The --compression codecs (pycomm.Int8(), ...), or SystemExit naming what is wrong."""
+    from .compressed import check_options
+    from .runner import DTYPES
+
+    return check_options([s for s in (args.compression or "").split(",") if s.strip()], args.collective, args.op,
+                         DTYPES[args.dtype])
 
 
 def sizes(args: argparse.Namespace) -> List[int]:
@@ -120,7 +137,8 @@ def _rank_main(rank: int, world: int, port: Optional[int], args: argparse.Namesp
     comm = pycomm.Communicator(timeout=args.timeout, bind_cores=args.bind_cores or None)
     if rank == 0:
         print(f"# pycomm-bench: {args.collective}, {world} ranks, dtype {args.dtype}, op {args.op}, "
-              f"algorithms {','.join(algos)}, baseline {'none' if args.no_baseline else dist.get_backend()}"
+              f"algorithms {','.join(algos)}{', compression ' + args.compression if args.compression else ''}, "
+              f"baseline {'none' if args.no_baseline else dist.get_backend()}"
               f"{' and deepspeed-shm' if args.deepspeed else ''}")
         print(f"# host {socket.gethostname()} ({platform.machine()}, {os.cpu_count()} cpus), torch {torch.__version__}, "
               f"pycomm {pycomm.__version__}, shm round {format_size(comm.round_bytes)}B, "
@@ -130,7 +148,7 @@ def _rank_main(rank: int, world: int, port: Optional[int], args: argparse.Namesp
               "#wrong: elements off the closed-form result")
         print(HEADER, flush=True)
     cfg = BenchConfig(args.collective, sizes(args), algos, args.dtype, args.op, args.iters, args.warmup,
-                      not args.no_baseline, registered=args.registered)
+                      not args.no_baseline, registered=args.registered, codecs=codecs(args))
     if args.deepspeed:
         from .deepspeed_shm import setup
 

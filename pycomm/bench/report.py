@@ -12,6 +12,7 @@ def busbw_factor(collective: str, nranks: int) -> float:
         "all_reduce": 2.0 * (nranks - 1) / nranks,
         "reduce_scatter": (nranks - 1) / nranks,
         "all_gather": (nranks - 1) / nranks,
+        "all_to_all": (nranks - 1) / nranks,
         "broadcast": 1.0,
     }[collective]
 
@@ -39,21 +40,27 @@ def format_row(row: Dict) -> str:
 
 
 def summary(rows: List[Dict]) -> List[str]:
-    """Per size: the best pycomm algorithm and its ratio to the baseline."""
+    """Per size: the best exact pycomm algorithm and its ratio to the baseline,
+    and the fastest compressed all-reduce (lossy: never called the best)."""
     lines = []
     sizes = sorted({r["size_bytes"] for r in rows})
     for size in sizes:
         mine = [r for r in rows if r["size_bytes"] == size and r["backend"] == "pycomm"]
         base = [r for r in rows if r["size_bytes"] == size and r["backend"] not in ("pycomm", "memcpy")]
-        if not mine:
-            continue
-        best = min(mine, key=lambda r: r["time_us"])
-        text = (f"{format_size(size):>6}: best {best['label']:<26} {best['time_us']:10.1f} us "
-                f"{best['algbw_gbps']:7.3f} GB/s algbw")
-        if base:
-            b = base[0]
-            text += f"   {b['backend']} {b['time_us']:10.1f} us   speedup {b['time_us'] / best['time_us']:6.2f}x"
-        lines.append(text)
+        exact = [r for r in mine if "compression" not in r]
+        lossy = [r for r in mine if "compression" in r]
+        for kind, group in (("best", exact), ("compressed", lossy)):
+            if not group:
+                continue
+            best = min(group, key=lambda r: r["time_us"])
+            text = (f"{format_size(size):>6}: {kind} {best['label']:<26} {best['time_us']:10.1f} us "
+                    f"{best['algbw_gbps']:7.3f} GB/s algbw")
+            if kind == "compressed":
+                text += f", {best['plain_bytes'] / max(best['wire_bytes'], 1):.1f}x fewer bytes sent"
+            if base:
+                b = base[0]
+                text += f"   {b['backend']} {b['time_us']:10.1f} us   speedup {b['time_us'] / best['time_us']:6.2f}x"
+            lines.append(text)
     return lines
 
 

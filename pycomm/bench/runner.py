@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import pycomm
 
+from .compressed import compressed_runs
 from .report import busbw_factor, format_row
 
 DTYPES = {
@@ -40,11 +41,20 @@ class BenchConfig:
     # DeepSpeed's shared-memory all-reduce (deepspeed_shm.setup), timed as
     # a second baseline in the same processes ("deepspeed" rows).
     deepspeed: Optional[Callable[[torch.Tensor], None]] = None
+    # Codecs (pycomm.Int8(), ...) of compressed all-reduce rows, checked
+    # against each codec's accuracy (compressed.py).
+    codecs: List = field(default_factory=list)
 
 
 def auto_iters(size: int) -> int:
     """Enough iterations for a stable median, about 64 MiB of traffic per point."""
     return max(5, min(200, (64 << 20) // max(size, 1)))
+
+
+# Collectives whose input (reduce_scatter) or output (all_gather) holds a
+# block per rank; all_to_all's both do.
+_BLOCK_IN = ("reduce_scatter", "all_to_all")
+_BLOCK_OUT = ("all_gather", "all_to_all")
 
 
 class Case:
@@ -57,14 +67,16 @@ class Case:
         self.collective, self.op, self.rank, self.world = collective, op, rank, world
         esize = torch.empty((), dtype=dtype).element_size()
         # nccl-tests' size: the larger buffer (all_gather: the output,
-        # reduce_scatter: the input); count: its elements.
-        self.count = max(size // esize // (world if collective in ("all_gather", "reduce_scatter") else 1), 1)
-        total = self.count * (world if collective in ("all_gather", "reduce_scatter") else 1)
+        # reduce_scatter: the input, all_to_all: either); count: its
+        # elements. self.count: the elements of one rank's block.
+        blocks = world if collective in _BLOCK_IN + _BLOCK_OUT else 1
+        self.count = max(size // esize // blocks, 1)
+        total = self.count * blocks
         self.size_bytes = total * esize
         self.elements = total
         self.dtype = dtype
-        n_in = self.count * (world if collective == "reduce_scatter" else 1)
-        n_out = {"all_gather": self.count * world, "reduce_scatter": self.count}.get(collective, 0)
+        n_in = self.count * (world if collective in _BLOCK_IN else 1)
+        n_out = self.count * world if collective in _BLOCK_OUT else (self.count if collective in _BLOCK_IN else 0)
         self.inp = empty(n_in, dtype=dtype)
         self.out = empty(n_out, dtype=dtype)
 
@@ -81,6 +93,10 @@ class Case:
             return torch.cat([self.pattern(self.count, r) for r in range(w)])
         if self.collective == "broadcast":
             return self.pattern(self.count, 0)
+        if self.collective == "all_to_all":
+            # Block p of the output is block `rank` of rank p's input.
+            c, r = self.count, self.rank
+            return torch.cat([self.pattern(c * w, p)[r * c:(r + 1) * c] for p in range(w)])
         n = self.inp.numel()
         base = (torch.arange(n, dtype=torch.float64) % 7)
         exp = {"sum": base * w + w * (w + 1) / 2, "avg": base + (w + 1) / 2,
@@ -104,6 +120,8 @@ def _pycomm_call(comm: "pycomm.Communicator", case: Case, algorithm: str) -> Cal
         return lambda: comm.reduce_scatter(case.out, case.inp, case.op, algorithm=algorithm)
     if c == "all_gather":
         return lambda: comm.all_gather(case.out, case.inp, algorithm=algorithm)
+    if c == "all_to_all":
+        return lambda: comm.all_to_all_single(case.out, case.inp)  # one algorithm: no choice to pass
     return lambda: comm.broadcast(case.inp, 0, algorithm=algorithm)
 
 
@@ -124,6 +142,8 @@ def _baseline_call(case: Case, group: Optional["dist.ProcessGroup"] = None) -> C
         return lambda: dist.reduce_scatter_tensor(case.out, case.inp, op, group=group)
     if c == "all_gather":
         return lambda: dist.all_gather_into_tensor(case.out, case.inp, group=group)
+    if c == "all_to_all":
+        return lambda: dist.all_to_all_single(case.out, case.inp, group=group)
     return lambda: dist.broadcast(case.inp, 0, group=group)
 
 
@@ -174,6 +194,7 @@ def run_rank(cfg: BenchConfig, comm: "pycomm.Communicator") -> Optional[List[Dic
                          else _pycomm_call(comm, case, a)))
             if reg_case is not None and a != "c10d":
                 runs.append(("pycomm", a + "+reg", reg_case, _pycomm_call(comm, reg_case, a)))
+        runs.extend(compressed_runs(comm, cfg.codecs, size, dtype, cfg.op))
         if cfg.baseline:
             runs.append((backend, backend, case, _baseline_call(case)))
         if cfg.deepspeed is not None:
@@ -198,18 +219,24 @@ def run_rank(cfg: BenchConfig, comm: "pycomm.Communicator") -> Optional[List[Dic
             t = slowest.item()
             resolved = label
             algo, reg = (label[:-4], "+reg") if label.endswith("+reg") else (label, "")
-            if backend_name == "pycomm" and algo in ("auto", "direct"):
+            if backend_name == "pycomm" and cfg.collective == "all_to_all" and algo == "auto":
+                resolved = "direct" + reg  # its only algorithm: every block reaches its owner in one step
+            elif backend_name == "pycomm" and algo in ("auto", "direct"):
                 # The tuner sizes a call by its larger buffer, as nccl-tests does.
                 chosen = comm.resolve_algorithm(cfg.collective, algo, case.size_bytes)
                 resolved = (f"auto:{chosen}" if algo == "auto" else chosen) + reg
             algbw = case.size_bytes / t / 1e9
-            point.append({
+            row = {
                 "collective": cfg.collective, "backend": backend_name, "algorithm": label, "label": resolved,
                 "dtype": cfg.dtype, "op": cfg.op if cfg.collective in ("all_reduce", "reduce_scatter") else "none",
                 "size_bytes": case.size_bytes, "count": case.elements, "nranks": world,
                 "time_us": t * 1e6, "algbw_gbps": algbw, "busbw_gbps": algbw * busbw_factor(cfg.collective, world),
                 "wrong": int(wrong_total.item()), "iters": iters,
-            })
+            }
+            if hasattr(case, "codec"):
+                # Lossy: the summary never names it the best algorithm.
+                row.update(compression=label, wire_bytes=case.wire_bytes, plain_bytes=case.plain_bytes)
+            point.append(row)
         base = [p for p in point if p["backend"] not in ("pycomm", "memcpy")]
         for p in point:
             if p["backend"] == "pycomm" and base:
