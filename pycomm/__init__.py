@@ -17,8 +17,9 @@ Example::
 
     dist.init_process_group("cpu:pycomm")    # or as a torch.distributed backend
 """
-from . import bootstrap, c10d, compression, cuda_ipc, elastic, group
+from . import _debug, bootstrap, c10d, compression, cuda_ipc, elastic, group
 from ._loader import CommError, Work, load_core
+from ._version import __version__
 from ._tables import ALGORITHMS
 from .compression import ErrorFeedback, Int4, Int8, TopK
 from .communicator import Communicator
@@ -39,9 +40,9 @@ from .default import (
     send,
 )
 
-__version__ = "0.1.0"
 
 c10d.register()
+_debug.configure_from_env()
 
 __all__ = [
     "ALGORITHMS",

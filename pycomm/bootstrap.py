@@ -79,6 +79,19 @@ def parse_size(text: str) -> int:
     return int(float(t) * mult)
 
 
+def format_size(n: int) -> str:
+    """The inverse of :func:`parse_size` for whole units: 65536 -> '64K', 1000 -> '1000'.
+
+    Example::
+
+        format_size(4 << 20) == "4M"
+    """
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
 def env_size(name: str, default: int) -> int:
     """A byte size from environment variable ``name`` (see :func:`parse_size`), or ``default``."""
     env = os.environ.get(name)

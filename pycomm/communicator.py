@@ -19,7 +19,7 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import bootstrap
+from . import _debug, bootstrap
 from . import compression as _compression
 from ._loader import CommError, Work, load_core
 from ._point_to_point import PointToPoint
@@ -180,6 +180,7 @@ class Communicator(PointToPoint, RegisteredMemory):
                 elif rank == 0:
                     logger.info("pycomm: PYCOMM_ALGO=%s does not apply to %s; using the tuner's choice",
                                 env_algo, coll)
+        _debug.log_communicator(self, _TUNABLE)
 
     def _algorithm(self, algorithm: str, coll: str) -> Tuple[int, bool]:
         if algorithm == "auto":

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from typing import Dict, List, Optional
 
+from ..bootstrap import format_size  # noqa: F401  (the benchmarks import it from here)
+
 # nccl-tests' bus-bandwidth factors: the fraction of the data each rank's
 # link must carry for the collective, so that busbw is comparable to the
 # hardware's bandwidth whatever the rank count.
@@ -15,13 +17,6 @@ def busbw_factor(collective: str, nranks: int) -> float:
         "all_to_all": (nranks - 1) / nranks,
         "broadcast": 1.0,
     }[collective]
-
-
-def format_size(n: int) -> str:
-    for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= div and n % div == 0:
-            return f"{n // div}{unit}"
-    return str(n)
 
 
 HEADER = (
