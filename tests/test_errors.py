@@ -2,6 +2,9 @@
 peer all raise pycomm.CommError on every rank, with a message naming the
 cause, and nothing is left behind in /dev/shm."""
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -116,3 +119,49 @@ def test_killed_rank_is_named_by_every_survivor():
             assert noticed_after < timeout + 1.0, (trial, rank, noticed_after)
     leaked = [f for f in set(os.listdir("/dev/shm")) - before if f.startswith("pycomm.")]
     assert not leaked, leaked
+
+
+ROOM_SCRIPT = r"""
+import torch, torch.distributed as dist, pycomm
+dist.init_process_group("gloo")
+try:
+    comm = pycomm.Communicator()
+    t = torch.ones(1 << 16)
+    comm.all_reduce(t)
+    if comm.rank == 0:
+        comm.send(t, 1)
+    else:
+        comm.recv(0, out=t)
+    print(f"RESULT {dist.get_rank()} ok", flush=True)
+except pycomm.CommError as e:
+    print(f"RESULT {dist.get_rank()} CommError {e}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("room,fails", [("1m", "shared memory segment"), ("3m", "point-to-point segment")])
+def test_no_room_in_dev_shm_is_an_error_on_every_rank_not_a_crash(tmp_path, room, fails):
+    """/dev/shm as small as a container's: ranks raise CommError saying so, at
+    setup (the collective segment) or at the first message (a point-to-point
+    ring); before, a tmpfs that could not back a page killed them with SIGBUS."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare: a private /dev/shm of a chosen size")
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("mount namespaces unavailable here")
+    script = tmp_path / "room.py"
+    script.write_text(ROOM_SCRIPT)
+    # The segment takes ~2 MiB with these sizes, a point-to-point ring ~1 MiB.
+    env = {**os.environ, "PYCOMM_SHM_ROUND_BYTES": "256K", "PYCOMM_P2P_BYTES": "1M", "PYCOMM_TIMEOUT": "60"}
+    launch = f"{sys.executable} -m torch.distributed.run --standalone --nproc-per-node 2 {script}"
+    r = subprocess.run(["unshare", "-m", "sh", "-c",
+                        f"mount -t tmpfs -o size={room} tmpfs /dev/shm && {launch}; echo LEFT $(ls /dev/shm)"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    out = r.stdout + r.stderr
+    results = {int(line.split()[1]): line for line in r.stdout.splitlines() if line.startswith("RESULT")}
+    assert sorted(results) == [0, 1], out[-3000:]
+    assert "SIGBUS" not in out
+    for rank, line in results.items():
+        assert "CommError" in line, line
+    said = " ".join(results.values())
+    # The rank that hit the full tmpfs says so and what to do; its peer is not left waiting.
+    assert f"cannot size {fails}" in said and "Give /dev/shm more room" in said, said
+    assert "LEFT \n" in r.stdout or r.stdout.rstrip().endswith("LEFT"), r.stdout[-500:]

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "futex.h"
+#include "shm_file.h"
 
 namespace pycomm {
 
@@ -97,6 +98,25 @@ struct ChannelSegment {
   alignas(64) std::atomic<uint32_t> reader_waiting;
 };
 
+namespace {
+
+// Only the side that maps a channel second removes its name, after both
+// mapped it: a name gone while this side still waits for the creator means
+// the creator removed it, having failed to set it up.
+bool creator_gave_up(const std::string& name) {
+  const int fd = shm_open(name.c_str(), O_RDONLY, 0);
+  if (fd >= 0) ::close(fd);
+  return fd < 0 && errno == ENOENT;
+}
+
+CommError gave_up_error(const std::string& name) {
+  return CommError("pycomm: the peer removed point-to-point segment " + name +
+                   " before this rank attached: it could not set it up (it raised why; most often /dev/shm has "
+                   "no room left) or it closed");
+}
+
+}  // namespace
+
 ShmChannels::ShmChannels(ShmTransport& shm, std::string prefix, std::string token, size_t capacity)
     : shm_(shm), prefix_(std::move(prefix)), token_(std::move(token)), capacity_(capacity) {
   if (capacity_ < kPage || (capacity_ & (capacity_ - 1)) != 0 || capacity_ > (size_t{1} << 30))
@@ -134,18 +154,21 @@ ShmChannels::Channel& ShmChannels::channel(int src, int dst, const OpContext& ct
   if (fd < 0)
     throw CommError("pycomm: cannot open point-to-point segment " + ch.name + ": " + std::strerror(errno));
   if (created) {
-    if (ftruncate(fd, static_cast<off_t>(ch.size)) != 0) {
-      const int err = errno;
+    const std::string why = size_shm_file(fd, ch.size, "point-to-point segment " + ch.name);
+    if (!why.empty()) {
       ::close(fd);
       shm_unlink(ch.name.c_str());
-      throw CommError("pycomm: cannot size point-to-point segment " + ch.name + " (" + std::strerror(err) +
-                      "); free space in /dev/shm or lower PYCOMM_P2P_BYTES");
+      throw CommError("pycomm: " + why);
     }
   } else {
     // The creator sizes it right after creating it.
     struct stat st;
     while (fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) < ch.size) {
       if (std::chrono::steady_clock::now() >= ctx.deadline) break;
+      if (creator_gave_up(ch.name)) {
+        ::close(fd);
+        throw gave_up_error(ch.name);
+      }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
     if (static_cast<size_t>(st.st_size) != ch.size) {
@@ -174,8 +197,13 @@ ShmChannels::Channel& ShmChannels::channel(int src, int dst, const OpContext& ct
     __atomic_store_n(&ch.seg->magic, kChannelMagic, __ATOMIC_RELEASE);
   } else {
     while (__atomic_load_n(&ch.seg->magic, __ATOMIC_ACQUIRE) != kChannelMagic &&
-           std::chrono::steady_clock::now() < ctx.deadline)
+           std::chrono::steady_clock::now() < ctx.deadline) {
+      if (creator_gave_up(ch.name) && __atomic_load_n(&ch.seg->magic, __ATOMIC_ACQUIRE) != kChannelMagic) {
+        munmap(base, ch.size);
+        throw gave_up_error(ch.name);
+      }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
     if (__atomic_load_n(&ch.seg->magic, __ATOMIC_ACQUIRE) != kChannelMagic || ch.seg->capacity != capacity_ ||
         std::strncmp(ch.seg->token, token_.c_str(), sizeof(ch.seg->token)) != 0) {
       munmap(base, ch.size);

@@ -26,6 +26,7 @@
 #include "futex.h"
 #include "layout.h"
 #include "process.h"
+#include "shm_file.h"
 #include "shm_segment.h"
 
 namespace pycomm {
@@ -117,13 +118,11 @@ void ShmTransport::map_segment(const ShmConfig& config) {
     fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0)
       throw CommError("pycomm: cannot create shared memory segment " + name_ + ": " + std::strerror(errno));
-    if (ftruncate(fd, static_cast<off_t>(size_)) != 0) {
-      const int err = errno;
+    const std::string why = size_shm_file(fd, size_, "shared memory segment " + name_);
+    if (!why.empty()) {
       close(fd);
       shm_unlink(name_.c_str());
-      throw CommError("pycomm: cannot size shared memory segment " + name_ + " to " +
-                      std::to_string(size_ >> 20) + " MiB (" + std::strerror(err) +
-                      "); free space in /dev/shm or lower PYCOMM_SHM_ROUND_BYTES");
+      throw CommError("pycomm: " + why);
     }
   } else {
     fd = shm_open(name_.c_str(), O_RDWR, 0);

@@ -35,6 +35,7 @@
 #include "../kernels/kernels.h"
 #include "layout.h"
 #include "shm.h"
+#include "shm_file.h"
 #include "shm_segment.h"
 
 namespace pycomm {
@@ -144,9 +145,8 @@ std::shared_ptr<ShmAllocation> ShmTransport::allocate(size_t bytes, uint64_t seq
     const int fd = shm_open(seg.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0) {
       error = "pycomm: comm.empty: cannot create registered segment " + seg + ": " + std::strerror(errno);
-    } else if (ftruncate(fd, static_cast<off_t>(a->size_)) != 0) {
-      error = "pycomm: comm.empty: cannot size registered segment to " + std::to_string(a->size_ >> 20) +
-              " MiB (" + std::strerror(errno) + "); free space in /dev/shm";
+    } else if (std::string why = size_shm_file(fd, a->size_, "registered segment " + seg); !why.empty()) {
+      error = "pycomm: comm.empty: " + why;
       close(fd);
     } else {
       error = map(fd);
