@@ -42,6 +42,9 @@ from . import bootstrap
 from ._loader import CommError
 
 logger = logging.getLogger("pycomm")
+# What rank 0 puts in the Store instead of the shared file's path when it
+# could not create it: the others raise its reason at once.
+_FAILED = "failed: "
 
 __all__ = ["DeadlineAverager", "Straggler"]
 
@@ -254,15 +257,24 @@ class DeadlineAverager:
             path = f"/dev/shm/pycomm.deadline.{secrets.token_hex(12)}"
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
+                # Taken whole now: a sparse file that the tmpfs cannot back
+                # later kills the process with SIGBUS at the first touch.
                 os.ftruncate(fd, nbytes)
+                os.posix_fallocate(fd, 0, nbytes)
             except OSError as e:
                 os.close(fd)
                 os.unlink(path)
-                raise CommError(f"pycomm.DeadlineAverager: cannot size {nbytes} bytes of shared memory: {e}") from e
+                why = (f"pycomm.DeadlineAverager: cannot take {nbytes} bytes of shared memory in /dev/shm: {e} "
+                       "(give /dev/shm more room, e.g. docker run --shm-size=1g)")
+                self._store.set("file", _FAILED + why)
+                raise CommError(why) from e
             os.close(fd)
         else:
             bootstrap.wait_keys(self._store, ["file"], self.timeout, "rank 0 to create the shared file")
             path = self._store.get("file").decode()
+            if path.startswith(_FAILED):
+                raise CommError(f"pycomm.DeadlineAverager: rank 0 could not create the shared file: "
+                                f"{path[len(_FAILED):]}")
         try:
             buf = torch.from_file(path, shared=True, size=count, dtype=self._dtype)
             slot0 = buf[:self._numel]
