@@ -293,10 +293,16 @@ def resolve_group(group: Optional["dist.ProcessGroup"], store: Optional["dist.St
 
 
 def _host_key() -> str:
-    """Ranks with equal keys share memory: same kernel boot and network namespace.
+    """Ranks with equal keys share memory: same kernel boot, network namespace
+    and ``/dev/shm``.
 
-    The namespace matters for the simulated multi-host testbed, where ranks in
-    separate network namespaces of one machine must count as separate hosts.
+    The network namespace matters for the simulated multi-host testbed, where
+    ranks in separate namespaces of one machine must count as separate hosts.
+    ``/dev/shm`` for containers on one machine that share its hostname and
+    network (``--network host``) but not its IPC (no ``--ipc=host``): each has
+    a /dev/shm of its own, where the others' segments cannot be opened, so
+    they talk through the process group, as NCCL's shared-memory transport
+    decides by the same device.
     """
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -307,7 +313,12 @@ def _host_key() -> str:
         netns = str(os.stat("/proc/self/ns/net").st_ino)
     except OSError:
         netns = "?"
-    return f"{socket.gethostname()}|{boot}|{netns}"
+    try:
+        shm = os.stat("/dev/shm")
+        shm_id = f"{shm.st_dev}:{shm.st_ino}"
+    except OSError:
+        shm_id = "?"
+    return f"{socket.gethostname()}|{boot}|{netns}|{shm_id}"
 
 
 def bind_cores(local_rank: int, local_size: int) -> Optional[List[int]]:

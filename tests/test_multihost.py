@@ -215,3 +215,45 @@ def test_testbed_two_hosts_two_ranks_each():
     # Nothing of the testbed is left behind.
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert bed.token not in left
+
+
+SEPARATE_SHM = r"""
+import os, torch, torch.distributed as dist, pycomm
+dist.init_process_group("gloo")
+comm = pycomm.Communicator(timeout=60)
+t = torch.full((1 << 16,), float(comm.rank + 1))
+comm.all_reduce(t)
+os.write(1, f"RESULT {comm.rank} hosts={comm.num_hosts} local={comm.local_size} host={comm.host} "
+            f"transport={comm.transport} sum={t[0].item()}\n".encode())  # one write: ranks share the pipe
+comm.close()
+"""
+
+
+def test_a_dev_shm_of_its_own_makes_another_host():
+    """Containers of one machine with its hostname and network but each its
+    own /dev/shm (no --ipc=host) cannot open each other's segments: ranks
+    there count as separate hosts and talk through the process group (before,
+    they counted as one host and failed to attach)."""
+    if os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs root and mount namespaces: a private /dev/shm for two of the ranks")
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "rank.py")
+        with open(script, "w") as f:
+            f.write(SEPARATE_SHM)
+        port = str(29700 + os.getpid() % 200)
+        def shq(r: int, lr: int) -> str:
+            return f"RANK={r} LOCAL_RANK={lr} {sys.executable} {script}"
+
+        # Ranks 0 and 1 here; 2 and 3 in a mount namespace with a tmpfs of their own at /dev/shm.
+        launch = (f"{shq(0, 0)} & {shq(1, 1)} & "
+                  f"unshare -m sh -c 'mount -t tmpfs -o size=64m tmpfs /dev/shm && "
+                  f"{{ {shq(2, 0)} & {shq(3, 1)} & wait; }}' ; wait")
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "4",
+               "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+        r = subprocess.run(["sh", "-c", launch], capture_output=True, text=True, env=env, timeout=180)
+    results = {int(line.split()[1]): line.split()[2:] for line in r.stdout.splitlines() if line.startswith("RESULT")}
+    assert sorted(results) == [0, 1, 2, 3], r.stdout[-2000:] + r.stderr[-3000:]
+    for rank, fields in results.items():
+        assert fields[:2] == ["hosts=2", "local=2"] and fields[3:] == ["transport=shm+process_group", "sum=10.0"], \
+            (rank, fields)
+    assert results[0][2] == results[1][2] != results[2][2] == results[3][2], results
