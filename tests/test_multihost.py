@@ -90,6 +90,13 @@ def test_tuner_is_a_pure_function():
     assert core.tune_multihost(0, bc, 1 << 26, 3, 2) == ("hier(shard)", "ring")
     # Hosts of different sizes: flat only.
     assert core.tune_multihost(hier, ar, 1 << 26, 3, 0)[0] == "ring"
+    # Between hosts one-shot lasts while what each rank sends, (hosts - 1) x the
+    # tensor, stays within a budget (96 KiB measured at 1 Gbit/s): the more
+    # hosts, the sooner the ring takes over.
+    for hosts, last_one_shot in ((2, 64 << 10), (3, 32 << 10), (4, 32 << 10), (8, 8 << 10)):
+        assert core.tune_multihost(0, ar, last_one_shot, hosts, 1)[0] == "direct(one-shot)", hosts
+        assert core.tune_multihost(0, ar, 2 * last_one_shot, hosts, 1)[0] == "ring", hosts
+        assert core.tune_multihost(0, bc, 2 * last_one_shot, hosts, 1)[0] == "ring", hosts
 
 
 @pytest.mark.parametrize("kw", [dict(transport="pg"), dict(local_size=2)], ids=["pg", "2x2"])

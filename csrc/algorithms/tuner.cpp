@@ -28,12 +28,17 @@ Algorithm tune(Algorithm requested, Collective coll, size_t bytes, int world) {
 
 // Between hosts every hop costs a network round trip, so the thresholds
 // differ from shared memory's (benchmarks/RESULTS.md, "Several hosts"):
-// one-shot while one message is small; the ring beyond that. Two-shot moves
-// the same bytes in 2 hops instead of 2(n-1), but makes every rank stream to
-// n-1 peers at once, and those flows fight over each host's link: at 64 MB
-// on 4 hosts at 1 Gbit/s it reached 86-94% of the link where the ring
-// reached 90-94%.
-constexpr size_t kNetOneShotMaxBytes = 64 * 1024;
+// one-shot while what it sends is small, the ring beyond that. One-shot sends
+// the whole tensor to each of the n-1 peers in one hop; the ring sends
+// 2(n-1)/n of it in 2(n-1) hops. So the crossover is a budget of bytes each
+// rank sends, not a tensor size: at 1 Gbit/s one-shot won while it sent up to
+// 96 KiB (4 hosts: 32 KiB 0.83-1.1 ms against the ring's 1.3; 64 KiB 2.6-3.7 ms
+// against 1.3-1.6; 3 hosts: 64 KiB 1.1-3.7 ms against 0.8-0.9; 2 hosts: 64 KiB
+// 0.4-0.5 ms against 0.5). Two-shot moves the ring's bytes in 2 hops instead of
+// 2(n-1), but makes every rank stream to n-1 peers at once, and those flows
+// fight over each host's link: at 64 MB on 4 hosts at 1 Gbit/s it reached
+// 86-94% of the link where the ring reached 90-94%.
+constexpr size_t kNetOneShotMaxSentBytes = 96 * 1024;
 // Hierarchical all-reduce by size (2 hosts x 2 ranks at 1 Gbit/s, RESULTS.md):
 // up to 16 KiB through one leader per host (3-9x faster than a flat call:
 // one small message per host crosses the network); from 4 MiB sharded over
@@ -47,7 +52,7 @@ Algorithm tune_network(Algorithm requested, Collective coll, size_t bytes, int w
   if (coll == Collective::kBarrier || coll == Collective::kInvalid) return Algorithm::kOneShot;
   if (requested == Algorithm::kDirect) return tune(requested, coll, bytes, world);
   if (requested != Algorithm::kAuto) return requested;
-  const bool small = bytes <= kNetOneShotMaxBytes || world <= 1;
+  const bool small = world <= 1 || bytes * static_cast<size_t>(world - 1) <= kNetOneShotMaxSentBytes;
   switch (coll) {
     case Collective::kAllReduce:
     case Collective::kBroadcast: return small ? Algorithm::kOneShot : Algorithm::kRing;
