@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ._loader import CommError, load_core
+from ._version import __version__
 
 logger = logging.getLogger("pycomm")
 
@@ -321,6 +322,20 @@ def _host_key() -> str:
     return f"{socket.gethostname()}|{boot}|{netns}|{shm_id}"
 
 
+# Between a rank's host key and its build in the Store (no host key holds it).
+_BUILD_SEP = "\x1f"
+
+
+def _build() -> str:
+    """What ranks must share to talk: pycomm's version and the core's wire format."""
+    return f"pycomm {__version__} (wire version {load_core().wire_version})"
+
+
+def _ranks_text(ranks: List[int]) -> str:
+    shown = ", ".join(str(r) for r in ranks[:8]) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    return f"rank {shown}" if len(ranks) == 1 else f"ranks {shown}"
+
+
 def bind_cores(local_rank: int, local_size: int) -> Optional[List[int]]:
     """Binds every thread of this process to local rank ``local_rank``'s
     share of the CPUs it may run on (``local_size`` equal, disjoint shares,
@@ -366,11 +381,20 @@ def exchange_topology(store: "dist.Store", rank: int, world_size: int, timeout: 
     labels match too (a shrunk communicator keeps its parent's hosts, which
     may have been simulated).
     """
-    store.set(f"host/{rank}", _host_key() + (f"#{host_label}" if host_label else ""))
+    store.set(f"host/{rank}", _host_key() + (f"#{host_label}" if host_label else "") + _BUILD_SEP + _build())
     keys = [f"host/{r}" for r in range(world_size)]
     wait_keys(store, keys, timeout, "every rank to join", watch)
     values = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
-    hosts = [v.decode() for v in values]
+    hosts, builds = zip(*(v.decode().rpartition(_BUILD_SEP)[::2] for v in values))
+    hosts = list(hosts)
+    if len(set(builds)) > 1:
+        # Every rank reads the same values, so every rank raises, naming the same ranks.
+        by_build: Dict[str, List[int]] = {}
+        for r, b in enumerate(builds):
+            by_build.setdefault(b, []).append(r)
+        said = "; ".join(f"{_ranks_text(rs)} {'run' if len(rs) > 1 else 'runs'} {b}" for b, rs in by_build.items())
+        raise CommError(f"pycomm: the ranks run builds of pycomm that cannot talk to each other: {said}. "
+                        "Install the same pycomm on every host")
     if local_size is None and os.environ.get("PYCOMM_LOCAL_SIZE"):
         local_size = int(os.environ["PYCOMM_LOCAL_SIZE"])
     simulated = local_size is not None and not host_label

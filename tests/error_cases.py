@@ -138,3 +138,16 @@ def missing_rank(rank: int, world: int, name: str, timeout: float) -> Optional[s
     if rank == world - 1:
         return None
     return _outcome(lambda: make_comm(rank, world, name, timeout=timeout))
+
+
+def other_build(rank: int, world: int, name: str) -> Optional[str]:
+    """The last rank runs another build of pycomm (its version string)."""
+    from pycomm import bootstrap
+
+    real = bootstrap._build
+    if rank == world - 1:
+        bootstrap._build = lambda: real().replace("pycomm ", "pycomm 9.9-")
+    try:
+        return _outcome(lambda: make_comm(rank, world, name, timeout=30).close())
+    finally:
+        bootstrap._build = real  # the pool's process serves the next tests

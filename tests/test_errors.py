@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from error_cases import bad_inputs, late_peer, mismatch, missing_rank, sparse_on_one_rank, stream_until_killed
+from error_cases import (bad_inputs, late_peer, mismatch, missing_rank, other_build, sparse_on_one_rank,
+                         stream_until_killed)
 from harness import RankPool
 
 WORLD = 3
@@ -97,6 +98,14 @@ def test_rank_that_never_joins_fails_the_bootstrap(pool3):
     for rank, err in enumerate(results[:-1]):
         assert err and "Timed out waiting" in err and "ranks 2 never arrived" in err, f"rank {rank}: {err}"
     # The pool fixture checks that the failed bootstrap left no segment.
+
+
+def test_ranks_of_different_builds_refuse_each_other_by_name(pool3):
+    results = pool3.run(other_build, WORLD, pool3.new_name(), timeout=60)
+    for rank, err in enumerate(results):
+        assert err and "builds of pycomm that cannot talk to each other" in err, f"rank {rank}: {err}"
+        assert "ranks 0, 1 run pycomm " in err and "rank 2 runs pycomm 9.9-" in err, err
+        assert "(wire version " in err
 
 
 def test_killed_rank_is_named_by_every_survivor():

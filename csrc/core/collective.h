@@ -100,6 +100,13 @@ struct CollectiveDesc {
 // for the messages that report ranks disagreeing.
 std::string describe_call(const CollectiveDesc& d);
 
+// What ranks of one job must share before they exchange anything: the ids
+// of the enums above, CallHeader's layout and the messages built on them
+// (the compressed steps' payloads and tags). Bump it with any change to
+// these; ranks of different versions refuse each other at setup, by name,
+// instead of misreading each other's bytes.
+constexpr uint32_t kWireVersion = 1;
+
 // A call as ranks compare it before any data moves: shared memory keeps one
 // per header slot, the process-group transport sends it. No padding holes,
 // so two headers compare byte for byte.

@@ -184,6 +184,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("all_peers") = kAllPeers;
   m.attr("reduce_ops") = redop_table();
   m.attr("codecs") = codec_table();
+  m.attr("wire_version") = kWireVersion;
   m.attr("codec_defaults") = codec_defaults();
   // What is wrong with a codec's parameters ("" if nothing): the codecs check
   // themselves when built, with the words every call would use.
