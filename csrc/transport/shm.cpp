@@ -117,7 +117,9 @@ void ShmTransport::map_segment(const ShmConfig& config) {
     // O_EXCL: never adopt a segment somebody else made; 0600: only our uid.
     fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0)
-      throw CommError("pycomm: cannot create shared memory segment " + name_ + ": " + std::strerror(errno));
+      throw CommError("pycomm: cannot create shared memory segment " + name_ + ": " + std::strerror(errno) +
+                      " (is /dev/shm mounted and writable? PYCOMM_TRANSPORT=pg sends through the process group "
+                      "instead)");
     const std::string why = size_shm_file(fd, size_, "shared memory segment " + name_);
     if (!why.empty()) {
       close(fd);
