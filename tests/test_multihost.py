@@ -12,6 +12,7 @@
   on the multi-host testbed (benchmarks/multihost/testbed.py).
 """
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -241,7 +242,8 @@ def test_a_dev_shm_of_its_own_makes_another_host():
     own /dev/shm (no --ipc=host) cannot open each other's segments: ranks
     there count as separate hosts and talk through the process group (before,
     they counted as one host and failed to attach)."""
-    if os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+    if (os.geteuid() != 0 or shutil.which("unshare") is None
+            or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0):
         pytest.skip("needs root and mount namespaces: a private /dev/shm for two of the ranks")
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "rank.py")
