@@ -26,6 +26,10 @@ import socket
 import sys
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
+import torch
+
+from ._loader import load_core
+from ._version import __version__
 from .bootstrap import format_size as _size
 
 if TYPE_CHECKING:  # only for annotations: no import cycle with the communicator
@@ -88,11 +92,6 @@ def describe(comm: "Communicator", collectives: Sequence[str]) -> List[str]:
 
         for line in pycomm._debug.describe(comm, ["all_reduce"]): print(line)
     """
-    import torch
-
-    from ._loader import load_core
-    from ._version import __version__
-
     cores = f"bound to CPUs {comm.cpus}" if comm.cpus else "not bound"
     lines = [f"pycomm: communicator {comm.name!r} epoch {comm.epoch}: rank {comm.rank} of {comm.world_size} "
              f"(host {comm.host} of {comm.num_hosts}, local rank {comm.local_rank} of {comm.local_size}), "
@@ -124,5 +123,3 @@ def _ranges(comm: "Communicator", coll: str):
         else:
             runs.append([size, size, name])
     return [tuple(r) for r in runs]
-
-

@@ -22,6 +22,16 @@ from typing import Any, Callable, List, Optional
 import torch.distributed as dist
 
 
+def no_private_mounts() -> Optional[str]:
+    """Why this machine cannot give a test's processes a /dev/shm of their own
+    (root and ``unshare -m`` are needed), or None when it can."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return "needs root and unshare: a private /dev/shm"
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        return "mount namespaces unavailable here"
+    return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -2,7 +2,6 @@
 peer all raise pycomm.CommError on every rank, with a message naming the
 cause, and nothing is left behind in /dev/shm."""
 import os
-import shutil
 import subprocess
 import sys
 
@@ -10,7 +9,7 @@ import pytest
 
 from error_cases import (bad_inputs, late_peer, mismatch, missing_rank, other_build, sparse_on_one_rank,
                          stream_until_killed)
-from harness import RankPool
+from harness import RankPool, no_private_mounts
 
 WORLD = 3
 
@@ -164,10 +163,9 @@ def test_no_room_in_dev_shm_is_an_error_on_every_rank_not_a_crash(tmp_path, moun
     setup (the collective segment) or at the first message (a point-to-point
     ring; DeadlineAverager's shared file when built); before, a tmpfs that could
     not back a page killed them with SIGBUS. A read-only /dev/shm is named too."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare: a private /dev/shm of a chosen size")
-    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
-        pytest.skip("mount namespaces unavailable here")
+    why = no_private_mounts()
+    if why:
+        pytest.skip(why)
     script = tmp_path / "room.py"
     script.write_text(ROOM_SCRIPT)
     # The segment takes ~2 MiB with these sizes, a point-to-point ring ~1 MiB.

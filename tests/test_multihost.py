@@ -12,7 +12,6 @@
   on the multi-host testbed (benchmarks/multihost/testbed.py).
 """
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ import pycomm
 from collective_cases import check_reduction, make_input, matrix_failures, sweep
 from compressed_cases import run_all_to_all, run_cases, run_mismatch
 from error_cases import late_peer, mismatch, stream_until_killed
-from harness import RankPool
+from harness import RankPool, no_private_mounts
 from multihost_cases import STREAM_KINDS, STREAM_SIZES, mixed_stream, topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -242,9 +241,9 @@ def test_a_dev_shm_of_its_own_makes_another_host():
     own /dev/shm (no --ipc=host) cannot open each other's segments: ranks
     there count as separate hosts and talk through the process group (before,
     they counted as one host and failed to attach)."""
-    if (os.geteuid() != 0 or shutil.which("unshare") is None
-            or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0):
-        pytest.skip("needs root and mount namespaces: a private /dev/shm for two of the ranks")
+    why = no_private_mounts()
+    if why:
+        pytest.skip(why)
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "rank.py")
         with open(script, "w") as f:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import pycomm
 
-from .compressed import compressed_runs
+from .compressed import CompressedCase, compressed_runs
 from .report import busbw_factor, format_row
 
 DTYPES = {
@@ -233,7 +233,7 @@ def run_rank(cfg: BenchConfig, comm: "pycomm.Communicator") -> Optional[List[Dic
                 "time_us": t * 1e6, "algbw_gbps": algbw, "busbw_gbps": algbw * busbw_factor(cfg.collective, world),
                 "wrong": int(wrong_total.item()), "iters": iters,
             }
-            if hasattr(case, "codec"):
+            if isinstance(case, CompressedCase):
                 # Lossy: the summary never names it the best algorithm.
                 row.update(compression=label, wire_bytes=case.wire_bytes, plain_bytes=case.plain_bytes)
             point.append(row)
