@@ -28,6 +28,10 @@ What runs where:
   reduces (floating, int8, uint8, int32, int64, bool) with SUM, AVG
   (floating), PRODUCT, MIN, MAX and, on integral and bool tensors, BAND, BOR
   and BXOR. PREMUL_SUM raises an error naming it, on every rank.
+- Tensors that are not contiguous (transposed, channels_last, strided
+  views) travel through a contiguous copy: exact results whatever the
+  layout, also when ranks' layouts differ (Gloo reads their memory as if
+  contiguous). An output whose elements share memory is refused.
 - Errors are ``pycomm.CommError``, a ``torch.distributed.DistBackendError``;
   timeouts say "Timed out waiting <N>ms" as Gloo's do.
 

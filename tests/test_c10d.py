@@ -65,6 +65,19 @@ def test_every_dtype_and_reduce_op(pool, world):
         assert "reductions take" in res["refusals"]["sum int16"]
 
 
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_tensors_that_are_not_contiguous(pool, world):
+    """Transposed, channels_last and strided views, and layouts that differ
+    between ranks, give exact results in every single-tensor collective (a
+    contiguous copy carries them; Gloo reads their memory as if contiguous);
+    an expanded output is refused on every rank and the group goes on."""
+    for rank, res in enumerate(pool.run(c10d_cases.layouts, world)[:world]):
+        refused = res.pop("expanded output")
+        assert refused.startswith("CommError") and "share memory" in refused, (rank, refused)
+        failed = [k for k, ok in res.items() if ok is not True]
+        assert not failed and len(res) == 12, (rank, res)
+
 def test_ddp_with_a_bool_buffer(pool):
     """DDP's constructor broadcasts buffers of every dtype; its logging names the backend."""
     world = 3

@@ -1,4 +1,10 @@
+// The c10d Backend's collectives, one method each, and the staging they
+// share (flat buffers for tensor lists, contiguous copies for tensors that
+// are not contiguous). About 600 lines: each method is a few lines of the
+// same pattern, and splitting them would part the helpers from their users.
 #include "backend.h"
+
+#include <ATen/MemoryOverlap.h>
 
 namespace pycomm {
 
@@ -72,6 +78,30 @@ bool C10dWork::wait(std::chrono::milliseconds timeout) {
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> C10dWork::getFuture() { return work_->get_future(); }
+
+// Tensors of any layout reach a backend: a transposed view, channels_last,
+// every other element of a buffer. Gloo reads and writes such a tensor's
+// memory as if it were contiguous, so a strided view gets wrong elements
+// (and its gaps are overwritten), and ranks whose layouts differ combine
+// unrelated elements. pycomm's collectives move contiguous memory; a tensor
+// that is not contiguous travels through a contiguous copy of it.
+bool needs_dense_copy(const at::Tensor& t) {
+  return t.defined() && t.layout() == at::kStrided && !t.is_quantized() && t.device().is_cpu() && !t.is_contiguous();
+}
+
+void run_before(Staging& s, std::function<void()> f) {
+  s.before = [prev = std::move(s.before), f = std::move(f)] {
+    if (prev) prev();
+    f();
+  };
+}
+
+void run_after(Staging& s, std::function<void()> f) {
+  s.after = [prev = std::move(s.after), f = std::move(f)] {
+    if (prev) prev();
+    f();
+  };
+}
 
 // --------------------------------------------------------------- C10dBackend
 
@@ -176,22 +206,49 @@ c10d::Backend& C10dBackend::peer(const char* what) {
   return *peer_;
 }
 
+at::Tensor C10dBackend::dense_input(const at::Tensor& t, Staging& s) {
+  if (!needs_dense_copy(t)) return t;
+  at::Tensor dense = at::empty(t.sizes(), t.options());
+  // Copied in the op's turn, as the op itself would read `t`.
+  run_before(s, [dense, t] { dense.copy_(t); });
+  s.keep.push_back(t);
+  return dense;
+}
+
+at::Tensor C10dBackend::dense_output(const at::Tensor& t, Staging& s, bool in_place, const char* what) {
+  if (!needs_dense_copy(t)) return t;
+  // An expanded tensor (stride 0) names one element several times: no
+  // result can be written into it. Gloo writes one anyway.
+  if (at::has_internal_overlap(t) == at::MemOverlap::Yes)
+    comm_->reject(name_of(what) + ": the output tensor has elements that share memory (shape " +
+                  c10::str(t.sizes()) + ", strides " + c10::str(t.strides()) +
+                  ", e.g. from expand()); pass a tensor with memory of its own");
+  at::Tensor dense = at::empty(t.sizes(), t.options());
+  if (in_place) run_before(s, [dense, t] { dense.copy_(t); });
+  run_after(s, [dense, t] { t.copy_(dense); });
+  s.keep.push_back(t);
+  if (s.result.empty()) s.result = {t};
+  return dense;
+}
+
 // ---------------------------------------------------------------- collectives
 
 c10::intrusive_ptr<c10d::Work> C10dBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                       const c10d::BroadcastOptions& opts) {
-  const at::Tensor& t = single(tensors, "broadcast");
+  Staging s = timed(opts.timeout);
+  const at::Tensor t = dense_output(single(tensors, "broadcast"), s, /*in_place=*/true, "broadcast");
   return wrap(comm_->broadcast(t, static_cast<int>(opts.rootRank), algo(Collective::kBroadcast), false, opts.asyncOp,
-                               timed(opts.timeout)),
+                               std::move(s)),
               c10d::OpType::BROADCAST, "pycomm:broadcast");
 }
 
 c10::intrusive_ptr<c10d::Work> C10dBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                       const c10d::AllreduceOptions& opts) {
   if (tensors.size() == 1 && tensors[0].is_sparse()) return allreduce_sparse(tensors, opts);
-  const at::Tensor& t = single(tensors, "all_reduce");
   const RedOp op = reduce_op(opts.reduceOp, "all_reduce");
-  return wrap(comm_->all_reduce(t, t, op, algo(Collective::kAllReduce), false, opts.asyncOp, timed(opts.timeout)),
+  Staging s = timed(opts.timeout);
+  const at::Tensor t = dense_output(single(tensors, "all_reduce"), s, /*in_place=*/true, "all_reduce");
+  return wrap(comm_->all_reduce(t, t, op, algo(Collective::kAllReduce), false, opts.asyncOp, std::move(s)),
               c10d::OpType::ALLREDUCE,
               "pycomm:all_reduce");
 }
@@ -237,10 +294,13 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allreduce_coalesced(std::vector<at::
 c10::intrusive_ptr<c10d::Work> C10dBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
   // An all-reduce whose result only the root keeps: the other ranks reduce
   // into scratch and leave their tensor untouched (as Gloo does).
-  const at::Tensor& t = single(tensors, "reduce");
+  const at::Tensor& given = single(tensors, "reduce");
   const RedOp op = reduce_op(opts.reduceOp, "reduce");
-  const at::Tensor out = root_of(opts.rootRank, "reduce") == getRank() ? t : at::empty_like(t);
-  return wrap(comm_->all_reduce(t, out, op, algo(Collective::kAllReduce), false, opts.asyncOp, timed(opts.timeout)),
+  Staging s = timed(opts.timeout);
+  const bool root = root_of(opts.rootRank, "reduce") == getRank();
+  const at::Tensor t = root ? dense_output(given, s, /*in_place=*/true, "reduce") : dense_input(given, s);
+  const at::Tensor out = root ? t : at::empty_like(t);
+  return wrap(comm_->all_reduce(t, out, op, algo(Collective::kAllReduce), false, opts.asyncOp, std::move(s)),
               c10d::OpType::REDUCE,
               "pycomm:reduce");
 }
@@ -248,12 +308,13 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce(std::vector<at::Tensor>& tens
 c10::intrusive_ptr<c10d::Work> C10dBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                       std::vector<at::Tensor>& inputs,
                                                       const c10d::AllgatherOptions& opts) {
-  const at::Tensor& in = single(inputs, "all_gather");
-  const std::vector<at::Tensor> outs = rank_list(outputs, in, "all_gather", "output");
-  at::Tensor flat = flat_like(in, in.numel() * getSize());
+  const at::Tensor& given = single(inputs, "all_gather");
+  const std::vector<at::Tensor> outs = rank_list(outputs, given, "all_gather", "output");
+  at::Tensor flat = flat_like(given, given.numel() * getSize());
   Staging s = timed(opts.timeout);
+  const at::Tensor in = dense_input(given, s);
   s.after = [flat, outs] { unpack(outs, flat); };
-  s.keep = outs;
+  s.keep.insert(s.keep.end(), outs.begin(), outs.end());
   s.result = outs;
   return wrap(comm_->all_gather(flat, in, algo(Collective::kAllGather), false, opts.asyncOp, std::move(s)),
               c10d::OpType::ALLGATHER, "pycomm:all_gather");
@@ -261,7 +322,10 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allgather(std::vector<std::vector<at
 
 c10::intrusive_ptr<c10d::Work> C10dBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                             const c10d::AllgatherOptions& opts) {
-  return wrap(comm_->all_gather(output, input, algo(Collective::kAllGather), false, opts.asyncOp, timed(opts.timeout)),
+  Staging s = timed(opts.timeout);
+  const at::Tensor in = dense_input(input, s);
+  const at::Tensor out = dense_output(output, s, /*in_place=*/false, "all_gather_into_tensor");
+  return wrap(comm_->all_gather(out, in, algo(Collective::kAllGather), false, opts.asyncOp, std::move(s)),
               c10d::OpType::_ALLGATHER_BASE,
               "pycomm:all_gather_into_tensor");
 }
@@ -336,15 +400,16 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allgather_into_tensor_coalesced(std:
 c10::intrusive_ptr<c10d::Work> C10dBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                    std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
   // An all-gather whose result only the root keeps.
-  const at::Tensor& in = single(inputs, "gather");
+  const at::Tensor& given = single(inputs, "gather");
   const int root = root_of(opts.rootRank, "gather");
   std::vector<at::Tensor> outs;
-  if (getRank() == root) outs = rank_list(outputs, in, "gather", "output");
-  at::Tensor flat = flat_like(in, in.numel() * getSize());
+  if (getRank() == root) outs = rank_list(outputs, given, "gather", "output");
+  at::Tensor flat = flat_like(given, given.numel() * getSize());
   Staging s = timed(opts.timeout);
+  const at::Tensor in = dense_input(given, s);
   if (!outs.empty()) {
     s.after = [flat, outs] { unpack(outs, flat); };
-    s.keep = outs;
+    s.keep.insert(s.keep.end(), outs.begin(), outs.end());
     s.result = outs;
   }
   return wrap(comm_->all_gather(flat, in, algo(Collective::kAllGather), false, opts.asyncOp, std::move(s)),
@@ -376,14 +441,15 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::scatter(std::vector<at::Tensor>& out
 c10::intrusive_ptr<c10d::Work> C10dBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                            std::vector<std::vector<at::Tensor>>& inputs,
                                                            const c10d::ReduceScatterOptions& opts) {
-  const at::Tensor& out = single(outputs, "reduce_scatter");
+  const at::Tensor& given = single(outputs, "reduce_scatter");
   const RedOp op = reduce_op(opts.reduceOp, "reduce_scatter");
-  const std::vector<at::Tensor> ins = rank_list(inputs, out, "reduce_scatter", "input");
-  const int64_t n = out.numel();
-  at::Tensor flat = flat_like(out, n * getSize());
+  const std::vector<at::Tensor> ins = rank_list(inputs, given, "reduce_scatter", "input");
+  const int64_t n = given.numel();
+  at::Tensor flat = flat_like(given, n * getSize());
   Staging s = timed(opts.timeout);
-  s.before = [flat, ins] { pack(flat, ins); };
-  s.keep = ins;
+  const at::Tensor out = dense_output(given, s, /*in_place=*/false, "reduce_scatter");
+  run_before(s, [flat, ins] { pack(flat, ins); });
+  s.keep.insert(s.keep.end(), ins.begin(), ins.end());
   return wrap(comm_->reduce_scatter(out, flat, op, algo(Collective::kReduceScatter), false, opts.asyncOp, std::move(s)),
               c10d::OpType::REDUCE_SCATTER, "pycomm:reduce_scatter");
 }
@@ -391,8 +457,10 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce_scatter(std::vector<at::Tenso
 c10::intrusive_ptr<c10d::Work> C10dBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                  const c10d::ReduceScatterOptions& opts) {
   const RedOp op = reduce_op(opts.reduceOp, "reduce_scatter_tensor");
-  return wrap(comm_->reduce_scatter(output, input, op, algo(Collective::kReduceScatter), false, opts.asyncOp,
-                                    timed(opts.timeout)),
+  Staging s = timed(opts.timeout);
+  const at::Tensor in = dense_input(input, s);
+  const at::Tensor out = dense_output(output, s, /*in_place=*/false, "reduce_scatter_tensor");
+  return wrap(comm_->reduce_scatter(out, in, op, algo(Collective::kReduceScatter), false, opts.asyncOp, std::move(s)),
               c10d::OpType::_REDUCE_SCATTER_BASE, "pycomm:reduce_scatter_tensor");
 }
 
@@ -436,9 +504,13 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::alltoall_base(at::Tensor& output, at
       if (t.dim() == 0 || s * getSize() != t.size(0)) return false;
     return true;
   };
-  if (even(output_splits, output) && even(input_splits, input))
-    return wrap(comm_->all_to_all(output, input, opts.asyncOp, timed(opts.timeout)), c10d::OpType::ALLTOALL_BASE,
+  if (even(output_splits, output) && even(input_splits, input)) {
+    Staging s = timed(opts.timeout);
+    const at::Tensor in = dense_input(input, s);
+    const at::Tensor out = dense_output(output, s, /*in_place=*/false, "all_to_all_single");
+    return wrap(comm_->all_to_all(out, in, opts.asyncOp, std::move(s)), c10d::OpType::ALLTOALL_BASE,
                 "pycomm:all_to_all_single");
+  }
   // Uneven splits: every rank knows only its own, so this cannot be one
   // checked collective; Gloo's all-to-all carries it.
   return peer("all_to_all_single with uneven splits").alltoall_base(output, input, output_splits, input_splits, opts);

@@ -124,6 +124,13 @@ class C10dBackend : public c10d::Backend {
   std::vector<at::Tensor> rank_list(const std::vector<std::vector<at::Tensor>>& lists, const at::Tensor& like,
                                     const char* what, const char* role);
   int root_of(int64_t root, const char* what);
+  // What a collective reads and writes in place of a tensor that is not
+  // contiguous (backend.cpp says why): a contiguous copy, filled in the op's
+  // turn (input, or an output that is also read) and copied back into `t`
+  // when the op completes (output). Contiguous tensors, and tensors the
+  // communicator refuses anyway (device, layout), pass through unchanged.
+  at::Tensor dense_input(const at::Tensor& t, Staging& s);
+  at::Tensor dense_output(const at::Tensor& t, Staging& s, bool in_place, const char* what);
   c10::intrusive_ptr<c10d::Work> uneven_all_to_all(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                                    const c10d::AllToAllOptions& opts);
   c10d::Backend& peer(const char* what);
