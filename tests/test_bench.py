@@ -144,6 +144,8 @@ def test_compressed_check_catches_a_wrong_result(monkeypatch):
     (["--compression", "topk:0.1:stochastic"], "bad codec"),
     (["--compression", "int8:0"], "bad codec"),
     (["-b", "64M", "-e", "1K"], "-b must not exceed -e"),
+    (["-n", "0"], "-n must be at least 1"),
+    (["-w", "-1"], "-w must not be negative"),
     (["-a", "ring,butterfly"], "unknown algorithm"),
     (["-d", "complex64"], "unknown dtype"),
     (["-b", "12Q"], "bad size"),

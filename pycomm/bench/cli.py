@@ -78,6 +78,10 @@ def validate(args: argparse.Namespace) -> List[str]:
         raise SystemExit("pycomm-bench: -f must be at least 2")
     if args.nproc < 1:
         raise SystemExit("pycomm-bench: --nproc must be at least 1")
+    if args.iters is not None and args.iters < 1:
+        raise SystemExit("pycomm-bench: -n must be at least 1 (leave it out to choose by size)")
+    if args.warmup is not None and args.warmup < 0:
+        raise SystemExit("pycomm-bench: -w must not be negative")
     algos = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     for a in algos:
         if a not in ALGOS:
