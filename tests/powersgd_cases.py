@@ -118,22 +118,25 @@ def reference(rank: int, world: int, matrix_rank: int, steps: int = 5) -> Dict[s
     return {"worst": worst}
 
 
-def checkpoint(rank: int, world: int, wire: str) -> Dict[str, object]:
+def checkpoint(rank: int, world: int, wire: str, via: str = "state_dict") -> Dict[str, object]:
     """Train 6 steps (PowerSGD from step 2); at step 4 save model, optimizer
     and hook state through torch.save, resume a fresh DDP and state from it,
     and run steps 5-6 on both: the same parameters, bit for bit (one bucket:
-    DDP's layout does not change). A resume without the hook's state differs."""
+    DDP's layout does not change). A resume without the hook's state differs.
+    ``via``: the checkpoint holds ``state.state_dict()``, or the state
+    itself ("pickle", as torch's PowerSGDState allows), which unpickled
+    serves the default group until its ``process_group`` is set."""
     import pycomm
 
     g, comm = _group(world)
     if rank >= world:
         return {}
 
-    def fresh():
+    def fresh(st=None):
         m = DDP(make_model("mlp"), process_group=g)
-        st = hooks.PowerSGDState(rank=2, start_iter=2, communicator=comm,
-                                 # nearest rounding: stochastic draws follow the communicator's call count
-                                 wire=pycomm.Int8(stochastic=False) if wire == "int8" else None)
+        st = st or hooks.PowerSGDState(rank=2, start_iter=2, communicator=comm,
+                                       # nearest rounding: stochastic draws follow the communicator's call count
+                                       wire=pycomm.Int8(stochastic=False) if wire == "int8" else None)
         m.register_comm_hook(st, hooks.powersgd_hook)
         return m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), st
 
@@ -143,20 +146,30 @@ def checkpoint(rank: int, world: int, wire: str) -> Dict[str, object]:
     for b in batches[:4]:
         train_step(m, opt, b)
     buf = io.BytesIO()
-    torch.save({"model": m.state_dict(), "opt": opt.state_dict(), "hook": st.state_dict()}, buf)
+    torch.save({"model": m.state_dict(), "opt": opt.state_dict(), "hook": st if via == "pickle" else st.state_dict()},
+               buf)
     for b in batches[4:]:
         train_step(m, opt, b)
     results = {}
     for name, keep_hook in (("with", True), ("without", False)):
         ckpt = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
-        m2, opt2, st2 = fresh()
+        if via == "pickle" and keep_hook:
+            st2 = ckpt["hook"]
+            results["unpickled"] = (type(st2).__name__, st2.rank, st2.start_iter, repr(st2.wire), st2.iteration)
+            st2.process_group = g  # the pool's default group is larger
+            m2, opt2, st2 = fresh(st2)
+        else:
+            m2, opt2, st2 = fresh()
+            saved = ckpt["hook"].state_dict() if via == "pickle" else ckpt["hook"]
+            st2.load_state_dict(saved if keep_hook else {"iteration": saved["iteration"]})
         m2.load_state_dict(ckpt["model"])
         opt2.load_state_dict(ckpt["opt"])
-        st2.load_state_dict(ckpt["hook"] if keep_hook else {"iteration": ckpt["hook"]["iteration"]})
         for b in batches[4:]:
             train_step(m2, opt2, b)
         results[name] = all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
         results[name + "_diff"] = max((a - b).abs().max().item() for a, b in zip(m.parameters(), m2.parameters()))
+        if st2._communicator is not None and st2._communicator is not comm:
+            st2._communicator.close()
     results["iteration"] = st.iteration
     return results
 

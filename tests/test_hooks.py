@@ -298,6 +298,39 @@ def test_bad_states_say_what_to_do(solo):
         hooks.AllReduceState(solo, communicator=solo)
 
 
+
+@pytest.mark.parametrize("make", [
+    lambda: hooks.AllReduceState(wire_dtype=torch.bfloat16, path="communicator"),
+    lambda: hooks.CompressionState(None, pycomm.Int4(block=64), start_iter=3, error_feedback=False),
+    lambda: hooks.PowerSGDState(None, 3, start_iter=5, epsilon=1e-8, wire=pycomm.Int8(stochastic=False)),
+    lambda: hooks.StaleState(staleness=2, wire=pycomm.TopK(0.05)),
+    lambda: hooks.LocalSGDState(start_iter=7),
+], ids=["allreduce", "compression", "powersgd", "stale", "local_sgd"])
+def test_hook_states_pickle_with_their_settings(make, caplog, solo):
+    """torch.save(state) works as for torch's PowerSGDState: the settings
+    and state_dict() travel; the group does not (the unpickled state serves
+    the default group), said once where one was given."""
+    import io
+    import logging
+
+    state = make()
+    state.iteration = 11
+    buf = io.BytesIO()
+    with caplog.at_level(logging.WARNING, logger="pycomm"):
+        torch.save(state, buf)
+    assert "pickled without its process group" not in caplog.text
+    back = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    assert type(back) is type(state) and back.iteration == 11 and back.process_group is None
+    settings = {k: repr(v) for k, v in vars(state).items() if not k.startswith("_") and not callable(v)
+                and not isinstance(v, (hooks.HookState, dict, list))}
+    assert settings == {k: repr(getattr(back, k)) for k in settings}, settings
+    assert len(settings) >= 2, settings  # path and the class's own settings
+    # A state built for a communicator (or group) says that it stays behind.
+    with caplog.at_level(logging.WARNING, logger="pycomm"):
+        torch.save(hooks.AllReduceState(communicator=solo), buf := io.BytesIO())
+    assert "pickled without its process group or communicator" in caplog.text
+    assert torch.load(io.BytesIO(buf.getvalue()), weights_only=False)._communicator is None
+
 def test_hook_signatures_are_what_ddp_checks():
     import inspect
 

@@ -104,15 +104,20 @@ def test_composes_with_ddp_options(pool, option):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("wire", ["plain", "int8"])
-def test_checkpoint_resumes_the_same_training(pool, wire):
+@pytest.mark.parametrize("wire,via", [("plain", "state_dict"), ("int8", "state_dict"), ("plain", "pickle"),
+                                      ("int8", "pickle")])
+def test_checkpoint_resumes_the_same_training(pool, wire, via):
     """Saved at step 4, resumed in a fresh DDP (whose first iteration has
     another bucket layout, so residuals and factors go back per parameter).
     Plain factors: the same parameters bit for bit. int8 factors: their
     quantization blocks follow the layout of that first step, so close, and
-    much closer than a resume without the hook's state."""
-    for r in pool.run(powersgd_cases.checkpoint, 2, wire)[:2]:
+    much closer than a resume without the hook's state. The checkpoint holds
+    ``state.state_dict()`` or the pickled state itself (torch's way)."""
+    for r in pool.run(powersgd_cases.checkpoint, 2, wire, via)[:2]:
         assert r["iteration"] == 6
+        if via == "pickle":
+            assert r["unpickled"] == ("PowerSGDState", 2, 2, "None" if wire == "plain" else
+                                      "Int8(block=256, stochastic=False, seed=0)", 4), r
         assert not r["without"], r
         if wire == "plain":
             assert r["with"], r

@@ -7,6 +7,7 @@ Example::
     ddp.register_comm_hook(state, hooks.allreduce_hook)
     state.stats()["bytes_sent"]
 """
+import logging
 import threading
 from typing import Any, Dict, List, Optional
 
@@ -15,6 +16,8 @@ import torch.distributed as dist
 from .. import communicator as _communicator
 from .. import compression as _compression
 from .policy import Group, Router
+
+logger = logging.getLogger("pycomm")
 
 
 class HookState(Router):
@@ -35,6 +38,12 @@ class HookState(Router):
     are set up at the first bucket that needs them, collectively: build
     states on every rank, in the same order.
 
+    A state pickles (``torch.save(state, path)``, as torch's
+    ``PowerSGDState``): its settings and :meth:`state_dict`, not its process
+    group or communicator, which cannot be pickled. The unpickled state
+    serves the default group; set ``state.process_group`` before registering
+    it to serve another (or build a state for it and :meth:`load_state_dict`).
+
     Example::
 
         state = hooks.AllReduceState()
@@ -42,6 +51,30 @@ class HookState(Router):
         ...
         print(state.stats())   # {'iterations': 100, 'bytes_sent': ..., 'comm_seconds': ...}
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "HookState":
+        self = super().__new__(cls)
+        # The settings the state is built with, for pickling: every state's
+        # first argument is the process group, which pickles as None, and
+        # the communicator is left out (neither can be pickled).
+        self._pickled_args = (args[1:], {k: v for k, v in kwargs.items() if k not in ("process_group", "communicator")})
+        self._pickle_drops_group = (bool(args) and args[0] is not None) or any(
+            kwargs.get(k) is not None for k in ("process_group", "communicator"))
+        return self
+
+    def __getstate__(self) -> Dict[str, Any]:
+        if self._pickle_drops_group:
+            logger.warning("pycomm.hooks: %s is pickled without its process group or communicator; unpickled, "
+                           "it serves the default group (set state.process_group before registering it to serve "
+                           "another)", type(self).__name__)
+        args, kwargs = self._pickled_args
+        return {"args": args, "kwargs": kwargs, "state": self.state_dict()}
+
+    def __setstate__(self, pickled: Dict[str, Any]) -> None:
+        args, kwargs = pickled["args"], pickled["kwargs"]
+        self._pickled_args, self._pickle_drops_group = (args, kwargs), False
+        self.__init__(None, *args, **kwargs)  # type: ignore[misc]
+        self.load_state_dict(pickled["state"])
 
     def __init__(self, process_group: Group = None, *,
                  communicator: Optional["_communicator.Communicator"] = None, path: Optional[str] = None) -> None:
