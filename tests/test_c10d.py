@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import c10d_cases
+import c10d_layout_cases
 from collective_cases import matrix_failures
 from harness import RankPool
 
@@ -72,7 +73,7 @@ def test_tensors_that_are_not_contiguous(pool, world):
     between ranks, give exact results in every single-tensor collective (a
     contiguous copy carries them; Gloo reads their memory as if contiguous);
     an expanded output is refused on every rank and the group goes on."""
-    for rank, res in enumerate(pool.run(c10d_cases.layouts, world)[:world]):
+    for rank, res in enumerate(pool.run(c10d_layout_cases.layouts, world)[:world]):
         refused = res.pop("expanded output")
         assert refused.startswith("CommError") and "share memory" in refused, (rank, refused)
         failed = [k for k, ok in res.items() if ok is not True]

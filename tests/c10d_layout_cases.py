@@ -1,0 +1,106 @@
+"""Worker-side case for pycomm as a torch.distributed backend: tensors that
+are not contiguous in every single-tensor collective (run inside harness
+workers that joined c10d_cases' default group)."""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+
+from c10d_cases import _group
+from collective_cases import make_input
+
+
+def layouts(rank: int, world: int) -> Dict[str, object]:
+    """Tensors that are not contiguous, in every collective that takes one
+    tensor: a transposed view, channels_last, every other element of a
+    buffer (whose gaps must stay untouched), and layouts that differ between
+    ranks (Gloo sums such tensors' memory element by element: wrong values).
+    Integer data, so every expected value is exact. Returns what each check
+    found, and the error of an output whose elements share memory."""
+    g = _group(world)
+    out: Dict[str, object] = {}
+    if g is None:
+        return out
+    seed = 777
+
+    def data(r: int, n: int, salt: int = 0) -> torch.Tensor:
+        return make_input(seed + salt, r, n, torch.int64)
+
+    def strided(values: torch.Tensor) -> tuple:  # a view of every other element, and its buffer
+        buf = torch.full((2 * values.numel(),), -7, dtype=values.dtype)
+        view = buf[::2]
+        view.copy_(values)
+        return view, buf
+
+    def transposed(values: torch.Tensor, rows: int) -> torch.Tensor:  # shape (rows, n / rows), column-major
+        t = torch.empty(values.numel() // rows, rows, dtype=values.dtype).t()
+        t.copy_(values.view(rows, -1))
+        return t
+
+    total = sum(data(r, 24) for r in range(world))
+    # all_reduce: transposed (async, through the future), channels_last,
+    # strided, and one layout per rank.
+    t = transposed(data(rank, 24), 4)
+    res = dist.all_reduce(t, group=g, async_op=True).get_future().wait()[0]
+    out["all_reduce transposed"] = torch.equal(t, total.view(4, 6)) and res is t and t.stride() == (1, 4)
+    cl = data(rank, 24).view(1, 2, 3, 4).contiguous(memory_format=torch.channels_last)
+    dist.all_reduce(cl, group=g)
+    out["all_reduce channels_last"] = (torch.equal(cl, total.view(1, 2, 3, 4))
+                                       and cl.is_contiguous(memory_format=torch.channels_last))
+    view, buf = strided(data(rank, 24))
+    dist.all_reduce(view, group=g)
+    out["all_reduce strided"] = torch.equal(view, total) and bool((buf[1::2] == -7).all())
+    mixed = transposed(data(rank, 24), 4) if rank % 2 else data(rank, 24).view(4, 6).clone()
+    dist.all_reduce(mixed, group=g)
+    out["all_reduce mixed layouts"] = torch.equal(mixed, total.view(4, 6))
+
+    # broadcast and reduce: the root's tensor / the sum land in a strided view.
+    root = world - 1
+    view, buf = strided(data(rank, 24))
+    dist.broadcast(view, src=root, group=g)
+    out["broadcast strided"] = torch.equal(view, data(root, 24)) and bool((buf[1::2] == -7).all())
+    t = transposed(data(rank, 24), 3)
+    dist.reduce(t, dst=root, group=g)
+    out["reduce transposed"] = torch.equal(t, (total if rank == root else data(rank, 24)).view(3, 8))
+
+    # Gathers: transposed inputs; all_gather_into_tensor strided both ways.
+    t = transposed(data(rank, 24), 2)
+    outs = [torch.empty(2, 12, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(outs, t, group=g)
+    out["all_gather transposed input"] = all(torch.equal(o, data(r, 24).view(2, 12)) for r, o in enumerate(outs))
+    view, buf = strided(torch.zeros(24 * world, dtype=torch.int64))
+    dist.all_gather_into_tensor(view, strided(data(rank, 24))[0], group=g)
+    want = torch.cat([data(r, 24) for r in range(world)])
+    out["all_gather_into_tensor strided"] = torch.equal(view, want) and bool((buf[1::2] == -7).all())
+    outs = [torch.empty(2, 12, dtype=torch.int64) for _ in range(world)] if rank == 0 else None
+    dist.gather(transposed(data(rank, 24), 2), outs, dst=0, group=g)
+    out["gather transposed input"] = rank != 0 or all(torch.equal(o, data(r, 24).view(2, 12))
+                                                      for r, o in enumerate(outs))
+
+    # reduce_scatter_tensor: a transposed input (world x 6, column-major), a
+    # strided output; all_to_all_single: strided both ways.
+    whole = transposed(data(rank, 6 * world, 1), world)
+    view, buf = strided(torch.zeros(6, dtype=torch.int64))
+    dist.reduce_scatter_tensor(view, whole, group=g)
+    want = sum(data(r, 6 * world, 1) for r in range(world)).view(world, 6)[rank]
+    out["reduce_scatter_tensor transposed in, strided out"] = (torch.equal(view, want)
+                                                               and bool((buf[1::2] == -7).all()))
+    src, _ = strided(data(rank, 3 * world, 2))
+    dst, buf = strided(torch.zeros(3 * world, dtype=torch.int64))
+    dist.all_to_all_single(dst, src, group=g)
+    want = torch.cat([data(r, 3 * world, 2).view(world, 3)[rank] for r in range(world)])
+    out["all_to_all_single strided"] = torch.equal(dst, want) and bool((buf[1::2] == -7).all())
+
+    # An output whose elements share memory cannot hold a result: refused on
+    # every rank, in turn, and the group goes on.
+    try:
+        dist.all_reduce(torch.zeros(1, dtype=torch.int64).expand(5), group=g)
+        out["expanded output"] = "no error"
+    except Exception as e:  # noqa: BLE001 - the type is part of what is checked
+        out["expanded output"] = f"{type(e).__name__}: {e}"
+    t = data(rank, 24).clone()
+    dist.all_reduce(t, group=g)
+    out["after the refusal"] = torch.equal(t, total)
+    return out
