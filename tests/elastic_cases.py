@@ -298,12 +298,16 @@ def second_death_during_shrink(world: int = 4) -> Dict[str, Any]:
 
 # --- Newcomers that fail on their way in --------------------------------------------------------------------------
 
-def _admit_member(rank: int, world: int, port: int, conn, tickets: int, heartbeat: float) -> None:
+def _admit_member(rank: int, world: int, port: int, conn, tickets: int, heartbeat: float, fate: str = "") -> None:
     """A member: once ``tickets`` newcomers have taken tickets and the driver
-    says go, admit them (the full 30 s timeout); if that fails, shrink."""
+    says go, admit them (the full 30 s timeout); if that fails, shrink. With
+    ``fate`` "member dies", the last member is killed once the admission is
+    agreed, before it bootstraps the new communicator."""
     import reliability_cases as rc
     from pycomm.elastic import membership
 
+    if fate == "member dies" and rank == world - 1:
+        membership._successor = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
     store, comm = rc._bootstrap(rank, world, port, "admit", 30.0)
     comm.heartbeat_timeout = heartbeat
     js = membership._job_store(store, comm.job)
@@ -355,6 +359,9 @@ def newcomer_fails(members: int, fate: str, heartbeat: float = 1.0) -> Dict[str,
     - "dies" / "stops": the only newcomer dies / freezes when its admission
       arrives. The members' admit fails at once (not at its 30 s timeout),
       then they shrink back to themselves.
+    - "member dies": the last member is killed once the admission is agreed,
+      before its bootstrap of the new communicator: the other members' admit
+      fails at once, and they shrink to themselves (the newcomer's join fails).
 
     Returns the members' reports, the live newcomer's and the hung count."""
     import multiprocessing as mp
@@ -368,7 +375,8 @@ def newcomer_fails(members: int, fate: str, heartbeat: float = 1.0) -> Dict[str,
     port = free_port()
     two = fate in ("killed while waiting", "killed before its record")
     store_pid, pids, conns = rc.fork_ranks(members, _admit_member, 2 if two else 1,
-                                           heartbeat, duplex=True, port=port)
+                                           heartbeat, fate, duplex=True, port=port)
+    victim = members - 1 if fate == "member dies" else None
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
     js = membership._job_store(store, "admit")
     joiners, pipes = [], []
@@ -391,12 +399,12 @@ def newcomer_fails(members: int, fate: str, heartbeat: float = 1.0) -> Dict[str,
         joiners.append(None)  # nobody to reap
         newcomer("lives")
     else:
-        newcomer(fate)
+        newcomer("lives" if fate == "member dies" else fate)
     for c in conns:
         assert c.poll(rc.START_S) and c.recv() == "ready", "a member did not start"
     for c in conns:
         c.send("go")
-    reports = {r: (c.recv() if c.poll(90) else None) for r, c in enumerate(conns)}
+    reports = {r: (c.recv() if c.poll(90) else None) for r, c in enumerate(conns) if r != victim}
     live = pipes[-1].recv() if two and pipes[-1].poll(30) else None
     for pid in joiners[1:] if two else joiners:
         try:

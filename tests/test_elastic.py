@@ -129,25 +129,34 @@ def test_shrink_on_simulated_hosts(zygote, victim):
         assert rep and rep["wrong"] == 0 and rep["members"] == survivors and rep["world"] == 3, (r, rep)
 
 
-@pytest.mark.parametrize("fate", ["killed while waiting", "killed before its record", "dies", "stops"])
+@pytest.mark.parametrize("fate", ["killed while waiting", "killed before its record", "dies", "stops",
+                                  "member dies"])
 def test_newcomer_that_fails_on_its_way_in(zygote, fate):
     """A replacement killed while it waits for admission is skipped, also
     one killed between taking its ticket and publishing its process record
     (1 s grace, not the 30 s bootstrap timeout); one that dies or freezes
     once admitted fails the members' admit as soon as it is seen (1 s
-    heartbeat), and the members shrink back to themselves."""
+    heartbeat), and the members shrink back to themselves. So does a member
+    killed after the admission was agreed, before its new bootstrap (the
+    others knew its process record from the old communicator; before, they
+    waited 30 s for it)."""
     res = zygote.run(ec.newcomer_fails, 3, fate, timeout=180)
     assert res["hung"] == 0, res
     for r, rep in res["reports"].items():
         assert rep and rep["ok"], (r, rep)
         if fate.startswith("killed"):
             assert "error" not in rep and rep["world"] == 4 and rep["seconds"] < 10, (r, rep)
+        elif fate == "member dies":
+            assert rep["world"] == 2 and rep["parents"] == [0, 1], (r, rep)
+            assert rep["failed_s"] < 10, (r, rep)  # not the 30 s timeout
         else:
             assert rep["world"] == 3 and rep["parents"] == [0, 1, 2], (r, rep)
             assert rep["failed_s"] < (10 if fate == "dies" else 12), (r, rep)
             assert "newcomer" in rep["error"], (r, rep)
     if fate.startswith("killed"):
         assert res["newcomer"] == dict(world=4, rank=3, ok=True), res
+    if fate == "member dies":  # the first to see it names it; the others follow its verdict
+        assert any("rank 2 " in rep["error"] and "died" in rep["error"] for rep in res["reports"].values()), res
 
 
 def test_a_newcomer_passed_over_raises_in_join_at_once():

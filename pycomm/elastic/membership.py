@@ -414,6 +414,15 @@ def admit(comm: "Communicator", *, timeout: float = 30.0, multiple: int = 1) -> 
                 js.set(f"admitted/{t}", json.dumps(dict(
                     name=name, rank=comm.world_size + i, world=world, epoch=comm.epoch + 1, kept=_kept(comm),
                     parent_ranks=parents, admitted_upto=agreed["upto"], settings=comm._settings)))
+        # How this rank's bootstrap tells that a member or a newcomer died
+        # before it started (a member killed during the admit would
+        # otherwise hold the others for the whole timeout): the members'
+        # records from their own bootstrap, and every admitted newcomer's,
+        # also those whose record came after this rank's grace but before
+        # the winning proposer's (that proposer read it, so it is there).
+        known = _member_records(comm)
+        for i, t in enumerate(tickets):
+            known[comm.world_size + i] = records[t] if t in records else js.get(f"proc/{t}").decode()
     except CommError:
         raise
     except Exception as e:
@@ -423,8 +432,7 @@ def admit(comm: "Communicator", *, timeout: float = 30.0, multiple: int = 1) -> 
                  "communicator admit() returns", [])
     # 3. The communicator of epoch e+1, newcomers included.
     try:
-        new = _successor(comm, me, world, name, timeout, parents,
-                         {comm.world_size + i: records[t] for i, t in enumerate(tickets) if t in records})
+        new = _successor(comm, me, world, name, timeout, parents, known)
     except CommError as e:
         raise _as_lost(e, CommError(f"pycomm.admit: building the communicator with newcomers {tickets} failed "
                                     f"({e}); a newcomer or a member may have died meanwhile: shrink() the old "
@@ -432,6 +440,14 @@ def admit(comm: "Communicator", *, timeout: float = 30.0, multiple: int = 1) -> 
     logger.info("pycomm: rank %d admitted %d newcomer(s) into %r: world %d (epoch %d) in %.3f s", me, len(tickets),
                 comm.job, world, new.epoch, time.monotonic() - t0)
     return new
+
+
+def _member_records(comm: "Communicator") -> Dict[int, str]:
+    """The process record each rank of ``comm`` published when it bootstrapped
+    it (:func:`pycomm.bootstrap.process_record`), by rank."""
+    keys = bootstrap.key_space(comm._root_store, comm.name)
+    values = keys.multi_get([f"proc/{r}" for r in range(comm.world_size)])
+    return {r: v.decode() for r, v in enumerate(values)}
 
 
 def _ticket_records(js: "dist.Store", tickets: List[int]) -> Dict[int, str]:
