@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Iterable, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import torch
 
@@ -60,6 +60,12 @@ class DiLoCo:
         sync_every: inner steps per outer step (H).
         outer_lr, outer_momentum, nesterov: the outer SGD (0.7, 0.9, True as
             in the paper).
+        outer: instead, any outer optimizer, as a function of the parameter
+            groups of the global parameters (one group per fragment) that
+            builds it, e.g. ``lambda groups: torch.optim.Adam(groups,
+            lr=1e-3)``; each outer step sets the fragment's ``.grad`` to its
+            averaged pseudo-gradient (the others' to None) and calls
+            ``step()``. ``DiLoCo.outer`` is the optimizer, in checkpoints too.
         wire: how pseudo-gradients travel: ``None``, ``torch.bfloat16`` /
             ``torch.float16``, :class:`pycomm.Int8` or :class:`pycomm.Int4`
             (with error feedback, per fragment).
@@ -80,7 +86,9 @@ class DiLoCo:
     """
 
     def __init__(self, params: Iterable[torch.Tensor], inner: torch.optim.Optimizer, *, sync_every: int = 64,
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True, wire: Wire = None,
+                 outer_lr: Optional[float] = None, outer_momentum: Optional[float] = None,
+                 nesterov: Optional[bool] = None,
+                 outer: Optional[Callable[[List[Dict[str, Any]]], torch.optim.Optimizer]] = None, wire: Wire = None,
                  fragments: int = 1, overlap: bool = False, process_group: Group = None,
                  communicator: Any = None, path: Optional[str] = None) -> None:
         params = [p for p in params if p.requires_grad]
@@ -94,6 +102,9 @@ class DiLoCo:
         if not (wire is None or wire in (torch.bfloat16, torch.float16) or _compression.is_quantizer(wire)):
             raise ValueError(f"pycomm.DiLoCo: wire={wire!r}; use None, torch.bfloat16, torch.float16, "
                              "pycomm.Int8() or pycomm.Int4()")
+        if outer is not None and (outer_lr, outer_momentum, nesterov) != (None, None, None):
+            raise ValueError("pycomm.DiLoCo: give outer= or outer_lr / outer_momentum / nesterov, not both (outer "
+                             "builds the whole outer optimizer)")
         if len({p.device for p in params}) > 1 or len({p.dtype for p in params}) > 1:
             raise ValueError("pycomm.DiLoCo: every parameter must share one device and dtype")
         self.inner, self.sync_every, self.wire, self.overlap = inner, sync_every, wire, overlap
@@ -109,8 +120,17 @@ class DiLoCo:
         bounds.append(len(params))
         self._fragments = [_Fragment(f, params[a:b], glob[a:b], f * sync_every // fragments)
                            for f, (a, b) in enumerate(zip(bounds, bounds[1:]))]
-        self.outer = torch.optim.SGD([{"params": fr.glob} for fr in self._fragments], lr=outer_lr,
-                                     momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0)
+        groups: List[Dict[str, Any]] = [{"params": fr.glob} for fr in self._fragments]
+        if outer is None:
+            lr = 0.7 if outer_lr is None else outer_lr
+            momentum = 0.9 if outer_momentum is None else outer_momentum
+            self.outer = torch.optim.SGD(groups, lr=lr, momentum=momentum,
+                                         nesterov=(True if nesterov is None else nesterov) and momentum > 0)
+        else:
+            self.outer = outer(groups)
+            if not isinstance(self.outer, torch.optim.Optimizer):
+                raise TypeError(f"pycomm.DiLoCo: outer must build a torch.optim.Optimizer over the groups it is "
+                                f"given, got {type(self.outer).__name__}")
         #: Inner steps taken.
         self.local_step = 0
         #: Fragment syncs applied.

@@ -69,19 +69,22 @@ def _simulate(world: int, steps: int, lr: float, h: int, fragments: List[int], o
 
 
 def quadratic(rank: int, world: int, wire: str, fragments: int, overlap: bool, steps: int = 20,
-              h: int = 4) -> Dict[str, object]:
+              h: int = 4, outer: str = "default") -> Dict[str, object]:
     """pycomm.DiLoCo on the quadratic against the float64 simulation: the
-    largest difference over every step, relative to the targets' scale."""
+    largest difference over every step, relative to the targets' scale.
+    ``outer`` "averaging": the outer optimizer passed as ``outer=``, plain
+    SGD at lr 1 (the global parameters become the ranks' average)."""
     _, comm = _group(world)
     if rank >= world:
         return {}
     params = [torch.zeros(s, requires_grad=True) for s in SHAPES]
     inner = torch.optim.SGD(params, lr=0.1)
+    kw = dict(outer=lambda groups: torch.optim.SGD(groups, lr=1.0)) if outer == "averaging" else {}
     opt = pycomm.DiLoCo(params, inner, sync_every=h, fragments=fragments, overlap=overlap, wire=WIRES[wire],
-                        communicator=comm)
+                        communicator=comm, **kw)
     which = [next(f for f, fr in enumerate(opt._fragments) if any(p is q for q in fr.local)) for p in params]
     offsets = [fr.offset for fr in opt._fragments]
-    want = _simulate(world, steps, 0.1, h, which, offsets, overlap, 0.7, 0.9)
+    want = _simulate(world, steps, 0.1, h, which, offsets, overlap, *((1.0, 0.0) if outer == "averaging" else (0.7, 0.9)))
     cs = [c.float() for c in _targets(world)[rank]]
     worst = 0.0
     for t in range(steps):

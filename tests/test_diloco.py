@@ -41,6 +41,16 @@ def test_streaming_fragments_and_overlap_follow_the_closed_form(pool, fragments,
     assert all(torch.equal(r["final"], res[0]["final"]) for r in res)
 
 
+@pytest.mark.parametrize("fragments", [1, 3])
+def test_an_outer_optimizer_of_ones_own(pool, fragments):
+    """outer= builds the outer optimizer: SGD at lr 1 without momentum makes
+    the global parameters the ranks' average, as the closed form says."""
+    res = pool.run(diloco_cases.quadratic, 2, "plain", fragments, False, outer="averaging")[:2]
+    for r in res:
+        assert r["worst"] <= BOUNDS["plain"], r["worst"]
+    assert torch.equal(res[0]["final"], res[1]["final"])
+
+
 def test_checkpoint_resumes_bit_for_bit(pool):
     for r in pool.run(diloco_cases.checkpoint, 2)[:2]:
         assert r["same"], r
@@ -73,3 +83,9 @@ def test_bad_arguments_say_what_to_do():
         pycomm.DiLoCo(p, inner, wire=pycomm.TopK(0.01))
     with pytest.raises(ValueError, match="no parameters"):
         pycomm.DiLoCo([torch.zeros(2)], inner)
+    with pytest.raises(ValueError, match="not both"):
+        pycomm.DiLoCo(p, inner, outer_lr=0.5, outer=lambda groups: torch.optim.Adam(groups))
+    with pytest.raises(TypeError, match="must build a torch.optim.Optimizer"):
+        pycomm.DiLoCo(p, inner, outer=lambda groups: groups)
+    adam = pycomm.DiLoCo(p, inner, outer=lambda groups: torch.optim.Adam(groups, lr=1e-3))
+    assert isinstance(adam.outer, torch.optim.Adam) and len(adam.outer.param_groups) == 1
