@@ -89,15 +89,9 @@ bool needs_dense_copy(const at::Tensor& t) {
   return t.defined() && t.layout() == at::kStrided && !t.is_quantized() && t.device().is_cpu() && !t.is_contiguous();
 }
 
-void run_before(Staging& s, std::function<void()> f) {
-  s.before = [prev = std::move(s.before), f = std::move(f)] {
-    if (prev) prev();
-    f();
-  };
-}
-
-void run_after(Staging& s, std::function<void()> f) {
-  s.after = [prev = std::move(s.after), f = std::move(f)] {
+// `f` after what `step` (a Staging's before or after) already does.
+void chain(std::function<void()>& step, std::function<void()> f) {
+  step = [prev = std::move(step), f = std::move(f)] {
     if (prev) prev();
     f();
   };
@@ -210,7 +204,7 @@ at::Tensor C10dBackend::dense_input(const at::Tensor& t, Staging& s) {
   if (!needs_dense_copy(t)) return t;
   at::Tensor dense = at::empty(t.sizes(), t.options());
   // Copied in the op's turn, as the op itself would read `t`.
-  run_before(s, [dense, t] { dense.copy_(t); });
+  chain(s.before, [dense, t] { dense.copy_(t); });
   s.keep.push_back(t);
   return dense;
 }
@@ -224,8 +218,8 @@ at::Tensor C10dBackend::dense_output(const at::Tensor& t, Staging& s, bool in_pl
                   c10::str(t.sizes()) + ", strides " + c10::str(t.strides()) +
                   ", e.g. from expand()); pass a tensor with memory of its own");
   at::Tensor dense = at::empty(t.sizes(), t.options());
-  if (in_place) run_before(s, [dense, t] { dense.copy_(t); });
-  run_after(s, [dense, t] { t.copy_(dense); });
+  if (in_place) chain(s.before, [dense, t] { dense.copy_(t); });
+  chain(s.after, [dense, t] { t.copy_(dense); });
   s.keep.push_back(t);
   if (s.result.empty()) s.result = {t};
   return dense;
@@ -448,7 +442,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce_scatter(std::vector<at::Tenso
   at::Tensor flat = flat_like(given, n * getSize());
   Staging s = timed(opts.timeout);
   const at::Tensor out = dense_output(given, s, /*in_place=*/false, "reduce_scatter");
-  run_before(s, [flat, ins] { pack(flat, ins); });
+  chain(s.before, [flat, ins] { pack(flat, ins); });
   s.keep.insert(s.keep.end(), ins.begin(), ins.end());
   return wrap(comm_->reduce_scatter(out, flat, op, algo(Collective::kReduceScatter), false, opts.asyncOp, std::move(s)),
               c10d::OpType::REDUCE_SCATTER, "pycomm:reduce_scatter");

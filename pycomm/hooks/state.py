@@ -58,12 +58,10 @@ class HookState(Router):
         # first argument is the process group, which pickles as None, and
         # the communicator is left out (neither can be pickled).
         self._pickled_args = (args[1:], {k: v for k, v in kwargs.items() if k not in ("process_group", "communicator")})
-        self._pickle_drops_group = (bool(args) and args[0] is not None) or any(
-            kwargs.get(k) is not None for k in ("process_group", "communicator"))
         return self
 
     def __getstate__(self) -> Dict[str, Any]:
-        if self._pickle_drops_group:
+        if self.process_group is not None or self._comm_arg is not None:
             logger.warning("pycomm.hooks: %s is pickled without its process group or communicator; unpickled, "
                            "it serves the default group (set state.process_group before registering it to serve "
                            "another)", type(self).__name__)
@@ -72,7 +70,7 @@ class HookState(Router):
 
     def __setstate__(self, pickled: Dict[str, Any]) -> None:
         args, kwargs = pickled["args"], pickled["kwargs"]
-        self._pickled_args, self._pickle_drops_group = (args, kwargs), False
+        self._pickled_args = (args, kwargs)
         self.__init__(None, *args, **kwargs)  # type: ignore[misc]
         self.load_state_dict(pickled["state"])
 
