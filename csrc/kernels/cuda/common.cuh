@@ -3,6 +3,8 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <string>
 
 #include "../../core/common.h"
@@ -24,6 +26,29 @@ inline void check(cudaError_t e, const char* what) {
 inline unsigned grid_for(size_t items) {
   const size_t g = (items + kThreads - 1) / kThreads;
   return static_cast<unsigned>(g < 1 ? 1 : (g > 65535 * 16 ? 65535 * 16 : g));
+}
+
+// The grid of `kernel` (blocks of kThreads) that fills the current device
+// once, every SM holding as many blocks as fit: for a grid-stride kernel whose
+// blocks end with work of their own, such as a shared-memory histogram merged
+// into global memory with atomics. One block per 256 items would repeat that
+// ending for every 256 items, and the atomics of a skewed histogram all hit
+// the same few words. Cached per device: the occupancy query is not free.
+template <typename K>
+unsigned resident_grid(K kernel, size_t items) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<unsigned> cached[kMaxDevices];
+  int dev = 0;
+  check(cudaGetDevice(&dev), "get device");
+  unsigned full = dev < kMaxDevices ? cached[dev].load(std::memory_order_relaxed) : 0u;
+  if (full == 0) {
+    int sms = 0, per_sm = 0;
+    check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "SM count");
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0), "occupancy");
+    full = static_cast<unsigned>(std::max(1, sms) * std::max(1, per_sm));
+    if (dev < kMaxDevices) cached[dev].store(full, std::memory_order_relaxed);
+  }
+  return std::min(full, grid_for(items));
 }
 
 // 16 bytes of T: the unit the memory-bound kernels load and store, so that

@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cub/block/block_scan.cuh>
 #include <cub/device/device_select.cuh>
 #include <thrust/iterator/counting_iterator.h>
 #include <string>
@@ -62,6 +63,11 @@ __global__ void fold_kernel(const T* x, float* r, size_t n) {
     r[i] += load_acc(x[i]);
 }
 
+// Elements each lane of histogram_kernel loads before it bins any: a
+// grid that fills the GPU once holds ~1 MB of single loads in flight, under
+// what HBM needs to stream (bandwidth x latency, ~3 MB on an H200).
+constexpr int kHistLoads = 4;
+
 template <typename T>
 __global__ void histogram_kernel(const T* x, size_t n, const SelectState* st, int shift, uint32_t* hist) {
   if (st->done) return;
@@ -72,40 +78,58 @@ __global__ void histogram_kernel(const T* x, size_t n, const SelectState* st, in
   // Lanes of a warp that hit one bin add once, by their count: the first
   // pass bins by the top byte of the magnitude (mostly the exponent), where
   // nearly every element of a tensor lands in a handful of bins, and one
-  // shared-memory atomic per element serialized on them. Every lane of a
-  // warp runs the same iterations (the match needs the whole warp); lanes
-  // past the end carry no key.
+  // shared-memory atomic per element serialized on them. A warp takes
+  // kHistLoads rows of 32 consecutive elements at a time; every lane runs
+  // the same iterations (the match needs the whole warp), and lanes past
+  // the end carry no key.
   const int lane = threadIdx.x % 32;
-  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
-  for (size_t w = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x - lane; w < n; w += stride) {
-    const size_t i = w + lane;
-    uint32_t bin = kBins;  // none
-    if (i < n) {
-      const uint32_t key = key_at(x, i);
-      if ((key & mask) == prefix) bin = (key >> shift) & 0xffu;
+  constexpr size_t kSpan = 32 * kHistLoads;
+  const size_t warp = (blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x) / 32;
+  const size_t warps = static_cast<size_t>(gridDim.x) * (blockDim.x / 32);
+  for (size_t w = warp * kSpan; w < n; w += warps * kSpan) {
+    // The loads first, unconditional where the warp's span is whole, so
+    // that they are in flight together.
+    uint32_t key[kHistLoads];
+    bool in[kHistLoads];
+    const bool whole = w + kSpan <= n;  // warp-uniform
+    if (whole) {
+#pragma unroll
+      for (int u = 0; u < kHistLoads; ++u) {
+        key[u] = key_at(x, w + 32 * u + lane);
+        in[u] = true;
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < kHistLoads; ++u) {
+        const size_t i = w + 32 * u + lane;
+        in[u] = i < n;
+        key[u] = in[u] ? key_at(x, i) : 0u;
+      }
     }
-    const unsigned same = __match_any_sync(0xffffffffu, bin);
-    if (bin < kBins && lane == __ffs(same) - 1) atomicAdd(&local[bin], static_cast<uint32_t>(__popc(same)));
+    uint32_t bin[kHistLoads];
+#pragma unroll
+    for (int u = 0; u < kHistLoads; ++u)
+      bin[u] = in[u] && (key[u] & mask) == prefix ? (key[u] >> shift) & 0xffu : kBins;  // kBins: none
+#pragma unroll
+    for (int u = 0; u < kHistLoads; ++u) {
+      const unsigned same = __match_any_sync(0xffffffffu, bin[u]);
+      if (bin[u] < kBins && lane == __ffs(same) - 1) atomicAdd(&local[bin[u]], static_cast<uint32_t>(__popc(same)));
+    }
   }
   __syncthreads();
   for (int b = threadIdx.x; b < kBins; b += blockDim.x)
     if (local[b]) atomicAdd(&hist[b], local[b]);
 }
 
-// Thread 0 of choose_kernel: the byte value of this pass's prefix.
-__device__ void choose_byte(SelectState* st, const uint32_t* hist, int shift, bool last, bool exact, uint32_t lo_ok,
-                            uint32_t hi_ok) {
-  uint32_t above = 0;
-  int b = kBins - 1;
-  for (; b > 0; --b) {
-    if (above + hist[b] >= st->k_left) break;
-    above += hist[b];
-  }
+// The byte value b of this pass's prefix, whose bin holds the k_left-th
+// largest remaining key: `above` keys lie in the bins over it, `in_bin` in it.
+__device__ void choose_byte(SelectState* st, int b, uint32_t above, uint32_t in_bin, int shift, bool last, bool exact,
+                            uint32_t lo_ok, uint32_t hi_ok) {
   st->above += above;
   st->k_left -= above;
   st->prefix |= static_cast<uint32_t>(b) << shift;
   st->mask |= 0xffu << shift;
-  const uint32_t at_or_above = st->above + hist[b];
+  const uint32_t at_or_above = st->above + in_bin;
   if (!exact && at_or_above >= lo_ok && at_or_above <= hi_ok) {
     st->done = 1;
     st->threshold = st->prefix;  // every key whose fixed bits are >= prefix
@@ -122,15 +146,29 @@ __global__ void init_kernel(SelectState* st, SelectState init, uint32_t* hist) {
   for (int b = threadIdx.x; b < kBins; b += blockDim.x) hist[b] = 0;
 }
 
-// One block: pick the byte value that holds the k-th largest key (thread 0),
-// then empty the histogram for the next pass (all threads).
+// One block of kBins threads: pick the byte value that holds the k-th
+// largest key, then empty the histogram for the next pass. Thread t takes
+// bin kBins - 1 - t, so a block-wide prefix sum gives each bin the keys in
+// the bins above it, and the one thread whose bin holds the k_left-th
+// records it (one thread walking the bins waits for 256 loads from L2 one
+// after another: tens of microseconds a pass, as long as the pass itself at
+// 16M elements). Bin 0 is the fallback, as the
+// highest bins may hold fewer keys than k_left only if bin 0 holds the rest.
 __global__ void choose_kernel(SelectState* st, uint32_t* hist, int shift, bool last, bool exact, uint32_t lo_ok,
                               uint32_t hi_ok) {
-  if (st->done) return;  // every thread reads it before thread 0 may set it: the histogram stays as it is
+  using Scan = cub::BlockScan<uint32_t, kBins>;
+  __shared__ typename Scan::TempStorage scan;
+  if (st->done) return;  // every thread reads the state before one of them writes it
+  const uint32_t k_left = st->k_left;
+  const int t = threadIdx.x;
+  const int b = kBins - 1 - t;
+  const uint32_t in_bin = hist[b];
+  uint32_t above;
+  Scan(scan).ExclusiveSum(in_bin, above);
   __syncthreads();
-  if (threadIdx.x == 0) choose_byte(st, hist, shift, last, exact, lo_ok, hi_ok);
-  __syncthreads();
-  for (int b = threadIdx.x; b < kBins; b += blockDim.x) hist[b] = 0;
+  if (above < k_left && (above + in_bin >= k_left || b == 0))
+    choose_byte(st, b, above, in_bin, shift, last, exact, lo_ok, hi_ok);
+  hist[b] = 0;  // each thread empties the bin it read
 }
 
 template <typename T>
@@ -200,21 +238,49 @@ template <typename T>
 __global__ void tie_cutoff_kernel(const T* x, size_t n, SelectState* st, int ranges, const uint32_t* counts) {
   if (st->done) return;
   const uint32_t need = st->k_left;
-  // 1. The range that holds the need-th tie, and the ties before it.
+  // 1. The range that holds the need-th tie, and the ties before it: thread
+  //    t adds the counts of ranges kPer t .. kPer t + kPer - 1, a block-wide
+  //    prefix sum gives it the ties before them, and the thread whose ranges
+  //    reach `need` names the range (one thread would wait for 1024 loads
+  //    from L2 one after another).
+  constexpr int kPer = kTieRanges / kThreads;
+  static_assert(kTieRanges % kThreads == 0, "tie ranges split evenly over the threads");
+  using Scan = cub::BlockScan<uint32_t, kThreads>;
+  __shared__ typename Scan::TempStorage scan;
   __shared__ int range;
   __shared__ uint32_t seen0;
+  uint32_t c[kPer], mine = 0;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int r = threadIdx.x * kPer + j;
+    c[j] = r < ranges ? counts[r] : 0u;
+    mine += c[j];
+  }
+  uint32_t before, all;
+  Scan(scan).ExclusiveSum(mine, before, all);
   if (threadIdx.x == 0) {
-    uint32_t seen = 0;
-    int r = 0;
-    for (; r < ranges && seen + counts[r] < need; ++r) seen += counts[r];
-    range = need == 0 ? -1 : r;
-    seen0 = seen;
-    // No tie needed: none kept; fewer ties than needed: all of them.
-    if (need == 0) st->tie_cutoff = -1;
-    else if (r == ranges) st->tie_cutoff = INT32_MAX;
+    range = ranges;  // fewer ties than needed, unless a thread finds it
+    seen0 = all;
   }
   __syncthreads();
-  if (range < 0 || range == ranges) return;
+  if (need > 0) {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int r = threadIdx.x * kPer + j;
+      if (r < ranges && before < need && before + c[j] >= need) {
+        range = r;
+        seen0 = before;
+      }
+      before += c[j];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    // No tie needed: none kept; fewer ties than needed: all of them.
+    if (need == 0) st->tie_cutoff = -1;
+    else if (range == ranges) st->tie_cutoff = INT32_MAX;
+  }
+  if (need == 0 || range == ranges) return;
   // 2. In it, the index of that tie.
   size_t lo, hi;
   tie_range(n, ranges, range, &lo, &hi);
@@ -339,8 +405,9 @@ size_t topk_cuda(const TopK& s, DType dtype, const void* x, float* residual, siz
       // 1. Radix select, highest byte first (the key has 31 bits); each
       //    choice leaves the histogram empty for the next pass.
       const int shifts[4] = {23, 15, 7, 0};
+      const unsigned hist_grid = cuda_detail::resident_grid(histogram_kernel<E>, (n + kHistLoads - 1) / kHistLoads);
       for (int p = 0; p < 4; ++p) {
-        histogram_kernel<E><<<grid_for(n), kThreads, 0, stream>>>(eff, n, st, shifts[p], hist);
+        histogram_kernel<E><<<hist_grid, kThreads, 0, stream>>>(eff, n, st, shifts[p], hist);
         choose_kernel<<<1, kBins, 0, stream>>>(st, hist, shifts[p], p == 3, s.exact, lo_ok, hi_ok);
       }
       // 2. Unless the approximate mode settled: the lowest-index ties of
