@@ -195,7 +195,10 @@ __global__ void quantize_warp_kernel(V value, size_t n, int bits, bool stochasti
 }
 
 // Dequantize with the layout of quantize_warp_kernel: the scale read once
-// per lane and block, no index division.
+// per lane and block, no index division. A lane loads all its codes (and,
+// accumulating, all its outputs) before it stores any: a store between two
+// loads keeps the second from being issued before the first has returned
+// (the compiler cannot tell that the output and the payload do not overlap).
 template <int E, typename T>
 __global__ void dequantize_warp_kernel(const uint8_t* payload, size_t n, int bits, T* out, bool accumulate,
                                        const uint32_t* cancel) {
@@ -209,20 +212,63 @@ __global__ void dequantize_warp_kernel(const uint8_t* payload, size_t n, int bit
     const size_t base = blk * kBlock;
     const int m = static_cast<int>(min(static_cast<size_t>(kBlock), n - base));
     const float stored = scales[blk];
+    // 1. Loads.
+    int c[E];
+    float prev[E];
 #pragma unroll
     for (int k = 0; k < E; ++k) {
       const int j = lane + 32 * k;
-      if (j >= m) break;
       const size_t i = base + j;
-      int c;
-      if (bits == 8) {
-        c = reinterpret_cast<const int8_t*>(codes)[i];
-      } else {
-        const uint8_t byte = codes[i / 2];
-        c = code_of_nibble((j & 1) ? static_cast<uint8_t>(byte >> 4) : byte);
+      c[k] = 0;
+      if (j < m) {
+        if (bits == 8) {
+          c[k] = reinterpret_cast<const int8_t*>(codes)[i];
+        } else {
+          const uint8_t byte = codes[i / 2];
+          c[k] = code_of_nibble((j & 1) ? static_cast<uint8_t>(byte >> 4) : byte);
+        }
       }
-      const float d = dequant_code(c, stored, bits);
-      out[i] = store_acc<T>(accumulate ? load_acc(out[i]) + d : d);
+    }
+    if (accumulate) {
+#pragma unroll
+      for (int k = 0; k < E; ++k) {
+        const int j = lane + 32 * k;
+        prev[k] = j < m ? load_acc(out[base + j]) : 0.f;
+      }
+    }
+    // 2. Values.
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+      const int j = lane + 32 * k;
+      if (j < m) {
+        const float d = dequant_code(c[k], stored, bits);
+        out[base + j] = store_acc<T>(accumulate ? prev[k] + d : d);
+      }
+    }
+  }
+}
+
+// store_sum_kernel with the warp layout: no 64-bit division per element to
+// find its quantization block.
+template <int E, typename D, typename O>
+__global__ void store_sum_warp_kernel(SumValue<D> sum, size_t n, O* out) {
+  constexpr int kBlock = 32 * E;
+  if (cancelled(sum.cancel)) return;
+  const size_t nb = quant_num_blocks(n, kBlock);
+  const int lane = threadIdx.x % 32;
+  for (size_t blk = first_warp_block(); blk < nb; blk += warp_block_stride()) {
+    const size_t base = blk * kBlock;
+    const int m = static_cast<int>(min(static_cast<size_t>(kBlock), n - base));
+    float v[E];
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+      const int j = lane + 32 * k;
+      v[k] = j < m ? sum(blk, j, base + j) : 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+      const int j = lane + 32 * k;
+      if (j < m) out[base + j] = store_acc<O>(v[k]);
     }
   }
 }
@@ -378,7 +424,12 @@ void dequant_reduce_cuda(const DequantReduce& a, cudaStream_t stream) {
     if (a.out) {
       with_float_type(a.out_dtype, "CUDA dequant_reduce", [&](auto* otag) {
         using O = std::remove_pointer_t<decltype(otag)>;
-        store_sum_kernel<D, O><<<grid_for(a.n), kThreads, 0, stream>>>(sum, a.n, static_cast<O*>(a.out));
+        const bool warp = with_warp_block(a.block, [&](auto e) {
+          store_sum_warp_kernel<decltype(e)::value, D, O><<<grid_for(nb * 32), kThreads, 0, stream>>>(
+              sum, a.n, static_cast<O*>(a.out));
+        });
+        if (!warp)
+          store_sum_kernel<D, O><<<grid_for(a.n), kThreads, 0, stream>>>(sum, a.n, static_cast<O*>(a.out));
       });
     }
     if (a.out_payload) {
