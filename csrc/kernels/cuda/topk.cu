@@ -227,7 +227,17 @@ __global__ void tie_count_kernel(const T* x, size_t n, const SelectState* st, in
   tie_range(n, ranges, blockIdx.x, &lo, &hi);
   const uint32_t threshold = st->threshold;
   uint32_t c = 0;
-  for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) c += key_at(x, i) == threshold;
+  // kHistLoads loads of a thread in flight at once, as in histogram_kernel
+  // (~1024 blocks hold too few single loads for HBM), then the rest.
+  size_t i = lo + threadIdx.x;
+  for (; i + (kHistLoads - 1) * blockDim.x < hi; i += kHistLoads * blockDim.x) {
+    uint32_t key[kHistLoads];
+#pragma unroll
+    for (int u = 0; u < kHistLoads; ++u) key[u] = key_at(x, i + u * blockDim.x);
+#pragma unroll
+    for (int u = 0; u < kHistLoads; ++u) c += key[u] == threshold;
+  }
+  for (; i < hi; i += blockDim.x) c += key_at(x, i) == threshold;
   for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
   if (threadIdx.x % 32 == 0) atomicAdd(&total, c);
   __syncthreads();
