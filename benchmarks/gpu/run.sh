@@ -110,7 +110,7 @@ kernels() {
 profile() {
   # Two passes, each with its own launch count: the quantization kernels
   # come first in kernels.py and would use up a shared count before top-k's.
-  local quant="quantize_kernel|quantize_warp_kernel|dequantize_warp_kernel|store_sum_kernel|reduce_kernel"
+  local quant="quantize_kernel|quantize_warp_kernel|dequantize_warp_kernel|store_sum_kernel|store_sum_warp_kernel|reduce_kernel"
   local topk="fold_kernel|histogram_kernel|choose_kernel|gather_kernel|DeviceSelect"
   local sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats"
   : > "$LOG/ncu.txt"
