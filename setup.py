@@ -16,9 +16,16 @@ PYCOMM_CXX_RUNTIME=toolchain leaves that to the toolchain.
 import glob
 import os
 import shutil
+import sys
 
-from setuptools import find_packages, setup
-from torch.utils import cpp_extension
+if not sys.platform.startswith("linux"):
+    # Said before torch is imported, rather than by the compiler's first
+    # error about a header.
+    raise SystemExit(f"torch-pycomm builds on Linux only (its transports use futexes, /dev/shm and /proc); "
+                     f"this is {sys.platform}")
+
+from setuptools import find_packages, setup  # noqa: E402
+from torch.utils import cpp_extension  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
