@@ -48,3 +48,16 @@ def test_numbers_in_the_extension_s_messages_come_out_whole():
     with pytest.raises((RuntimeError, ValueError, pycomm.CommError)) as e:
         torch.ops.pycomm.dequantize(torch.zeros(3, dtype=torch.uint8), n, 8, 256, torch.float32)
     assert str(n) in str(e.value), str(e.value)
+
+
+def test_setup_says_linux_only_elsewhere():
+    """On another OS setup.py stops with what pycomm needs, before torch is
+    imported or a compiler runs (sys.platform stands in for that OS)."""
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = "import sys; sys.platform = 'darwin'; sys.argv = ['setup.py', '--version']; exec(open('setup.py').read())"
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "builds on Linux only" in r.stderr and "darwin" in r.stderr, r.stderr[-500:]
+    assert "Traceback" not in r.stderr, r.stderr[-500:]  # a message, not an import failing on the way
