@@ -167,11 +167,12 @@ nccl() {
 }
 
 tta() {
-  # Three launches of six configs (with a core per rank, two buckets may
-  # overlap the first one's transfer with the backward pass): more than one
-  # step's limit.
+  # Three launches of eight configs: more than one step's limit. With a core
+  # per rank the backward pass no longer competes with the transfers, so
+  # DDP's two buckets and buckets of 0.5 MB (both sides: torch's bf16 too)
+  # may hide all but the last bucket's transfer behind it.
   timeout "$(cap "${TTA_TIMEOUT:-540}")" "$PY" benchmarks/time_to_accuracy.py --launches "${TTA_LAUNCHES:-3}" --rates 1gbit \
-    --out "$LOG/tta" --configs "${TTA_CONFIGS:-ddp,torch-bf16,torch-bf16-1b,int8-1b,int4-b64-noef-1b,int4-b64-noef}" \
+    --out "$LOG/tta" --configs "${TTA_CONFIGS:-ddp,torch-bf16,torch-bf16-1b,torch-bf16-bc0.5,int8-1b,int4-b64-noef-1b,int4-b64-noef,int4-b64-noef-bc0.5}" \
     ${TTA_ARGS:-} 2>&1 | tee "$LOG/tta.log" | tail -25
 }
 
