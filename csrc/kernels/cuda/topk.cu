@@ -150,10 +150,9 @@ __global__ void init_kernel(SelectState* st, SelectState init, uint32_t* hist) {
 // largest key, then empty the histogram for the next pass. Thread t takes
 // bin kBins - 1 - t, so a block-wide prefix sum gives each bin the keys in
 // the bins above it, and the one thread whose bin holds the k_left-th
-// records it (one thread walking the bins waits for 256 loads from L2 one
-// after another: tens of microseconds a pass, as long as the pass itself at
-// 16M elements). Bin 0 is the fallback, as the
-// highest bins may hold fewer keys than k_left only if bin 0 holds the rest.
+// records it; bin 0 takes what the bins above leave. (One thread walking
+// the bins would wait for 256 loads from L2 one after another: tens of
+// microseconds a pass, as long as the pass itself at 16M elements.)
 __global__ void choose_kernel(SelectState* st, uint32_t* hist, int shift, bool last, bool exact, uint32_t lo_ok,
                               uint32_t hi_ok) {
   using Scan = cub::BlockScan<uint32_t, kBins>;
