@@ -146,6 +146,38 @@ def test_nan_inf_carried_exactly(bits, dtype):
     assert flagged.sum() == len(set((pos // block).tolist()))
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block", [8, 64, 256, 1024])
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_a_tensor_quantizes_as_its_blocks_one_by_one(bits, block, dtype):
+    """Round to nearest quantizes runs of blocks in one pass (the per-block
+    work in calls alone was as much as the elements'): the whole tensor's
+    scales, codes and residual are each block's quantized alone, with blocks
+    that hold NaN/Inf among the others and a short last block."""
+    n = 9 * 4096 // 8 + block // 2 + 3  # several runs, a partial last block, odd
+    x = rand_blocks(n, block, seed=block + bits, dtype=dtype).float()  # finite in dtype
+    pos = torch.randperm(n, generator=gen(block))[:6]
+    x[pos] = torch.tensor([float("nan"), float("inf"), float("-inf")]).repeat(2)
+    x = x.to(dtype)
+    res = torch.randn(n, generator=gen(bits)) * 1e-3
+    whole_res = res.clone()
+    whole = C.quantize(x, bits=bits, block=block, residual=whole_res)
+    nb = (n + block - 1) // block
+    assert (whole.scales.view(torch.int32) < 0).sum() == len(set((pos // block).tolist()))
+    per_code = block if bits == 8 else block // 2
+    codes = whole.payload[nb * 4:]
+    for b in range(nb):
+        lo, hi = b * block, min(n, (b + 1) * block)
+        r = res[lo:hi].clone()
+        one = C.quantize(x[lo:hi], bits=bits, block=block, residual=r)
+        assert one.scales.view(torch.int32).item() == whole.scales[b:b + 1].view(torch.int32).item(), b
+        m = hi - lo
+        used = m if bits == 8 else (m + 1) // 2  # code bytes of this block (the payload pads to 8)
+        got, want = codes[b * per_code:b * per_code + used], one.payload[4:4 + used]
+        assert torch.equal(got, want), f"block {b}: codes differ"
+        assert torch.equal(r.view(torch.int32), whole_res[lo:hi].view(torch.int32)), f"block {b}: residual differs"
+
+
 @pytest.mark.parametrize("codec", ["int8", "int4", "topk"])
 def test_error_feedback_conserves_the_sum(codec):
     """After T steps: sum of transmitted + final residual == sum of inputs (float32 rounding)."""

@@ -25,14 +25,18 @@ namespace {
 constexpr float kRoundMagic = 12582912.0f;
 
 struct Scratch {
-  std::vector<float> xs;   // the block in full precision
-  std::vector<float> us;   // stochastic-rounding uniforms
-  std::vector<int8_t> qs;  // int4 codes before packing
+  std::vector<float> xs;          // the block (or run of blocks) in full precision
+  std::vector<float> us;          // stochastic-rounding uniforms
+  std::vector<int8_t> qs;         // int4 codes before packing
+  std::vector<uint32_t> amax;     // per block of a run: largest magnitude bits ...
+  std::vector<BlockQuant> bq;     // ... and quantization parameters
   void reserve(size_t m) {
     if (xs.size() < m) {
       xs.resize(m);
       us.resize(m);
       qs.resize(m);
+      amax.resize(m / 8 + 1);  // blocks hold at least 8 elements (check_spec)
+      bq.resize(m / 8 + 1);
     }
   }
 };
@@ -136,6 +140,55 @@ PYCOMM_MULTIVERSION void pack4(const int8_t* qs, size_t m, uint8_t* out) {
   for (size_t j = 0; j < pairs; ++j)
     out[j] = static_cast<uint8_t>(nibble_of(qs[2 * j]) | (nibble_of(qs[2 * j + 1]) << 4));
   if (m % 2) out[pairs] = nibble_of(qs[m - 1]) | static_cast<uint8_t>(nibble_of(0) << 4);
+}
+
+// ---- round to nearest, several blocks per call
+//
+// Blocks of 64 take ~20 ns each in calls alone (four dispatched functions
+// and their loops' set-up per block): as much as their elements at int4.
+// A run of blocks is staged once, their magnitudes and codes computed by
+// one call each, and packed by one.
+
+// Elements staged per run (whole blocks; a larger block is a run alone).
+constexpr size_t kRunElems = 4096;
+
+// The largest magnitude bits of each of the run's blocks (the last may be short).
+PYCOMM_MULTIVERSION void max_magnitude_bits_blocks(const float* xs, size_t m, size_t block, uint32_t* amax) {
+  for (size_t b = 0, base = 0; base < m; ++b, base += block) {
+    const size_t end = base + block < m ? base + block : m;
+    uint32_t a = 0;
+    for (size_t i = base; i < end; ++i) {
+      const uint32_t u = float_to_bits(xs[i]) & 0x7fffffffu;
+      a = u > a ? u : a;
+    }
+    amax[b] = a;
+  }
+}
+
+// codes_nearest over the run's blocks, each with its own parameters; the
+// flagged ones (NaN/Inf) are left to codes_flagged.
+PYCOMM_MULTIVERSION void codes_nearest_blocks(const float* __restrict__ xs, size_t m, size_t block,
+                                              const BlockQuant* __restrict__ bq, int8_t* __restrict__ q,
+                                              float* __restrict__ r) {
+  for (size_t b = 0, base = 0; base < m; ++b, base += block) {
+    if (bq[b].flagged) continue;
+    const size_t end = base + block < m ? base + block : m;
+    const float inv = bq[b].inv, scale = bq[b].scale, lim = static_cast<float>(bq[b].qrange);
+    if (r) {
+      for (size_t i = base; i < end; ++i) {
+        float v = (xs[i] * inv + kRoundMagic) - kRoundMagic;
+        v = v > lim ? lim : (v < -lim ? -lim : v);
+        q[i] = static_cast<int8_t>(static_cast<int>(v));
+        r[i] = xs[i] - v * scale;
+      }
+    } else {
+      for (size_t i = base; i < end; ++i) {
+        float v = (xs[i] * inv + kRoundMagic) - kRoundMagic;
+        v = v > lim ? lim : (v < -lim ? -lim : v);
+        q[i] = static_cast<int8_t>(static_cast<int>(v));
+      }
+    }
+  }
 }
 
 // Quantizes one staged block (element `idx0` of the tensor, block number
@@ -244,15 +297,51 @@ void quantize_cpu(const QuantSpec& s, DType dtype, const void* x, float* residua
   auto* scales = reinterpret_cast<float*>(payload);
   uint8_t* codes = payload + nb * 4;
   const uint64_t key = mix64(s.seed);
-  Scratch& sc = scratch(s.block);
+  const size_t block = static_cast<size_t>(s.block);
+  const size_t run = s.stochastic ? block : std::max(block, kRunElems / block * block);
+  Scratch& sc = scratch(run);
   with_float_type(dtype, "quantize", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    for (size_t blk = 0; blk < nb; ++blk) {
-      const size_t base = blk * s.block;
-      const size_t m = std::min<size_t>(s.block, n - base);
+    if (s.stochastic) {
+      for (size_t blk = 0; blk < nb; ++blk) {
+        const size_t base = blk * block;
+        const size_t m = std::min<size_t>(block, n - base);
+        float* r = residual ? residual + base : nullptr;
+        stage_any<T>(x, base, r, sc.xs.data(), m);
+        quantize_block(s, sc, m, key, index_base + base, scales, codes, blk, r);
+      }
+      return;
+    }
+    // Round to nearest: runs of blocks (the same arithmetic per element as
+    // quantize_block, so the same bytes).
+    for (size_t base = 0; base < n; base += run) {
+      const size_t m = std::min(run, n - base);
+      const size_t blk0 = base / block, nblk = quant_num_blocks(m, s.block);
       float* r = residual ? residual + base : nullptr;
       stage_any<T>(x, base, r, sc.xs.data(), m);
-      quantize_block(s, sc, m, key, index_base + base, scales, codes, blk, r);
+      max_magnitude_bits_blocks(sc.xs.data(), m, block, sc.amax.data());
+      bool any_flagged = false;
+      for (size_t b = 0; b < nblk; ++b) {
+        float absmax = bits_to_float(sc.amax[b]);
+        bool flagged = false;
+        if (sc.amax[b] >= 0x7f800000u) {  // NaN/Inf: the largest finite magnitude instead
+          const size_t lo = b * block, hi = std::min(m, lo + block);
+          block_stats(sc.xs.data() + lo, hi - lo, &absmax, &flagged);
+          any_flagged = true;
+        }
+        sc.bq[b] = make_block_quant(absmax, flagged, s.bits);
+        scales[blk0 + b] = stored_scale(sc.bq[b]);
+      }
+      int8_t* q = s.bits == 8 ? reinterpret_cast<int8_t*>(codes + base) : sc.qs.data();
+      codes_nearest_blocks(sc.xs.data(), m, block, sc.bq.data(), q, r);
+      if (any_flagged) {  // those blocks again, exactly (quant.h's scalar path)
+        for (size_t b = 0; b < nblk; ++b) {
+          if (!sc.bq[b].flagged) continue;
+          const size_t lo = b * block, hi = std::min(m, lo + block);
+          codes_flagged(sc.xs.data() + lo, nullptr, hi - lo, sc.bq[b], s.bits, q + lo, r ? r + lo : nullptr);
+        }
+      }
+      if (s.bits == 4) pack4(q, m, codes + base / 2);
     }
   });
   // Padding bytes are part of what travels: keep them deterministic.
