@@ -2,8 +2,9 @@
 // dequantize(-accumulate) and the fused dequantize-reduce-requantize.
 //
 // Each quantization block is staged once in float32 in an L1-resident
-// scratch buffer, so the input and the residual stream through memory once
-// per call whatever the block size. Blocks without NaN/Inf (the common case)
+// scratch buffer (runs of whole blocks up to 16 KB at a time), so the input
+// and the residual stream through memory once per call whatever the block
+// size. Blocks without NaN/Inf (the common case)
 // take branch-free loops the compiler vectorises; a block that holds one
 // takes the scalar path of quant.h, which encodes it exactly.
 #include <algorithm>
@@ -96,19 +97,6 @@ PYCOMM_MULTIVERSION void draw_uniforms(float* us, size_t m, uint64_t key, uint64
   for (size_t i = 0; i < m; ++i) us[i] = uniform01(key, idx0 + i);
 }
 
-// Finite block, fast path: codes into q (int8 per element), residual update.
-// Two loops, not a branch inside one: each vectorises on its own.
-PYCOMM_MULTIVERSION void codes_nearest(const float* __restrict__ xs, size_t m, const BlockQuant b,
-                                       int8_t* __restrict__ q, float* __restrict__ r) {
-  const float lim = static_cast<float>(b.qrange);
-  for (size_t i = 0; i < m; ++i) {
-    float v = (xs[i] * b.inv + kRoundMagic) - kRoundMagic;
-    v = v > lim ? lim : (v < -lim ? -lim : v);
-    q[i] = static_cast<int8_t>(static_cast<int>(v));
-    if (r) r[i] = xs[i] - v * b.scale;
-  }
-}
-
 // `us` holds the uniforms on entry and the codes (as floats) on return: one
 // loop without the residual branch vectorises, floor included.
 PYCOMM_MULTIVERSION void codes_stochastic(const float* __restrict__ xs, float* __restrict__ us, size_t m,
@@ -165,8 +153,10 @@ PYCOMM_MULTIVERSION void max_magnitude_bits_blocks(const float* xs, size_t m, si
   }
 }
 
-// codes_nearest over the run's blocks, each with its own parameters; the
-// flagged ones (NaN/Inf) are left to codes_flagged.
+// Round-to-nearest codes (int8 per element) and residuals of the run's
+// blocks, each with its own parameters; the flagged ones (NaN/Inf) are left
+// to codes_flagged. The residual branch is outside the loops: each
+// vectorises on its own.
 PYCOMM_MULTIVERSION void codes_nearest_blocks(const float* __restrict__ xs, size_t m, size_t block,
                                               const BlockQuant* __restrict__ bq, int8_t* __restrict__ q,
                                               float* __restrict__ r) {
@@ -191,68 +181,123 @@ PYCOMM_MULTIVERSION void codes_nearest_blocks(const float* __restrict__ xs, size
   }
 }
 
-// Quantizes one staged block (element `idx0` of the tensor, block number
-// `blk` of the payload) and updates its residual slice.
-void quantize_block(const QuantSpec& s, Scratch& sc, size_t m, uint64_t key, uint64_t idx0, float* scales,
-                    uint8_t* codes, size_t blk, float* r) {
+// Quantizes one staged block by stochastic rounding (element `idx0` of the
+// tensor, block number `blk` of the payload) and updates its residual slice.
+void quantize_block_stochastic(const QuantSpec& s, Scratch& sc, size_t m, uint64_t key, uint64_t idx0,
+                               float* scales, uint8_t* codes, size_t blk, float* r) {
   float absmax;
   bool flagged;
   block_stats(sc.xs.data(), m, &absmax, &flagged);
   const BlockQuant b = make_block_quant(absmax, flagged, s.bits);
   scales[blk] = stored_scale(b);
-  float* us = nullptr;
-  if (s.stochastic) {
-    draw_uniforms(sc.us.data(), m, key, idx0);
-    us = sc.us.data();
-  }
+  draw_uniforms(sc.us.data(), m, key, idx0);
   int8_t* q = s.bits == 8 ? reinterpret_cast<int8_t*>(codes + blk * s.block) : sc.qs.data();
   if (flagged) {
-    codes_flagged(sc.xs.data(), us, m, b, s.bits, q, r);
-  } else if (us) {
-    codes_stochastic(sc.xs.data(), us, m, b, q, r);
+    codes_flagged(sc.xs.data(), sc.us.data(), m, b, s.bits, q, r);
   } else {
-    codes_nearest(sc.xs.data(), m, b, q, r);
+    codes_stochastic(sc.xs.data(), sc.us.data(), m, b, q, r);
   }
   if (s.bits == 4) pack4(q, m, codes + blk * (s.block / 2));
 }
 
-// ---- dequantization of one block into a float accumulator
-
-PYCOMM_MULTIVERSION void dequant8_fast(const int8_t* q, size_t m, float scale, float* acc, bool add) {
-  if (add) {
-    for (size_t i = 0; i < m; ++i) acc[i] += static_cast<float>(q[i]) * scale;
-  } else {
-    for (size_t i = 0; i < m; ++i) acc[i] = static_cast<float>(q[i]) * scale;
-  }
-}
-
-PYCOMM_MULTIVERSION void dequant4_fast(const uint8_t* p, size_t m, float scale, float* acc, bool add) {
-  const size_t pairs = m / 2;
-  for (size_t j = 0; j < pairs; ++j) {
-    const float lo = static_cast<float>(code_of_nibble(p[j])) * scale;
-    const float hi = static_cast<float>(code_of_nibble(static_cast<uint8_t>(p[j] >> 4))) * scale;
-    acc[2 * j] = add ? acc[2 * j] + lo : lo;
-    acc[2 * j + 1] = add ? acc[2 * j + 1] + hi : hi;
-  }
-  if (m % 2) {
-    const float lo = static_cast<float>(code_of_nibble(p[pairs])) * scale;
-    acc[m - 1] = add ? acc[m - 1] + lo : lo;
-  }
-}
-
-// acc[0..m) (+)= D(block blk of payload).
-void dequant_block(int bits, int block, const uint8_t* payload, size_t nblocks, size_t blk, size_t m, float* acc,
-                   bool add) {
-  const float stored = reinterpret_cast<const float*>(payload)[blk];
-  const uint8_t* codes = payload + nblocks * 4;
-  if (!scale_flagged(stored)) {
-    if (bits == 8) {
-      dequant8_fast(reinterpret_cast<const int8_t*>(codes + blk * block), m, stored, acc, add);
-    } else {
-      dequant4_fast(codes + blk * (block / 2), m, stored, acc, add);
-    }
+// Quantizes the staged run sc.xs[0 .. m) (element `base` of the tensor, a
+// whole number of blocks but for the tensor's last) into the payload's
+// scales and codes, and updates its residual slice. Round to nearest takes
+// the run's blocks together; stochastic rounding is given one block at a
+// time (run_elems) and takes quantize_block_stochastic.
+void quantize_run(const QuantSpec& s, Scratch& sc, size_t m, size_t base, uint64_t key, uint64_t idx0,
+                  float* scales, uint8_t* codes, float* r) {
+  const size_t block = static_cast<size_t>(s.block);
+  const size_t blk0 = base / block, nblk = quant_num_blocks(m, s.block);
+  if (s.stochastic) {
+    quantize_block_stochastic(s, sc, m, key, idx0, scales, codes, blk0, r);
     return;
   }
+  max_magnitude_bits_blocks(sc.xs.data(), m, block, sc.amax.data());
+  bool any_flagged = false;
+  for (size_t b = 0; b < nblk; ++b) {
+    float absmax = bits_to_float(sc.amax[b]);
+    bool flagged = false;
+    if (sc.amax[b] >= 0x7f800000u) {  // NaN/Inf: the largest finite magnitude instead
+      const size_t lo = b * block, hi = std::min(m, lo + block);
+      block_stats(sc.xs.data() + lo, hi - lo, &absmax, &flagged);
+      any_flagged = true;
+    }
+    sc.bq[b] = make_block_quant(absmax, flagged, s.bits);
+    scales[blk0 + b] = stored_scale(sc.bq[b]);
+  }
+  int8_t* q = s.bits == 8 ? reinterpret_cast<int8_t*>(codes + base) : sc.qs.data();
+  codes_nearest_blocks(sc.xs.data(), m, block, sc.bq.data(), q, r);
+  if (any_flagged) {  // those blocks again, exactly (quant.h's scalar path)
+    for (size_t b = 0; b < nblk; ++b) {
+      if (!sc.bq[b].flagged) continue;
+      const size_t lo = b * block, hi = std::min(m, lo + block);
+      codes_flagged(sc.xs.data() + lo, nullptr, hi - lo, sc.bq[b], s.bits, q + lo, r ? r + lo : nullptr);
+    }
+  }
+  if (s.bits == 4) pack4(q, m, codes + base / 2);
+}
+
+// Elements of a run: whole blocks up to kRunElems, or one block where the
+// quantization is stochastic.
+size_t run_elems(int block, bool stochastic) {
+  const size_t b = static_cast<size_t>(block);
+  return stochastic ? b : std::max(b, kRunElems / b * b);
+}
+
+// ---- dequantization of runs of blocks into a float accumulator
+
+// acc[0 .. m) (+)= D(the run of blocks from blk0 of payload), blocks
+// without NaN/Inf (flagged ones are left to dequant_block_flagged): one
+// call for the run, the `add` branch outside the loops so that each
+// vectorises.
+PYCOMM_MULTIVERSION void dequant8_blocks(const int8_t* __restrict__ q, const float* __restrict__ scales, size_t m,
+                                         size_t block, float* __restrict__ acc, bool add) {
+  for (size_t b = 0, base = 0; base < m; ++b, base += block) {
+    const float scale = scales[b];
+    if (float_to_bits(scale) >> 31) continue;  // flagged
+    const size_t end = base + block < m ? base + block : m;
+    if (add) {
+      for (size_t i = base; i < end; ++i) acc[i] += static_cast<float>(q[i]) * scale;
+    } else {
+      for (size_t i = base; i < end; ++i) acc[i] = static_cast<float>(q[i]) * scale;
+    }
+  }
+}
+
+PYCOMM_MULTIVERSION void dequant4_blocks(const uint8_t* __restrict__ p, const float* __restrict__ scales, size_t m,
+                                         size_t block, float* __restrict__ acc, bool add) {
+  for (size_t b = 0, base = 0; base < m; ++b, base += block) {
+    const float scale = scales[b];
+    if (float_to_bits(scale) >> 31) continue;  // flagged
+    const size_t len = (base + block < m ? base + block : m) - base;
+    const uint8_t* pb = p + base / 2;  // blocks hold an even number of elements
+    float* ab = acc + base;
+    const size_t pairs = len / 2;
+    if (add) {
+      for (size_t j = 0; j < pairs; ++j) {
+        ab[2 * j] += static_cast<float>(code_of_nibble(pb[j])) * scale;
+        ab[2 * j + 1] += static_cast<float>(code_of_nibble(static_cast<uint8_t>(pb[j] >> 4))) * scale;
+      }
+    } else {
+      for (size_t j = 0; j < pairs; ++j) {
+        ab[2 * j] = static_cast<float>(code_of_nibble(pb[j])) * scale;
+        ab[2 * j + 1] = static_cast<float>(code_of_nibble(static_cast<uint8_t>(pb[j] >> 4))) * scale;
+      }
+    }
+    if (len % 2) {
+      const float lo = static_cast<float>(code_of_nibble(pb[pairs])) * scale;
+      ab[len - 1] = add ? ab[len - 1] + lo : lo;
+    }
+  }
+}
+
+// acc[0 .. m) (+)= D(block blk of payload), a block that holds NaN/Inf:
+// quant.h's scalar path, which decodes the escape codes.
+void dequant_block_flagged(int bits, int block, const uint8_t* payload, size_t nblocks, size_t blk, size_t m,
+                           float* acc, bool add) {
+  const float stored = reinterpret_cast<const float*>(payload)[blk];
+  const uint8_t* codes = payload + nblocks * 4;
   for (size_t i = 0; i < m; ++i) {
     int c;
     if (bits == 8) {
@@ -263,6 +308,23 @@ void dequant_block(int bits, int block, const uint8_t* payload, size_t nblocks, 
     }
     const float v = dequant_code(c, stored, bits);
     acc[i] = add ? acc[i] + v : v;
+  }
+}
+
+// acc[0 .. m) (+)= D(the run of blocks from blk0 of payload).
+void dequant_run(int bits, int block, const uint8_t* payload, size_t nblocks, size_t blk0, size_t m, float* acc,
+                 bool add) {
+  const auto* scales = reinterpret_cast<const float*>(payload) + blk0;
+  const uint8_t* codes = payload + nblocks * 4;
+  const size_t bs = static_cast<size_t>(block), base = blk0 * bs;
+  if (bits == 8) {
+    dequant8_blocks(reinterpret_cast<const int8_t*>(codes + base), scales, m, bs, acc, add);
+  } else {
+    dequant4_blocks(codes + base / 2, scales, m, bs, acc, add);
+  }
+  for (size_t b = 0, lo = 0; lo < m; ++b, lo += bs) {
+    if (scale_flagged(scales[b]))
+      dequant_block_flagged(bits, block, payload, nblocks, blk0 + b, std::min(bs, m - lo), acc + lo, add);
   }
 }
 
@@ -297,51 +359,15 @@ void quantize_cpu(const QuantSpec& s, DType dtype, const void* x, float* residua
   auto* scales = reinterpret_cast<float*>(payload);
   uint8_t* codes = payload + nb * 4;
   const uint64_t key = mix64(s.seed);
-  const size_t block = static_cast<size_t>(s.block);
-  const size_t run = s.stochastic ? block : std::max(block, kRunElems / block * block);
+  const size_t run = run_elems(s.block, s.stochastic);
   Scratch& sc = scratch(run);
   with_float_type(dtype, "quantize", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    if (s.stochastic) {
-      for (size_t blk = 0; blk < nb; ++blk) {
-        const size_t base = blk * block;
-        const size_t m = std::min<size_t>(block, n - base);
-        float* r = residual ? residual + base : nullptr;
-        stage_any<T>(x, base, r, sc.xs.data(), m);
-        quantize_block(s, sc, m, key, index_base + base, scales, codes, blk, r);
-      }
-      return;
-    }
-    // Round to nearest: runs of blocks (the same arithmetic per element as
-    // quantize_block, so the same bytes).
     for (size_t base = 0; base < n; base += run) {
       const size_t m = std::min(run, n - base);
-      const size_t blk0 = base / block, nblk = quant_num_blocks(m, s.block);
       float* r = residual ? residual + base : nullptr;
       stage_any<T>(x, base, r, sc.xs.data(), m);
-      max_magnitude_bits_blocks(sc.xs.data(), m, block, sc.amax.data());
-      bool any_flagged = false;
-      for (size_t b = 0; b < nblk; ++b) {
-        float absmax = bits_to_float(sc.amax[b]);
-        bool flagged = false;
-        if (sc.amax[b] >= 0x7f800000u) {  // NaN/Inf: the largest finite magnitude instead
-          const size_t lo = b * block, hi = std::min(m, lo + block);
-          block_stats(sc.xs.data() + lo, hi - lo, &absmax, &flagged);
-          any_flagged = true;
-        }
-        sc.bq[b] = make_block_quant(absmax, flagged, s.bits);
-        scales[blk0 + b] = stored_scale(sc.bq[b]);
-      }
-      int8_t* q = s.bits == 8 ? reinterpret_cast<int8_t*>(codes + base) : sc.qs.data();
-      codes_nearest_blocks(sc.xs.data(), m, block, sc.bq.data(), q, r);
-      if (any_flagged) {  // those blocks again, exactly (quant.h's scalar path)
-        for (size_t b = 0; b < nblk; ++b) {
-          if (!sc.bq[b].flagged) continue;
-          const size_t lo = b * block, hi = std::min(m, lo + block);
-          codes_flagged(sc.xs.data() + lo, nullptr, hi - lo, sc.bq[b], s.bits, q + lo, r ? r + lo : nullptr);
-        }
-      }
-      if (s.bits == 4) pack4(q, m, codes + base / 2);
+      quantize_run(s, sc, m, base, key, index_base + base, scales, codes, r);
     }
   });
   // Padding bytes are part of what travels: keep them deterministic.
@@ -352,18 +378,19 @@ void quantize_cpu(const QuantSpec& s, DType dtype, const void* x, float* residua
 void dequantize_cpu(int bits, int block, const uint8_t* payload, size_t n, DType dtype, void* out, bool accumulate) {
   check_spec(bits, block);
   const size_t nb = quant_num_blocks(n, block);
-  Scratch& sc = scratch(block);
+  const size_t run = run_elems(block, false);
+  Scratch& sc = scratch(run);
   with_float_type(dtype, "dequantize", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     T* o = static_cast<T*>(out);
-    for (size_t blk = 0; blk < nb; ++blk) {
-      const size_t base = blk * block;
-      const size_t m = std::min<size_t>(block, n - base);
+    for (size_t base = 0; base < n; base += run) {
+      const size_t m = std::min(run, n - base);
+      const size_t blk0 = base / static_cast<size_t>(block);
       if constexpr (std::is_same_v<T, float>) {
         // float32: straight into (or onto) the output, no staging.
-        dequant_block(bits, block, payload, nb, blk, m, o + base, accumulate);
+        dequant_run(bits, block, payload, nb, blk0, m, o + base, accumulate);
       } else {
-        dequant_block(bits, block, payload, nb, blk, m, sc.xs.data(), false);
+        dequant_run(bits, block, payload, nb, blk0, m, sc.xs.data(), false);
         unstage(sc.xs.data(), m, o + base, accumulate);
       }
     }
@@ -390,14 +417,15 @@ void dequant_reduce_cpu(const DequantReduce& a) {
   if (a.out_payload && (a.requant.bits != a.bits || a.requant.block != a.block))
     throw CommError("pycomm: dequant_reduce requantizes with the sources' bits and block size only");
   const size_t nb = quant_num_blocks(a.n, a.block);
-  Scratch& sc = scratch(a.block);
+  const size_t run = run_elems(a.block, a.out_payload && a.requant.stochastic);
+  Scratch& sc = scratch(run);
   float* xs = sc.xs.data();
   const uint64_t key = mix64(a.requant.seed);
   auto* out_scales = reinterpret_cast<float*>(a.out_payload);
   uint8_t* out_codes = a.out_payload ? a.out_payload + nb * 4 : nullptr;
-  for (size_t blk = 0; blk < nb; ++blk) {
-    const size_t base = blk * a.block;
-    const size_t m = std::min<size_t>(a.block, a.n - base);
+  for (size_t base = 0; base < a.n; base += run) {
+    const size_t m = std::min(run, a.n - base);
+    const size_t blk0 = base / static_cast<size_t>(a.block);
     // 1. The dense addend (a ring hop's own chunk) starts the sum ...
     bool have = false;
     if (a.dense) {
@@ -409,7 +437,7 @@ void dequant_reduce_cpu(const DequantReduce& a) {
     }
     // 2. ... then every quantized source, in order (same bits everywhere).
     for (int j = 0; j < a.nsrc; ++j) {
-      dequant_block(a.bits, a.block, a.srcs[j], nb, blk, m, xs, have);
+      dequant_run(a.bits, a.block, a.srcs[j], nb, blk0, m, xs, have);
       have = true;
     }
     if (!have) std::fill(xs, xs + m, 0.f);
@@ -425,7 +453,7 @@ void dequant_reduce_cpu(const DequantReduce& a) {
     if (a.out_payload) {
       float* r = a.residual ? a.residual + base : nullptr;
       if (r) add_block(xs, r, m);
-      quantize_block(a.requant, sc, m, key, a.index_base + base, out_scales, out_codes, blk, r);
+      quantize_run(a.requant, sc, m, base, key, a.index_base + base, out_scales, out_codes, r);
     }
   }
   if (a.out_payload) {
