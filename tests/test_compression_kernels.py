@@ -315,6 +315,34 @@ def test_topk_nan_inf_selected_and_carried():
         assert torch.isfinite(res).all()
 
 
+@pytest.mark.parametrize("k", [0, 100, 5000])
+def test_topk_keeps_no_non_finite_value_for_later(k):
+    """An overflow step (Inf and NaN in most of the tensor, more than k of
+    them): what is sent is non-finite, and no Inf or NaN stays in the
+    residual, where each later step would send k more of them; the finite
+    residual the step found is kept. Room for all of them: all sent, as before."""
+    n = 10000
+    for exact in (True, False):
+        for bad in (n // 2, 50):
+            x = torch.randn(n, generator=gen(bad))
+            pos = torch.randperm(n, generator=gen(k))[:bad]
+            x[pos] = torch.tensor([float("nan"), float("inf"), float("-inf")]).repeat(bad)[:bad]
+            before = torch.randn(n, generator=gen(3)) * 1e-3
+            res = before.clone()
+            s = C.topk(x, k, exact=exact, residual=res)
+            assert torch.isfinite(res).all(), (exact, bad, k)
+            if set(pos.tolist()) <= set(s.indices.tolist()):  # room for every one of them
+                assert k >= bad, (exact, bad, k)
+                continue
+            assert not torch.isfinite(s.values.float()).any(), (exact, bad, k)  # the step is seen as overflowing
+            unsent = torch.ones(n, dtype=torch.bool)
+            unsent[s.indices.long()] = False
+            finite_x = torch.isfinite(x)
+            # unsent finite entries keep x + residual, unsent non-finite ones nothing
+            assert torch.equal(res[unsent & finite_x], (x + before)[unsent & finite_x])
+            assert (res[unsent & ~finite_x] == 0).all()
+
+
 def test_sparse_to_dense_allocates_on_the_values_device(monkeypatch):
     """to_dense() builds its result where the selection lives (a CUDA selection
     stays on the GPU). The meta device stands in for a second device here."""

@@ -338,6 +338,20 @@ def test_every_hook_on_cuda_buckets(ddp_pool, hook, option, world):
         assert set(res[rank]["routes"].values()) == {"group"}, res[rank]["routes"]
 
 
+@pytest.mark.parametrize("hook", ["topk", "powersgd", "stale"])
+def test_an_overflow_step_on_cuda_buckets_leaves_no_trace(ddp_pool, hook):
+    """tests/test_hooks.py's overflow case on CUDA buckets (the group path):
+    PowerSGD decides on the device, without reading the verdict back."""
+    import overflow_cases
+
+    res = ddp_pool.run(overflow_cases.overflow_step, 2, hook, device="cuda")[:2]
+    bad = overflow_cases.OVERFLOW_STEP + (1 if hook == "stale" else 0)
+    for rank in range(2):
+        assert res[rank]["finite"] == [step != bad for step in range(len(res[rank]["finite"]))], res[rank]
+        assert torch.isfinite(res[rank]["params"]).all()
+        assert torch.equal(res[rank]["params"], res[0]["params"])
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_path_s_future_orders_a_reader_on_another_stream(ddp_pool, world):
     """200 calls per path, each result waited on and read at once on another

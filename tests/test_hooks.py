@@ -14,6 +14,7 @@ import torch
 
 import compile_cases
 import hooks_cases
+import overflow_cases
 import pycomm
 from harness import RankPool
 from pycomm import hooks
@@ -101,6 +102,23 @@ def test_hooks_under_torch_compile(pool, hook):
         assert r["vs_eager_hook"] <= (1e-5 if hook in ("allreduce", "bf16") else 1e-2), (rank, r["vs_eager_hook"])
         for a, b in zip(r["grads"], res[0]["grads"]):
             assert torch.equal(a, b), f"rank {rank}'s averaged gradients differ from rank 0's"
+
+
+@pytest.mark.parametrize("hook", overflow_cases.OVERFLOW_HOOKS)
+def test_an_overflow_step_is_skipped_everywhere_and_leaves_no_trace(pool, hook):
+    """Mixed precision: a scaled loss overflows on one rank now and then,
+    and GradScaler skips that step. Every rank must see a non-finite average
+    in that step (the stale hook: the next, when its average is handed
+    back), and the steps after must be finite again: no Inf or NaN kept in a
+    residual or a warm start (torch's powerSGD_hook keeps them for good)."""
+    world = 2
+    res = pool.run(overflow_cases.overflow_step, world, hook)[:world]
+    bad = overflow_cases.OVERFLOW_STEP + (1 if hook == "stale" else 0)
+    for rank in range(world):
+        want = [step != bad for step in range(len(res[rank]["finite"]))]
+        assert res[rank]["finite"] == want, (rank, res[rank]["finite"])
+        assert torch.isfinite(res[rank]["params"]).all()
+        assert torch.equal(res[rank]["params"], res[0]["params"]), f"rank {rank}'s parameters differ"
 
 
 @pytest.mark.parametrize("path", ["auto", "group"])

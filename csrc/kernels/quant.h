@@ -176,6 +176,9 @@ PYCOMM_HOST_DEVICE float sent_residual(float v, float sent) {
 // is always selected (like torch.topk, which ranks NaN largest).
 PYCOMM_HOST_DEVICE uint32_t topk_key(float x) { return float_to_bits(x) & 0x7fffffffu; }
 
+// Keys of Inf and NaN: at or above this one.
+constexpr uint32_t kTopkNonFiniteKey = 0x7f800000u;
+
 // Entries a top-k selection of k (<= n) may keep: exactly k, or up to
 // k(1 + tolerance) for the approximate selection.
 PYCOMM_HOST_DEVICE size_t topk_capacity(size_t k, size_t n, bool exact, double tolerance) {

@@ -427,13 +427,20 @@ def _q_phase(state: PowerSGDState, b: _Bucket) -> None:
             g = b.grads[i]
             g.copy_(plain[off:off + g.numel()].view_as(g))
             off += g.numel()
+    # Inf or NaN in any rank's bucket (an overflow step of a scaled loss,
+    # which GradScaler skips) reaches every rank's P or plain tensors, then
+    # Q and the output: the same verdict everywhere, kept on the device.
+    finite = torch.isfinite(p_mem).all()
+    if plain is not None:
+        finite = finite & torch.isfinite(plain).all()
+    q_mem = state.q_memory_dict[idx]
+    q_before = q_mem.clone() if state.warm_start else None  # small: (n + m) r per matrix
     for group in b.ps:
         for p in group:
             orthogonalize_(p, state.epsilon)
     for mats, ps, qs in zip(b.mats, b.ps, b.qs):
         for mat, p, q in zip(mats, ps, qs):
             torch.bmm(mat.transpose(1, 2), p, out=q)
-    q_mem = state.q_memory_dict[idx]
     work = _all_reduce(state, b, q_mem, "avg", state.wire)
 
     def done(_: Any) -> None:
@@ -447,8 +454,14 @@ def _q_phase(state: PowerSGDState, b: _Bucket) -> None:
                 else:
                     for p, q, out in zip(ps, qs, outs):
                         torch.bmm(p, q.transpose(1, 2), out=out)
+            ok = finite & torch.isfinite(q_mem).all()
             if state.error_feedback:
                 state.error_dict[idx].sub_(b.buf)  # M - output
+                _unless_finite(ok, lambda e=state.error_dict[idx]: e.zero_(),
+                               lambda e=state.error_dict[idx]: e.masked_fill_(~ok, 0.0))
+            if q_before is not None:
+                _unless_finite(ok, lambda: q_mem.copy_(q_before),
+                               lambda: q_mem.copy_(torch.where(ok, q_mem, q_before)))
             if not state.warm_start:
                 state.p_memory_dict.pop(idx, None)
                 state.q_memory_dict.pop(idx, None)
@@ -465,6 +478,19 @@ def _q_phase(state: PowerSGDState, b: _Bucket) -> None:
         work.get_future().then(done)
     else:
         state._group_future(work, done, b.buf.device)
+
+
+def _unless_finite(ok: torch.Tensor, host: Any, device: Any) -> None:
+    """After a step whose factors or plain tensors were not finite on some
+    rank (``ok`` false, the same on every rank), the state must not carry
+    them into the next steps, as torch's hook does (its residual and warm
+    start stay NaN for good): the residual restarts from zero, Q keeps the
+    step before's. ``host`` does it on CPU, where reading ``ok`` is free;
+    ``device`` without reading it (no synchronisation in a CUDA step)."""
+    if ok.is_cuda:
+        device()
+    elif not bool(ok):
+        host()
 
 
 def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

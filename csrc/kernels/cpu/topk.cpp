@@ -163,6 +163,10 @@ size_t select_approx(const TopK& s, const T* x, float* residual, size_t n, std::
   return select_exact(x, eff, n, k, cand);
 }
 
+PYCOMM_MULTIVERSION void drop_non_finite(float* r, size_t n) {
+  for (size_t i = 0; i < n; ++i) r[i] = topk_key(r[i]) < kTopkNonFiniteKey ? r[i] : 0.f;
+}
+
 template <typename T>
 size_t topk_typed(const TopK& s, const T* x, float* residual, size_t n, size_t cap, T* values, int32_t* indices) {
   const size_t k = std::min(s.k, n);
@@ -185,6 +189,7 @@ size_t topk_typed(const TopK& s, const T* x, float* residual, size_t n, size_t c
   if (count > cap)
     throw CommError("pycomm: top-k kept " + std::to_string(count) + " values but the output holds " +
                     std::to_string(cap));
+  bool sent_finite = false;
   for (size_t j = 0; j < count; ++j) {
     const int32_t i = idx[j];
     const float v = value_at(x, eff, i);
@@ -192,7 +197,14 @@ size_t topk_typed(const TopK& s, const T* x, float* residual, size_t n, size_t c
     values[j] = stored;
     indices[j] = i;
     if (residual) residual[i] = sent_residual(v, load_acc(stored));
+    sent_finite = sent_finite || topk_key(v) < kTopkNonFiniteKey;
   }
+  // Inf and NaN are not kept for later (sent_residual drops the sent ones):
+  // an overflow step of a scaled loss puts them everywhere, and each step
+  // would send k of them, its result non-finite again, until all had gone.
+  // Unsent ones exist only when every sent value is non-finite (theirs are
+  // the largest keys).
+  if (residual && !sent_finite && count < n) drop_non_finite(residual, n);
   return count;
 }
 

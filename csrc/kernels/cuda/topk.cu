@@ -320,6 +320,19 @@ __global__ void gather_kernel(const T* x, const float* eff, float* residual, con
   }
 }
 
+// topk_cpu's rule for Inf and NaN left in the residual: none is kept for
+// later (an overflow step of a scaled loss puts them everywhere, and each
+// step would send k of them until all had gone). Unsent ones exist only if
+// the selection's threshold is a non-finite key: every sent value is then
+// non-finite too, which is when the CPU drops them. `st` null: nothing was
+// selected (k = 0), drop them whatever the state.
+__global__ void drop_non_finite_kernel(float* r, size_t n, const SelectState* st) {
+  if (st != nullptr && st->threshold < kTopkNonFiniteKey) return;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    if (topk_key(r[i]) >= kTopkNonFiniteKey) r[i] = 0.f;
+}
+
 template <typename V, typename D>
 __global__ void scatter_kernel(const V* values, const int32_t* indices, size_t count, D* dense, size_t n, int* bad) {
   for (size_t j = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; j < count;
@@ -406,7 +419,12 @@ size_t topk_cuda(const TopK& s, DType dtype, const void* x, float* residual, siz
         fold_kernel<T><<<grid_for(n), kThreads, 0, stream>>>(xt, residual, n);
       }
     }
-    if (k == 0) return;
+    if (k == 0) {
+      if (residual && n > 0)
+        drop_non_finite_kernel<<<cuda_detail::resident_grid(drop_non_finite_kernel, n), kThreads, 0, stream>>>(
+            residual, n, nullptr);
+      return;
+    }
     auto run = [&](auto* eff) {
       using E = std::remove_cv_t<std::remove_pointer_t<decltype(eff)>>;
       const SelectState init{0, 0, static_cast<uint32_t>(k), 0, k >= n ? 1u : 0u, 0, -1, 0};
@@ -431,6 +449,9 @@ size_t topk_cuda(const TopK& s, DType dtype, const void* x, float* residual, siz
             "topk select");
       gather_kernel<T><<<grid_for(cap), kThreads, 0, stream>>>(xt, residual, residual, idx, counters, cap,
                                                                static_cast<T*>(values), indices);
+      if (residual && k < n)
+        drop_non_finite_kernel<<<cuda_detail::resident_grid(drop_non_finite_kernel, n), kThreads, 0, stream>>>(
+            residual, n, st);
       int count = 0;
       check(cudaMemcpyAsync(&count, counters, sizeof count, cudaMemcpyDeviceToHost, stream), "topk count");
       check(cudaStreamSynchronize(stream), "topk");
