@@ -4,9 +4,9 @@
 // Each quantization block is staged once in float32 in an L1-resident
 // scratch buffer (runs of whole blocks up to 16 KB at a time), so the input
 // and the residual stream through memory once per call whatever the block
-// size. Blocks without NaN/Inf (the common case)
-// take branch-free loops the compiler vectorises; a block that holds one
-// takes the scalar path of quant.h, which encodes it exactly.
+// size. Blocks without NaN/Inf (the common case) take branch-free loops the
+// compiler vectorises; a block that holds one takes the scalar path of
+// quant.h, which encodes it exactly.
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
