@@ -457,11 +457,9 @@ def _q_phase(state: PowerSGDState, b: _Bucket) -> None:
             ok = finite & torch.isfinite(q_mem).all()
             if state.error_feedback:
                 state.error_dict[idx].sub_(b.buf)  # M - output
-                _unless_finite(ok, lambda e=state.error_dict[idx]: e.zero_(),
-                               lambda e=state.error_dict[idx]: e.masked_fill_(~ok, 0.0))
+                _revert_unless(ok, state.error_dict[idx], 0.0)
             if q_before is not None:
-                _unless_finite(ok, lambda: q_mem.copy_(q_before),
-                               lambda: q_mem.copy_(torch.where(ok, q_mem, q_before)))
+                _revert_unless(ok, q_mem, q_before)
             if not state.warm_start:
                 state.p_memory_dict.pop(idx, None)
                 state.q_memory_dict.pop(idx, None)
@@ -480,17 +478,24 @@ def _q_phase(state: PowerSGDState, b: _Bucket) -> None:
         state._group_future(work, done, b.buf.device)
 
 
-def _unless_finite(ok: torch.Tensor, host: Any, device: Any) -> None:
-    """After a step whose factors or plain tensors were not finite on some
-    rank (``ok`` false, the same on every rank), the state must not carry
-    them into the next steps, as torch's hook does (its residual and warm
-    start stay NaN for good): the residual restarts from zero, Q keeps the
-    step before's. ``host`` does it on CPU, where reading ``ok`` is free;
-    ``device`` without reading it (no synchronisation in a CUDA step)."""
+def _revert_unless(ok: torch.Tensor, t: torch.Tensor, before: Any) -> None:
+    """``t`` becomes ``before`` (a tensor, or 0.0) unless ``ok``: after a
+    step whose factors or plain tensors were not finite on some rank (``ok``
+    false, the same on every rank), the state must not carry them into the
+    next steps, as torch's hook does (its residual and warm start stay NaN
+    for good). On CPU ``ok`` is read (free); on CUDA it stays on the device
+    (no synchronisation in a step)."""
+    scalar = not isinstance(before, torch.Tensor)
     if ok.is_cuda:
-        device()
+        if scalar:
+            t.masked_fill_(~ok, before)
+        else:
+            t.copy_(torch.where(ok, t, before))
     elif not bool(ok):
-        host()
+        if scalar:
+            t.fill_(before)
+        else:
+            t.copy_(before)
 
 
 def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -255,7 +255,7 @@ PYCOMM_MULTIVERSION void dequant8_blocks(const int8_t* __restrict__ q, const flo
                                          size_t block, float* __restrict__ acc, bool add) {
   for (size_t b = 0, base = 0; base < m; ++b, base += block) {
     const float scale = scales[b];
-    if (float_to_bits(scale) >> 31) continue;  // flagged
+    if (scale_flagged(scale)) continue;
     const size_t end = base + block < m ? base + block : m;
     if (add) {
       for (size_t i = base; i < end; ++i) acc[i] += static_cast<float>(q[i]) * scale;
@@ -269,7 +269,7 @@ PYCOMM_MULTIVERSION void dequant4_blocks(const uint8_t* __restrict__ p, const fl
                                          size_t block, float* __restrict__ acc, bool add) {
   for (size_t b = 0, base = 0; base < m; ++b, base += block) {
     const float scale = scales[b];
-    if (float_to_bits(scale) >> 31) continue;  // flagged
+    if (scale_flagged(scale)) continue;
     const size_t len = (base + block < m ? base + block : m) - base;
     const uint8_t* pb = p + base / 2;  // blocks hold an even number of elements
     float* ab = acc + base;

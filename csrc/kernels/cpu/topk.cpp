@@ -164,7 +164,7 @@ size_t select_approx(const TopK& s, const T* x, float* residual, size_t n, std::
 }
 
 PYCOMM_MULTIVERSION void drop_non_finite(float* r, size_t n) {
-  for (size_t i = 0; i < n; ++i) r[i] = topk_key(r[i]) < kTopkNonFiniteKey ? r[i] : 0.f;
+  for (size_t i = 0; i < n; ++i) r[i] = is_finite_f(r[i]) ? r[i] : 0.f;
 }
 
 template <typename T>
@@ -197,7 +197,7 @@ size_t topk_typed(const TopK& s, const T* x, float* residual, size_t n, size_t c
     values[j] = stored;
     indices[j] = i;
     if (residual) residual[i] = sent_residual(v, load_acc(stored));
-    sent_finite = sent_finite || topk_key(v) < kTopkNonFiniteKey;
+    sent_finite = sent_finite || is_finite_f(v);
   }
   // Inf and NaN are not kept for later (sent_residual drops the sent ones):
   // an overflow step of a scaled loss puts them everywhere, and each step

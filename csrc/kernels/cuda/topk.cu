@@ -330,7 +330,7 @@ __global__ void drop_non_finite_kernel(float* r, size_t n, const SelectState* st
   if (st != nullptr && st->threshold < kTopkNonFiniteKey) return;
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<size_t>(gridDim.x) * blockDim.x)
-    if (topk_key(r[i]) >= kTopkNonFiniteKey) r[i] = 0.f;
+    if (!is_finite_f(r[i])) r[i] = 0.f;
 }
 
 template <typename V, typename D>
