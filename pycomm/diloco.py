@@ -85,6 +85,14 @@ class DiLoCo:
                             sync_every=16, fragments=4, overlap=True)
     """
 
+    # GradScaler's protocol for optimizers that handle scaling themselves: it
+    # hands step() the scale and the overflow flag instead of skipping the
+    # call. A step that GradScaler skips on one rank (its own gradients
+    # overflowed: inner steps are not averaged) must still count there, or that
+    # rank's sync schedule falls behind the others' and fragments pair with
+    # fragments of other sizes.
+    _step_supports_amp_scaling = True
+
     def __init__(self, params: Iterable[torch.Tensor], inner: torch.optim.Optimizer, *, sync_every: int = 64,
                  outer_lr: Optional[float] = None, outer_momentum: Optional[float] = None,
                  nesterov: Optional[bool] = None,
@@ -144,8 +152,13 @@ class DiLoCo:
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Any = None) -> Any:
-        """One inner step; then the syncs this step is due for."""
-        loss = self.inner.step(closure)
+        """One inner step; then the syncs this step is due for.
+
+        Under ``torch.amp.GradScaler`` (``scaler.step(opt)``) a step whose
+        gradients overflowed on this rank skips the inner update and still
+        counts, so every rank syncs at the same steps."""
+        found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step for this call only
+        loss = self.inner.step(closure) if found_inf is None else self._scaled_inner_step(found_inf)
         self.local_step += 1
         for fr in self._fragments:
             if fr.work is not None:  # started at the last step: travelled behind this one
@@ -185,6 +198,28 @@ class DiLoCo:
                     g.copy_(next(saved))
 
     # ------------------------------------------------------------- internals
+
+    def _scaled_inner_step(self, found_inf: torch.Tensor) -> Any:
+        """The inner step as GradScaler would take it: skipped when the
+        gradients overflowed, else on the unscaled gradients. ``grad_scale``
+        is None when the user already called ``scaler.unscale_(opt)``."""
+        grad_scale = getattr(self, "grad_scale", None)
+        if getattr(self.inner, "_step_supports_amp_scaling", False):
+            # A fused inner optimizer unscales and skips in its own kernels,
+            # without reading the flag on the host.
+            self.inner.grad_scale, self.inner.found_inf = grad_scale, found_inf  # type: ignore[attr-defined]
+            try:
+                return self.inner.step()
+            finally:
+                del self.inner.grad_scale, self.inner.found_inf  # type: ignore[attr-defined]
+        if found_inf.item():
+            return None
+        if grad_scale is not None:
+            # GradScaler's arithmetic: the reciprocal in float64, then a multiply.
+            grads = [p.grad for g in self.inner.param_groups for p in g["params"] if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, grad_scale.double().reciprocal().float().to(grads[0].device))
+        return self.inner.step()
 
     def _start(self, fr: _Fragment) -> None:
         """The fragment's pseudo-gradient, averaged on its way."""

@@ -21,10 +21,13 @@ def _targets(world: int) -> List[List[torch.Tensor]]:
 
 
 def _simulate(world: int, steps: int, lr: float, h: int, fragments: List[int], offsets: List[int],
-              overlap: bool, outer_lr: float, mu: float) -> List[List[torch.Tensor]]:
+              overlap: bool, outer_lr: float, mu: float, skip: Optional[Dict[int, int]] = None
+              ) -> List[List[torch.Tensor]]:
     """Every rank's parameters after each step, in float64: inner SGD on each
     rank's quadratic, fragment f's outer Nesterov step at its sync steps
-    (torch's SGD: buf = g first, then mu * buf + g; update g + mu * buf)."""
+    (torch's SGD: buf = g first, then mu * buf + g; update g + mu * buf).
+    ``skip``: {step: rank} whose inner update that step is skipped."""
+    skip = skip or {}
     cs = _targets(world)
     theta = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
     xs = [[t.clone() for t in theta] for _ in range(world)]
@@ -45,7 +48,8 @@ def _simulate(world: int, steps: int, lr: float, h: int, fragments: List[int], o
 
     for t in range(1, steps + 1):
         for r in range(world):
-            xs[r] = [x - lr * (x - c) for x, c in zip(xs[r], cs[r])]
+            if skip.get(t) != r:
+                xs[r] = [x - lr * (x - c) for x, c in zip(xs[r], cs[r])]
         for f, (delta, at_sync) in list(pending.items()):
             outer(f, delta)
             for r in range(world):
@@ -68,33 +72,79 @@ def _simulate(world: int, steps: int, lr: float, h: int, fragments: List[int], o
     return history
 
 
+def _route(world: int, device: str, path: Optional[str]) -> Dict[str, object]:
+    """Where pseudo-gradients go: the communicator for CPU parameters, the
+    group (the path CUDA parameters take) for CUDA ones or when asked."""
+    group, comm = _group(world)
+    if device == "cpu" and path is None:
+        return {"communicator": comm}
+    return {"process_group": group, "path": path}
+
+
 def quadratic(rank: int, world: int, wire: str, fragments: int, overlap: bool, steps: int = 20,
-              h: int = 4, outer: str = "default") -> Dict[str, object]:
+              h: int = 4, outer: str = "default", device: str = "cpu", path: Optional[str] = None
+              ) -> Dict[str, object]:
     """pycomm.DiLoCo on the quadratic against the float64 simulation: the
     largest difference over every step, relative to the targets' scale.
     ``outer`` "averaging": the outer optimizer passed as ``outer=``, plain
     SGD at lr 1 (the global parameters become the ranks' average)."""
-    _, comm = _group(world)
     if rank >= world:
         return {}
-    params = [torch.zeros(s, requires_grad=True) for s in SHAPES]
+    params = [torch.zeros(s, device=device, requires_grad=True) for s in SHAPES]
     inner = torch.optim.SGD(params, lr=0.1)
     kw = dict(outer=lambda groups: torch.optim.SGD(groups, lr=1.0)) if outer == "averaging" else {}
     opt = pycomm.DiLoCo(params, inner, sync_every=h, fragments=fragments, overlap=overlap, wire=WIRES[wire],
-                        communicator=comm, **kw)
+                        **_route(world, device, path), **kw)
     which = [next(f for f, fr in enumerate(opt._fragments) if any(p is q for q in fr.local)) for p in params]
     offsets = [fr.offset for fr in opt._fragments]
     want = _simulate(world, steps, 0.1, h, which, offsets, overlap, *((1.0, 0.0) if outer == "averaging" else (0.7, 0.9)))
-    cs = [c.float() for c in _targets(world)[rank]]
+    cs = [c.float().to(device) for c in _targets(world)[rank]]
     worst = 0.0
     for t in range(steps):
         opt.zero_grad()
         sum(0.5 * ((p - c) ** 2).sum() for p, c in zip(params, cs)).backward()
         opt.step()
-        worst = max(worst, max((p.detach().double() - w).abs().max().item() for p, w in zip(params, want[t][rank])))
+        worst = max(worst, max((p.detach().double().cpu() - w).abs().max().item() for p, w in zip(params, want[t][rank])))
     opt.sync()
-    final = torch.cat([p.detach().reshape(-1) for p in params])
+    final = torch.cat([p.detach().reshape(-1) for p in params]).cpu()
     return {"worst": worst, "final": final, "outer_steps": opt.outer_steps, "fragments": len(opt._fragments)}
+
+
+def grad_scaler(rank: int, world: int, fragments: int, overlap: bool, fused: bool, unscale_first: bool,
+                steps: int = 20, h: int = 4, device: str = "cpu", path: Optional[str] = None) -> Dict[str, object]:
+    """The quadratic under ``torch.amp.GradScaler`` (``scaler.step(opt)``),
+    the scale 2^10, with overflows on one rank only (inner steps are not
+    averaged, so only that rank's scaler skips): rank 0 at step 6, the last
+    rank at step 9. The float64 simulation skips those ranks' inner updates
+    and keeps every sync where it was."""
+    if rank >= world:
+        return {}
+    params = [torch.zeros(s, device=device, requires_grad=True) for s in SHAPES]
+    inner = torch.optim.SGD(params, lr=0.1, fused=fused)
+    opt = pycomm.DiLoCo(params, inner, sync_every=h, fragments=fragments, overlap=overlap,
+                        **_route(world, device, path))
+    scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 10, growth_interval=1000)
+    which = [next(f for f, fr in enumerate(opt._fragments) if any(p is q for q in fr.local)) for p in params]
+    skip = {6: 0, 9: world - 1}
+    want = _simulate(world, steps, 0.1, h, which, [fr.offset for fr in opt._fragments], overlap, 0.7, 0.9, skip)
+    cs = [c.float().to(device) for c in _targets(world)[rank]]
+    worst, scales = 0.0, []
+    for t in range(1, steps + 1):
+        opt.zero_grad()
+        loss = sum(0.5 * ((p - c) ** 2).sum() for p, c in zip(params, cs))
+        if skip.get(t) == rank:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        if unscale_first:
+            scaler.unscale_(opt)  # as before clipping
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        worst = max(worst, max((p.detach().double().cpu() - w).abs().max().item()
+                               for p, w in zip(params, want[t - 1][rank])))
+    opt.sync()
+    return {"worst": worst, "final": torch.cat([p.detach().reshape(-1) for p in params]).cpu(), "scales": scales,
+            "local_step": opt.local_step, "outer_steps": opt.outer_steps}
 
 
 def checkpoint(rank: int, world: int) -> Dict[str, object]:

@@ -352,6 +352,33 @@ def test_an_overflow_step_on_cuda_buckets_leaves_no_trace(ddp_pool, hook):
         assert torch.equal(res[rank]["params"], res[0]["params"])
 
 
+@pytest.mark.parametrize("wire,fragments,overlap", [("plain", 1, False), ("bf16", 3, True), ("int8", 3, False),
+                                                     ("int4", 1, True)])
+def test_diloco_on_cuda_follows_the_closed_form(ddp_pool, wire, fragments, overlap):
+    """pycomm.DiLoCo with CUDA parameters (the group path) on the quadratic
+    whose every rank's path is known in float64, as tests/test_diloco.py."""
+    import diloco_cases
+    from test_diloco import BOUNDS
+
+    res = ddp_pool.run(diloco_cases.quadratic, 4, wire, fragments, overlap, device="cuda")
+    for r in res:
+        assert r["worst"] <= BOUNDS[wire], (wire, r["worst"])
+    assert all(torch.equal(r["final"], res[0]["final"]) for r in res)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_diloco_on_cuda_keeps_its_schedule_when_grad_scaler_skips(ddp_pool, fused):
+    """GradScaler("cuda") skips an overflowing inner step on one rank; the
+    step counts, every rank syncs at the same steps (fused SGD: skipped in its
+    own kernel)."""
+    import diloco_cases
+
+    res = ddp_pool.run(diloco_cases.grad_scaler, 4, 3, True, fused, False, device="cuda")
+    for r in res:
+        assert r["local_step"] == 20 and r["worst"] <= 1e-5, r
+    assert all(torch.equal(r["final"], res[0]["final"]) for r in res)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_path_s_future_orders_a_reader_on_another_stream(ddp_pool, world):
     """200 calls per path, each result waited on and read at once on another

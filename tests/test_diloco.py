@@ -41,6 +41,16 @@ def test_streaming_fragments_and_overlap_follow_the_closed_form(pool, fragments,
     assert all(torch.equal(r["final"], res[0]["final"]) for r in res)
 
 
+@pytest.mark.parametrize("wire", ["plain", "int8"])
+def test_the_group_path_cuda_parameters_take_follows_the_closed_form(pool, wire):
+    """The pseudo-gradients through the process group (CUDA parameters' path),
+    here forced for CPU ones, streaming with overlap."""
+    res = pool.run(diloco_cases.quadratic, 4, wire, 3, True, path="group")
+    for r in res:
+        assert r["worst"] <= BOUNDS[wire], (wire, r["worst"])
+    assert all(torch.equal(r["final"], res[0]["final"]) for r in res)
+
+
 @pytest.mark.parametrize("fragments", [1, 3])
 def test_an_outer_optimizer_of_ones_own(pool, fragments):
     """outer= builds the outer optimizer: SGD at lr 1 without momentum makes
@@ -49,6 +59,27 @@ def test_an_outer_optimizer_of_ones_own(pool, fragments):
     for r in res:
         assert r["worst"] <= BOUNDS["plain"], r["worst"]
     assert torch.equal(res[0]["final"], res[1]["final"])
+
+
+@pytest.mark.parametrize("fragments,overlap,fused,unscale_first",
+                         [(1, False, False, False), (3, False, False, True), (3, True, True, False),
+                          (1, True, True, True)])
+def test_a_step_grad_scaler_skips_on_one_rank_keeps_the_schedule(pool, fragments, overlap, fused, unscale_first):
+    """Mixed precision: each rank's GradScaler skips the inner steps whose
+    gradients overflowed there, and only there. The skipped step still counts,
+    so every rank syncs at the same steps and the path is the float64
+    simulation's with those updates left out; the overflowing rank halves its
+    scale. Plain and fused inner SGD (which unscales and skips itself), with
+    and without ``scaler.unscale_(opt)`` first."""
+    res = pool.run(diloco_cases.grad_scaler, 4, fragments, overlap, fused, unscale_first)
+    for rank, r in enumerate(res):
+        # Five syncs per fragment in 20 steps and the final sync(), which has
+        # only to finish the fragment whose overlapped sync began at step 20.
+        assert r["local_step"] == 20 and r["outer_steps"] == 6 * fragments - overlap, r
+        assert r["worst"] <= BOUNDS["plain"], (rank, r["worst"])
+        halved = {0: [6], 3: [9]}.get(rank, [])
+        assert [t + 1 for t in range(1, 20) if r["scales"][t] < r["scales"][t - 1]] == halved, (rank, r["scales"])
+    assert all(torch.equal(r["final"], res[0]["final"]) for r in res), "ranks end on different parameters"
 
 
 def test_checkpoint_resumes_bit_for_bit(pool):
