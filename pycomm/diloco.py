@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import torch
@@ -43,7 +44,7 @@ class _Fragment:
         self.at_sync: Optional[List[torch.Tensor]] = None
 
 
-class DiLoCo:
+class DiLoCo(torch.optim.Optimizer):
     """An optimizer wrapper: ``sync_every`` (H) steps of ``inner``, then the
     outer step.
 
@@ -139,14 +140,33 @@ class DiLoCo:
             if not isinstance(self.outer, torch.optim.Optimizer):
                 raise TypeError(f"pycomm.DiLoCo: outer must build a torch.optim.Optimizer over the groups it is "
                                 f"given, got {type(self.outer).__name__}")
+        # torch.optim.Optimizer's bookkeeping without parameter groups of its
+        # own: those are the inner optimizer's (as in torch's
+        # PostLocalSGDOptimizer), so that LR schedulers, GradScaler and step
+        # hooks take the wrapper as they take any optimizer.
+        self.defaults = inner.defaults
+        for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                      "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                      "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, hooks, OrderedDict())
+        self._patch_step_function()
         #: Inner steps taken.
         self.local_step = 0
         #: Fragment syncs applied.
         self.outer_steps = 0
 
-    @property
+    @property  # type: ignore[override]
     def param_groups(self) -> List[Dict[str, Any]]:
+        """The inner optimizer's parameter groups (what an LR scheduler sets)."""
         return self.inner.param_groups
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.inner.state
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        raise NotImplementedError("pycomm.DiLoCo: the parameters and their fragments are fixed when it is built; "
+                                  "build a new DiLoCo over every parameter instead")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
@@ -178,19 +198,30 @@ class DiLoCo:
             self._finish(fr)
 
     def state_dict(self) -> Dict[str, Any]:
-        """Inner and outer optimizers, the global parameters and the step
-        (call between steps; a sync in flight is finished first)."""
+        """Inner and outer optimizers, the global parameters, the step and,
+        for an int8 / int4 wire, the error-feedback residuals (call between
+        steps; a sync in flight is finished first)."""
         for fr in self._fragments:
             if fr.work is not None:
                 self._finish(fr)
-        return {"inner": self.inner.state_dict(), "outer": self.outer.state_dict(), "local_step": self.local_step,
-                "outer_steps": self.outer_steps,
-                "global": [t.detach().clone() for fr in self._fragments for t in fr.glob]}
+        out = {"inner": self.inner.state_dict(), "outer": self.outer.state_dict(), "local_step": self.local_step,
+               "outer_steps": self.outer_steps,
+               "global": [t.detach().clone() for fr in self._fragments for t in fr.glob]}
+        if self._error_feedback is not None:
+            out["error_feedback"] = self._error_feedback.state_dict()
+        return out
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.inner.load_state_dict(state["inner"])
         self.outer.load_state_dict(state["outer"])
         self.local_step, self.outer_steps = int(state["local_step"]), int(state["outer_steps"])
+        if self._error_feedback is not None:
+            if "error_feedback" in state:
+                self._error_feedback.load_state_dict(state["error_feedback"])
+            else:
+                logger.warning("pycomm.DiLoCo: the checkpoint holds no error-feedback residuals (saved without a "
+                               "quantized wire); they restart from zero")
+                self._error_feedback.reset()
         saved = iter(state["global"])
         with torch.no_grad():
             for fr in self._fragments:

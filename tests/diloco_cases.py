@@ -147,9 +147,47 @@ def grad_scaler(rank: int, world: int, fragments: int, overlap: bool, fused: boo
             "local_step": opt.local_step, "outer_steps": opt.outer_steps}
 
 
-def checkpoint(rank: int, world: int) -> Dict[str, object]:
+def as_an_optimizer(rank: int, world: int) -> Dict[str, object]:
+    """DiLoCo where torch expects an optimizer: an LR scheduler on the wrapper
+    sets the inner optimizer's rate (the same rates as on the inner one),
+    step hooks run once per step, checkpoints of both round-trip."""
+    _, comm = _group(world)
+    if rank >= world:
+        return {}
+    params = [torch.zeros(s, requires_grad=True) for s in SHAPES]
+    inner = torch.optim.AdamW(params, lr=1e-2)
+    opt = pycomm.DiLoCo(params, inner, sync_every=4, communicator=comm)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=12)
+    twin = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=1e-2)
+    twin_sched = torch.optim.lr_scheduler.OneCycleLR(twin, max_lr=0.05, total_steps=12)
+    hooks = {"pre": 0, "post": 0}
+    opt.register_step_pre_hook(lambda o, a, k: hooks.__setitem__("pre", hooks["pre"] + 1))
+    opt.register_step_post_hook(lambda o, a, k: hooks.__setitem__("post", hooks["post"] + 1))
+    cs = [c.float() for c in _targets(world)[rank]]
+    rates, twin_rates = [], []
+    for _ in range(12):
+        opt.zero_grad()
+        sum(0.5 * ((p - c) ** 2).sum() for p, c in zip(params, cs)).backward()
+        opt.step()
+        twin.step()
+        sched.step()
+        twin_sched.step()
+        rates.append(inner.param_groups[0]["lr"])
+        twin_rates.append(twin.param_groups[0]["lr"])
+    try:
+        opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
+        refused = ""
+    except NotImplementedError as e:
+        refused = str(e)
+    return {"is_optimizer": isinstance(opt, torch.optim.Optimizer), "rates": rates, "twin_rates": twin_rates,
+            "hooks": hooks, "refused": refused, "outer_steps": opt.outer_steps,
+            "sched_state": sched.state_dict()["last_epoch"], "repr": repr(opt)}
+
+
+def checkpoint(rank: int, world: int, wire: str = "plain") -> Dict[str, object]:
     """12 steps (H = 4, 2 fragments); at step 6 save the wrapper's state
-    through torch.save, resume a fresh one, run to 12: the same parameters."""
+    through torch.save, resume a fresh one, run to 12: the same parameters
+    (with an int8 / int4 wire, only if the residuals came back too)."""
     _, comm = _group(world)
     if rank >= world:
         return {}
@@ -158,7 +196,7 @@ def checkpoint(rank: int, world: int) -> Dict[str, object]:
     def fresh():
         params = [torch.zeros(s, requires_grad=True) for s in SHAPES]
         return params, pycomm.DiLoCo(params, torch.optim.SGD(params, lr=0.1, momentum=0.5), sync_every=4,
-                                     fragments=2, communicator=comm)
+                                     fragments=2, communicator=comm, wire=WIRES[wire])
 
     def run(params, opt, n):
         for _ in range(n):
@@ -193,10 +231,10 @@ def digits(rank: int, world: int, h: Optional[int], steps: int = 500, fragments:
     torch.manual_seed(seed)
     model = digits_mlp()
     inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(inner, steps)
     opt = (pycomm.DiLoCo(model.parameters(), inner, sync_every=h, fragments=fragments, overlap=overlap,
                          wire=WIRES[wire], communicator=comm, outer_lr=outer_lr, outer_momentum=outer_momentum)
            if h else inner)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)  # on the wrapper: it sets the inner's rate
     gen = torch.Generator().manual_seed(7 + seed)
     per_rank = 64 // world
     for _ in range(steps):

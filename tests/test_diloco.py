@@ -82,8 +82,18 @@ def test_a_step_grad_scaler_skips_on_one_rank_keeps_the_schedule(pool, fragments
     assert all(torch.equal(r["final"], res[0]["final"]) for r in res), "ranks end on different parameters"
 
 
-def test_checkpoint_resumes_bit_for_bit(pool):
-    for r in pool.run(diloco_cases.checkpoint, 2)[:2]:
+def test_it_is_an_optimizer_to_schedulers_and_step_hooks(pool):
+    for r in pool.run(diloco_cases.as_an_optimizer, 2)[:2]:
+        assert r["is_optimizer"]
+        assert r["rates"] == r["twin_rates"] and len(set(r["rates"])) > 6, r["rates"]
+        assert r["hooks"] == {"pre": 12, "post": 12} and r["outer_steps"] == 3, r
+        assert "fixed when it is built" in r["refused"]
+        assert r["sched_state"] == 12 and r["repr"].startswith("DiLoCo (") and "lr:" in r["repr"]
+
+
+@pytest.mark.parametrize("wire", ["plain", "int8", "int4"])
+def test_checkpoint_resumes_bit_for_bit(pool, wire):
+    for r in pool.run(diloco_cases.checkpoint, 2, wire)[:2]:
         assert r["same"], r
 
 
