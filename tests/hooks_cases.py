@@ -138,7 +138,7 @@ def grads_match(rank: int, world: int, model_name: str, bucket_mb: float, steps:
 
 
 def compose(rank: int, world: int, hook: str, option: str, iters: int = 3, path: str = "auto",
-            device: str = "cpu") -> Dict[str, object]:
+            device: str = "cpu", dtype: torch.dtype = torch.float32) -> Dict[str, object]:
     """A hook under one DDP option (gradient_as_bucket_view, static_graph or
     no_sync accumulation), against DDP without a hook on the same data and
     parameters (no optimizer step: every iteration's gradients are comparable).
@@ -152,15 +152,16 @@ def compose(rank: int, world: int, hook: str, option: str, iters: int = 3, path:
         kw["gradient_as_bucket_view"] = True
     if option == "static_graph":
         kw["static_graph"] = True
-    ref = DDP(make_model("mlp").to(device), **kw)
-    ours = DDP(make_model("mlp").to(device), **kw)
+    ref = DDP(make_model("mlp").to(device, dtype), **kw)
+    ours = DDP(make_model("mlp").to(device, dtype), **kw)
     state = _state(hook, comm, path, g, device)
     ours.register_comm_hook(state, HOOKS[hook])
     gen = torch.Generator().manual_seed(2000 + rank)
     sums = [None, None]
     per_iter = []
     for _ in range(iters):
-        micro = [tuple(t.to(device) for t in make_batch("mlp", gen)) for _ in range(3 if option == "no_sync" else 1)]
+        micro = [tuple(t.to(device, dtype) for t in make_batch("mlp", gen))
+                 for _ in range(3 if option == "no_sync" else 1)]
         for i, m in enumerate((ref, ours)):
             for p in m.parameters():
                 p.grad = None
@@ -170,7 +171,7 @@ def compose(rank: int, world: int, hook: str, option: str, iters: int = 3, path:
                         torch.nn.functional.mse_loss(m(x), y).backward()
                 else:
                     torch.nn.functional.mse_loss(m(x), y).backward()
-            gr = _grads(m.module).cpu()
+            gr = _grads(m.module).cpu().float()
             sums[i] = gr if sums[i] is None else sums[i] + gr
             if i == 1:
                 per_iter.append(gr)

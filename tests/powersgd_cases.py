@@ -24,7 +24,7 @@ def _backward_each(models, x: torch.Tensor, y: torch.Tensor) -> None:
 
 
 def torch_parity(rank: int, world: int, matrix_rank: int, batch: bool, path: str = "auto",
-                 steps: int = 6) -> Dict[str, object]:
+                 steps: int = 6, dtype: torch.dtype = torch.float32) -> Dict[str, object]:
     """DDP with torch's powerSGD_hook and DDP with pycomm's, same parameters,
     same data, same settings (no optimizer step, so every step's buckets are
     comparable): the largest difference of the averaged gradients, relative
@@ -36,7 +36,7 @@ def torch_parity(rank: int, world: int, matrix_rank: int, batch: bool, path: str
     # one of Gloo's two threads, so with several buckets in flight both
     # threads wait for all-reduces only they could run (it hangs; seen here).
     kw = dict(process_group=g, bucket_cap_mb=25)
-    theirs, ours = DDP(make_model("mlp"), **kw), DDP(make_model("mlp"), **kw)
+    theirs, ours = DDP(make_model("mlp").to(dtype), **kw), DDP(make_model("mlp").to(dtype), **kw)
     theirs.register_comm_hook(torch_powersgd.PowerSGDState(
         process_group=g, matrix_approximation_rank=matrix_rank, start_powerSGD_iter=2, random_seed=0,
         batch_tensors_with_same_shape=batch), torch_powersgd.powerSGD_hook)
@@ -46,8 +46,8 @@ def torch_parity(rank: int, world: int, matrix_rank: int, batch: bool, path: str
     gen = torch.Generator().manual_seed(4000 + rank)
     rel: List[float] = []
     for _ in range(steps):
-        _backward_each((theirs, ours), *make_batch("mlp", gen))
-        a, b = _grads(theirs.module), _grads(ours.module)
+        _backward_each((theirs, ours), *(t.to(dtype) for t in make_batch("mlp", gen)))
+        a, b = _grads(theirs.module).float(), _grads(ours.module).float()
         rel.append(((a - b).abs().max() / a.abs().max()).item())
     return {"rel": rel, "ratio": state.compression_stats()[0], "routes": state.routes(), "grads": _grads(ours.module)}
 

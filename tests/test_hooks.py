@@ -83,6 +83,22 @@ def test_every_hook_composes_with_ddp_options(pool, hook, option, path):
             assert torch.equal(a, b), f"rank {rank}'s averaged gradients differ from rank 0's"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("hook", ["bf16", "int8", "int4", "topk"])
+def test_half_precision_models_under_every_hook(pool, hook, dtype):
+    """A model cast to bfloat16 / float16 (buckets of that dtype): each hook
+    stays as close to DDP without a hook (in that dtype) as it does in
+    float32, and the ranks agree bit for bit. (PowerSGD: against torch's hook
+    in half precision, tests/test_powersgd.py.)"""
+    full = pool.run(hooks_cases.compose, 2, hook, "bucket_view", iters=4)[:2]
+    half = pool.run(hooks_cases.compose, 2, hook, "bucket_view", iters=4, dtype=dtype)[:2]
+    for rank in range(2):
+        assert half[rank]["finite"], rank
+        assert half[rank]["rel_err"] <= full[rank]["rel_err"] + 0.02, (half[rank]["rel_err"], full[rank]["rel_err"])
+        for a, b in zip(half[rank]["grads"], half[0]["grads"]):
+            assert torch.equal(a, b), f"rank {rank}'s averaged gradients differ from rank 0's"
+
+
 @pytest.mark.parametrize("hook", ["allreduce", "bf16", "int8", "topk", "powersgd"])
 def test_hooks_under_torch_compile(pool, hook):
     """A compiled DDP model calls the hook for its buckets as an eager one
