@@ -80,6 +80,10 @@ class DiLoCo(torch.optim.Optimizer):
         process_group, communicator, path: where pseudo-gradients go, as for
             the hooks (:class:`pycomm.hooks.HookState`).
 
+    Building it is collective, as building DDP is: every rank checks that the
+    others chose the same ``sync_every``, fragments, overlap and wire over
+    parameters of the same shapes, and raises ``ValueError`` otherwise.
+
     Example::
 
         opt = pycomm.DiLoCo(model.parameters(), torch.optim.SGD(model.parameters(), lr=0.1),
@@ -154,6 +158,7 @@ class DiLoCo(torch.optim.Optimizer):
         self.local_step = 0
         #: Fragment syncs applied.
         self.outer_steps = 0
+        self._check_ranks_agree(params)
 
     @property  # type: ignore[override]
     def param_groups(self) -> List[Dict[str, Any]]:
@@ -229,6 +234,39 @@ class DiLoCo(torch.optim.Optimizer):
                     g.copy_(next(saved))
 
     # ------------------------------------------------------------- internals
+
+    def _check_ranks_agree(self, params: List[torch.Tensor]) -> None:
+        """One small collective at construction, as DDP checks its parameters'
+        shapes: every rank must sync the same fragments at the same steps.
+        Ranks built otherwise would pair one rank's sync with another's at
+        other steps, averaging the wrong steps' parameters or fragments of
+        other sizes, and end with a collective no other rank calls.
+
+        Each setting goes as 16-bit limbs with their squares, summed: n times
+        the sum of squares equals the square of the sum only when the n ranks
+        agree, and the sums stay exact in int64 over any world size (the group
+        path's all-reduce only sums)."""
+        wire = self.wire
+        fields = {
+            "sync_every": self.sync_every, "fragments": len(self._fragments), "overlap": int(self.overlap),
+            "wire": (0 if wire is None else {torch.bfloat16: 1, torch.float16: 2}.get(wire, 3)
+                     if isinstance(wire, torch.dtype) else 10 + int(getattr(wire, "kind", 0))),
+            "block": int(getattr(wire, "block", 0)),
+            "parameters": len(params), "elements": sum(p.numel() for p in params),
+            "shapes": hash(tuple(tuple(p.shape) for p in params)) & 0xFFFFFFFFFFFF,
+        }
+        limbs = [(v >> shift) & 0xFFFF for v in fields.values() for shift in (0, 16, 32)]
+        local = torch.tensor(limbs + [x * x for x in limbs], dtype=torch.int64, device=params[0].device)
+        self._router._start_all_reduce(self._router._route(local, compressed=False), local, "sum").wait()
+        n, got = self._router.world_size, local.tolist()
+        sums, squares = got[:len(limbs)], got[len(limbs):]
+        differ = [name for i, name in enumerate(fields)
+                  if any(n * squares[3 * i + k] != sums[3 * i + k] ** 2 for k in range(3))]
+        if differ:
+            mine = ", ".join(f"{name}={fields[name]}" for name in differ)
+            raise ValueError(f"pycomm.DiLoCo: the ranks were built with different {', '.join(differ)} (this rank: "
+                             f"{mine}); every rank must build DiLoCo with the same settings over the same "
+                             "parameters, or their syncs pair up wrongly")
 
     def _scaled_inner_step(self, found_inf: torch.Tensor) -> Any:
         """The inner step as GradScaler would take it: skipped when the

@@ -179,9 +179,29 @@ def as_an_optimizer(rank: int, world: int) -> Dict[str, object]:
         refused = ""
     except NotImplementedError as e:
         refused = str(e)
-    return {"is_optimizer": isinstance(opt, torch.optim.Optimizer), "rates": rates, "twin_rates": twin_rates,
+    adam = pycomm.DiLoCo(params, inner, communicator=comm, outer=lambda groups: torch.optim.Adam(groups, lr=1e-3))
+    return {"adam_outer": (isinstance(adam.outer, torch.optim.Adam), len(adam.outer.param_groups)),
+            "is_optimizer": isinstance(opt, torch.optim.Optimizer), "rates": rates, "twin_rates": twin_rates,
             "hooks": hooks, "refused": refused, "outer_steps": opt.outer_steps,
             "sched_state": sched.state_dict()["last_epoch"], "repr": repr(opt)}
+
+
+def built_differently(rank: int, world: int, what: str) -> str:
+    """Rank 1 builds DiLoCo otherwise than the rest (``what``: its sync_every,
+    its wire, or one of its parameter's shapes); the error each rank raises at
+    construction (none: "")."""
+    _, comm = _group(world)
+    if rank >= world:
+        return ""
+    shapes = [(30, 20) if what == "shape" and rank == 1 and s == (20, 30) else s for s in SHAPES]
+    params = [torch.zeros(s, requires_grad=True) for s in shapes]
+    kw = dict(sync_every=8 if what == "sync_every" and rank == 1 else 4,
+              wire=pycomm.Int8(block=128) if what == "block" and rank == 1 else pycomm.Int8())
+    try:
+        pycomm.DiLoCo(params, torch.optim.SGD(params, lr=0.1), communicator=comm, **kw)
+    except ValueError as e:
+        return str(e)
+    return ""
 
 
 def checkpoint(rank: int, world: int, wire: str = "plain") -> Dict[str, object]:

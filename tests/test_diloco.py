@@ -89,6 +89,7 @@ def test_it_is_an_optimizer_to_schedulers_and_step_hooks(pool):
         assert r["hooks"] == {"pre": 12, "post": 12} and r["outer_steps"] == 3, r
         assert "fixed when it is built" in r["refused"]
         assert r["sched_state"] == 12 and r["repr"].startswith("DiLoCo (") and "lr:" in r["repr"]
+        assert r["adam_outer"] == (True, 1), r["adam_outer"]
 
 
 @pytest.mark.parametrize("wire", ["plain", "int8", "int4"])
@@ -113,6 +114,19 @@ def test_digits_within_a_point_of_synchronous_training(pool):
         assert base[0] - accs[0] <= 1.0, (kw, base[0], accs[0])
 
 
+@pytest.mark.parametrize("what,named", [("sync_every", "sync_every"), ("block", "block"), ("shape", "shapes"),
+                                        ("nothing", None)])
+def test_ranks_built_differently_raise_at_construction(pool, what, named):
+    """As DDP checks its parameters across ranks: every rank raises, naming
+    the setting, before a sync could pair with the wrong one."""
+    errors = pool.run(diloco_cases.built_differently, 4, what)
+    if named is None:
+        assert errors == [""] * 4
+        return
+    for rank, e in enumerate(errors):
+        assert f"built with different {named}" in e and "same settings" in e, (rank, e)
+
+
 def test_bad_arguments_say_what_to_do():
     p = [torch.zeros(4, requires_grad=True), torch.zeros(3, requires_grad=True)]
     inner = torch.optim.SGD(p, lr=0.1)
@@ -128,5 +142,3 @@ def test_bad_arguments_say_what_to_do():
         pycomm.DiLoCo(p, inner, outer_lr=0.5, outer=lambda groups: torch.optim.Adam(groups))
     with pytest.raises(TypeError, match="must build a torch.optim.Optimizer"):
         pycomm.DiLoCo(p, inner, outer=lambda groups: groups)
-    adam = pycomm.DiLoCo(p, inner, outer=lambda groups: torch.optim.Adam(groups, lr=1e-3))
-    assert isinstance(adam.outer, torch.optim.Adam) and len(adam.outer.param_groups) == 1
