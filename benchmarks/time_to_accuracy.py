@@ -34,9 +34,11 @@ backward pass (torch's PowerSGD hook always runs so); ``-bc<MB>`` (e.g.
 ``int4-bc1.5``) caps every bucket, the first too, at that many MB.
 
 Any DiLoCo variant by name: ``diloco-<H>`` and, in any order, ``-f<F>``
-(fragments), ``-int8`` / ``-int4`` / ``-bf16`` (the wire), ``-overlap``,
+(fragments), ``-int8`` / ``-int4`` / ``-bf16`` (the wire), ``-overlap`` or
+``-overlap<tau>`` (syncs travel behind 1 or tau inner steps), ``-a<alpha>``
+(the ranks mix alpha of their parameters with the new global ones),
 ``-m<momentum>`` and ``-lr<outer lr>`` (the outer step; 0.9 and 0.7 by
-default, as in the paper), e.g. ``diloco-8-f4-int4-overlap-m0.5``.
+default, as in the paper), e.g. ``diloco-8-f4-int4-overlap2-a0.5-m0.5``.
 
 Reported per config: time to the target loss (wall clock of training from
 the first step, the periodic evaluations off the clock),
@@ -203,8 +205,10 @@ def diloco_options(name: str) -> Dict:
         for p in parts[2:]:
             if p in wires:
                 out["wire"] = wires[p]
-            elif p == "overlap":
-                out["overlap"] = True
+            elif p.startswith("overlap"):
+                out["overlap"] = int(p[7:]) if p[7:] else True
+            elif p.startswith("a"):
+                out["alpha"] = float(p[1:])
             elif p.startswith("lr"):
                 out["outer_lr"] = float(p[2:])
             elif p[0] in "fm":
@@ -212,8 +216,8 @@ def diloco_options(name: str) -> Dict:
             else:
                 raise ValueError(p)
     except (IndexError, ValueError):
-        raise SystemExit(f"unknown DiLoCo config {name!r}: diloco-<H>[-f<F>][-int8|-int4|-bf16][-overlap]"
-                         "[-m<momentum>][-lr<outer lr>]") from None
+        raise SystemExit(f"unknown DiLoCo config {name!r}: diloco-<H>[-f<F>][-int8|-int4|-bf16][-overlap[<tau>]]"
+                         "[-a<alpha>][-m<momentum>][-lr<outer lr>]") from None
     return out
 
 

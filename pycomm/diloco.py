@@ -4,7 +4,7 @@ global parameters) and take one outer Nesterov step on the global parameters;
 about H times less communication than averaging every step. Streaming DiLoCo
 (Douillard et al., 2025) syncs the model fragment by fragment on a staggered
 schedule, so each sync moves 1/F of the model, and can overlap a fragment's
-all-reduce with the next inner step.
+all-reduce with the next tau inner steps.
 
 The pseudo-gradients travel through pycomm (the communicator for CPU
 parameters, the group path for CUDA ones) in any wire format: plain,
@@ -40,6 +40,7 @@ class _Fragment:
     def __init__(self, index: int, local: List[torch.Tensor], glob: List[torch.Tensor], offset: int) -> None:
         self.index, self.local, self.glob, self.offset = index, local, glob, offset
         self.work: Any = None
+        self.due = 0  # the step after which the sync in flight is applied
         self.flat: Optional[torch.Tensor] = None
         self.at_sync: Optional[List[torch.Tensor]] = None
 
@@ -73,15 +74,22 @@ class DiLoCo(torch.optim.Optimizer):
         fragments: F > 1 is Streaming DiLoCo: the parameters are cut into F
             fragments of about equal size (in order), fragment f syncs at the
             steps ``t`` with ``t % H == f * H // F``.
-        overlap: start a fragment's all-reduce at its sync step and apply it
-            after the next inner step, keeping that step's local progress on
-            top of the new global parameters (the all-reduce travels while the
-            step computes).
+        overlap: tau, the inner steps a fragment's all-reduce travels behind
+            (Streaming DiLoCo's overlap): started at the fragment's sync step,
+            applied after tau more inner steps. ``True`` is 1, ``False`` 0 (each
+            sync waits for its all-reduce); tau < ``sync_every``.
+        alpha: how the ranks' parameters of a fragment meet its new global
+            ones. ``None`` (default): they take the global parameters plus
+            the local progress of the tau overlapped steps,
+            ``p = g + (p - p_at_sync)`` (without overlap, ``p = g``). A float
+            in [0, 1]: the Streaming DiLoCo paper's mix ``p = alpha * p +
+            (1 - alpha) * g``, which at 0 drops the overlapped steps' progress
+            (TorchFT's ``fragment_update_alpha``).
         process_group, communicator, path: where pseudo-gradients go, as for
             the hooks (:class:`pycomm.hooks.HookState`).
 
     Building it is collective, as building DDP is: every rank checks that the
-    others chose the same ``sync_every``, fragments, overlap and wire over
+    others chose the same ``sync_every``, fragments, overlap, alpha and wire over
     parameters of the same shapes, and raises ``ValueError`` otherwise.
 
     Example::
@@ -102,7 +110,8 @@ class DiLoCo(torch.optim.Optimizer):
                  outer_lr: Optional[float] = None, outer_momentum: Optional[float] = None,
                  nesterov: Optional[bool] = None,
                  outer: Optional[Callable[[List[Dict[str, Any]]], torch.optim.Optimizer]] = None, wire: Wire = None,
-                 fragments: int = 1, overlap: bool = False, process_group: Group = None,
+                 fragments: int = 1, overlap: Union[bool, int] = False, alpha: Optional[float] = None,
+                 process_group: Group = None,
                  communicator: Any = None, path: Optional[str] = None) -> None:
         params = [p for p in params if p.requires_grad]
         if not params:
@@ -120,7 +129,17 @@ class DiLoCo(torch.optim.Optimizer):
                              "builds the whole outer optimizer)")
         if len({p.device for p in params}) > 1 or len({p.dtype for p in params}) > 1:
             raise ValueError("pycomm.DiLoCo: every parameter must share one device and dtype")
-        self.inner, self.sync_every, self.wire, self.overlap = inner, sync_every, wire, overlap
+        if type(overlap) not in (bool, int) or not 0 <= overlap < sync_every:
+            raise ValueError(f"pycomm.DiLoCo: overlap must be a bool or an int in [0, sync_every) = "
+                             f"[0, {sync_every}) (a fragment's sync must land before it syncs again), "
+                             f"got {overlap!r}")
+        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+                                  or not 0.0 <= alpha <= 1.0):
+            raise ValueError(f"pycomm.DiLoCo: alpha must be None or a float in [0, 1], got {alpha!r}")
+        self.inner, self.sync_every, self.wire = inner, sync_every, wire
+        #: Inner steps each sync travels behind (tau).
+        self.overlap = int(overlap)
+        self.alpha = None if alpha is None else float(alpha)
         self._router = Router(process_group, communicator=communicator, path=path)
         self._error_feedback = _compression.ErrorFeedback() if _compression.is_quantizer(wire) else None
         glob = [p.detach().clone() for p in params]
@@ -186,7 +205,7 @@ class DiLoCo(torch.optim.Optimizer):
         loss = self.inner.step(closure) if found_inf is None else self._scaled_inner_step(found_inf)
         self.local_step += 1
         for fr in self._fragments:
-            if fr.work is not None:  # started at the last step: travelled behind this one
+            if fr.work is not None and fr.due == self.local_step:  # travelled behind the last tau steps
                 self._finish(fr)
         for fr in self._fragments:
             if self.local_step % self.sync_every == fr.offset % self.sync_every:
@@ -196,11 +215,16 @@ class DiLoCo(torch.optim.Optimizer):
         return loss
 
     def sync(self) -> None:
-        """Sync every fragment now (collectively), e.g. at the end of training."""
+        """Sync every fragment now (collectively), e.g. at the end of
+        training: a sync in flight lands as in training, then every
+        fragment's progress since is averaged too, and every rank ends on the
+        global parameters (whatever ``alpha``)."""
         for fr in self._fragments:
-            if fr.work is None:
-                self._start(fr)
-            self._finish(fr)
+            if fr.work is not None:
+                self._finish(fr)
+        for fr in self._fragments:
+            self._start(fr)
+            self._finish(fr, to_global=True)
 
     def state_dict(self) -> Dict[str, Any]:
         """Inner and outer optimizers, the global parameters, the step and,
@@ -248,7 +272,8 @@ class DiLoCo(torch.optim.Optimizer):
         path's all-reduce only sums)."""
         wire = self.wire
         fields = {
-            "sync_every": self.sync_every, "fragments": len(self._fragments), "overlap": int(self.overlap),
+            "sync_every": self.sync_every, "fragments": len(self._fragments), "overlap": self.overlap,
+            "alpha": 0 if self.alpha is None else 1 + round(self.alpha * (1 << 30)),
             "wire": (0 if wire is None else {torch.bfloat16: 1, torch.float16: 2}.get(wire, 3)
                      if isinstance(wire, torch.dtype) else 10 + int(getattr(wire, "kind", 0))),
             "block": int(getattr(wire, "block", 0)),
@@ -294,7 +319,10 @@ class DiLoCo(torch.optim.Optimizer):
         """The fragment's pseudo-gradient, averaged on its way."""
         with torch.no_grad():
             flat = torch.cat([(g - p.detach()).reshape(-1) for g, p in zip(fr.glob, fr.local)])
-            fr.at_sync = [p.detach().clone() for p in fr.local] if self.overlap else None
+            # The keep rule needs where the overlapped steps began.
+            fr.at_sync = ([p.detach().clone() for p in fr.local] if self.overlap and self.alpha is None
+                          else None)
+            fr.due = self.local_step + self.overlap
             route = self._router._route(flat, compressed=self.wire is not None)
             if isinstance(self.wire, torch.dtype):
                 fr.flat = flat.to(self.wire)
@@ -304,8 +332,9 @@ class DiLoCo(torch.optim.Optimizer):
             fr.work = self._router._start_all_reduce(route, fr.flat, "avg", codec, self._error_feedback,
                                                      key=("diloco", fr.index) if codec is not None else None)
 
-    def _finish(self, fr: _Fragment) -> None:
-        """The outer step of the fragment, and its ranks back to the global parameters."""
+    def _finish(self, fr: _Fragment, to_global: bool = False) -> None:
+        """The outer step of the fragment, and its ranks back to the global
+        parameters (``to_global``: exactly onto them)."""
         fr.work.wait()
         fr.work = None
         avg = fr.flat.to(fr.glob[0].dtype)
@@ -319,7 +348,11 @@ class DiLoCo(torch.optim.Optimizer):
                 off += g.numel()
             self.outer.step()
             for i, (g, p) in enumerate(zip(fr.glob, fr.local)):
-                if fr.at_sync is not None:  # keep the local progress of the overlapped step
+                if to_global:
+                    p.copy_(g)
+                elif self.alpha is not None:  # the paper's mix of local and global
+                    p.mul_(self.alpha).add_(g, alpha=1.0 - self.alpha)
+                elif fr.at_sync is not None:  # keep the local progress of the overlapped steps
                     p.copy_(g + (p - fr.at_sync[i]))
                 else:
                     p.copy_(g)

@@ -21,11 +21,14 @@ def _targets(world: int) -> List[List[torch.Tensor]]:
 
 
 def _simulate(world: int, steps: int, lr: float, h: int, fragments: List[int], offsets: List[int],
-              overlap: bool, outer_lr: float, mu: float, skip: Optional[Dict[int, int]] = None
-              ) -> List[List[torch.Tensor]]:
+              overlap: int, outer_lr: float, mu: float, skip: Optional[Dict[int, int]] = None,
+              alpha: Optional[float] = None) -> List[List[torch.Tensor]]:
     """Every rank's parameters after each step, in float64: inner SGD on each
     rank's quadratic, fragment f's outer Nesterov step at its sync steps
-    (torch's SGD: buf = g first, then mu * buf + g; update g + mu * buf).
+    (torch's SGD: buf = g first, then mu * buf + g; update g + mu * buf),
+    applied ``overlap`` (tau) steps later, the ranks then on the global
+    parameters plus their progress since the sync (``alpha`` None) or on
+    alpha * theirs + (1 - alpha) * global.
     ``skip``: {step: rank} whose inner update that step is skipped."""
     skip = skip or {}
     cs = _targets(world)
@@ -46,28 +49,33 @@ def _simulate(world: int, steps: int, lr: float, h: int, fragments: List[int], o
         for k, i in enumerate(members):
             theta[i] = theta[i] - outer_lr * (delta[i] + mu * bufs[f][k])
 
+    def merge(f, at_sync):
+        for r in range(world):
+            for i, fr in enumerate(fragments):
+                if fr == f:
+                    xs[r][i] = (theta[i] + (xs[r][i] - at_sync[r][i]) if alpha is None
+                                else alpha * xs[r][i] + (1 - alpha) * theta[i])
+
     for t in range(1, steps + 1):
         for r in range(world):
             if skip.get(t) != r:
                 xs[r] = [x - lr * (x - c) for x, c in zip(xs[r], cs[r])]
-        for f, (delta, at_sync) in list(pending.items()):
-            outer(f, delta)
-            for r in range(world):
-                for i, fr in enumerate(fragments):
-                    if fr == f:
-                        xs[r][i] = theta[i] + (xs[r][i] - at_sync[r][i])
-            del pending[f]
+        for f in sorted(pending):
+            delta, at_sync, due = pending[f]
+            if due == t:
+                outer(f, delta)
+                merge(f, at_sync)
+                del pending[f]
         for f in range(nfrag):
             if t % h == offsets[f] % h:
                 delta = {i: sum(theta[i] - xs[r][i] for r in range(world)) / world
                          for i, fr in enumerate(fragments) if fr == f}
+                at_sync = [[x.clone() for x in xs[r]] for r in range(world)]
                 if overlap:
-                    pending[f] = (delta, [[x.clone() for x in xs[r]] for r in range(world)])
+                    pending[f] = (delta, at_sync, t + overlap)
                 else:
                     outer(f, delta)
-                    for r in range(world):
-                        for i in delta:
-                            xs[r][i] = theta[i].clone()
+                    merge(f, at_sync)
         history.append([[x.clone() for x in xs[r]] for r in range(world)])
     return history
 
@@ -81,9 +89,9 @@ def _route(world: int, device: str, path: Optional[str]) -> Dict[str, object]:
     return {"process_group": group, "path": path}
 
 
-def quadratic(rank: int, world: int, wire: str, fragments: int, overlap: bool, steps: int = 20,
-              h: int = 4, outer: str = "default", device: str = "cpu", path: Optional[str] = None
-              ) -> Dict[str, object]:
+def quadratic(rank: int, world: int, wire: str, fragments: int, overlap: int, steps: int = 20,
+              h: int = 4, outer: str = "default", device: str = "cpu", path: Optional[str] = None,
+              alpha: Optional[float] = None) -> Dict[str, object]:
     """pycomm.DiLoCo on the quadratic against the float64 simulation: the
     largest difference over every step, relative to the targets' scale.
     ``outer`` "averaging": the outer optimizer passed as ``outer=``, plain
@@ -94,10 +102,11 @@ def quadratic(rank: int, world: int, wire: str, fragments: int, overlap: bool, s
     inner = torch.optim.SGD(params, lr=0.1)
     kw = dict(outer=lambda groups: torch.optim.SGD(groups, lr=1.0)) if outer == "averaging" else {}
     opt = pycomm.DiLoCo(params, inner, sync_every=h, fragments=fragments, overlap=overlap, wire=WIRES[wire],
-                        **_route(world, device, path), **kw)
+                        alpha=alpha, **_route(world, device, path), **kw)
     which = [next(f for f, fr in enumerate(opt._fragments) if any(p is q for q in fr.local)) for p in params]
     offsets = [fr.offset for fr in opt._fragments]
-    want = _simulate(world, steps, 0.1, h, which, offsets, overlap, *((1.0, 0.0) if outer == "averaging" else (0.7, 0.9)))
+    want = _simulate(world, steps, 0.1, h, which, offsets, int(overlap),
+                     *((1.0, 0.0) if outer == "averaging" else (0.7, 0.9)), alpha=alpha)
     cs = [c.float().to(device) for c in _targets(world)[rank]]
     worst = 0.0
     for t in range(steps):
@@ -126,7 +135,8 @@ def grad_scaler(rank: int, world: int, fragments: int, overlap: bool, fused: boo
     scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 10, growth_interval=1000)
     which = [next(f for f, fr in enumerate(opt._fragments) if any(p is q for q in fr.local)) for p in params]
     skip = {6: 0, 9: world - 1}
-    want = _simulate(world, steps, 0.1, h, which, [fr.offset for fr in opt._fragments], overlap, 0.7, 0.9, skip)
+    want = _simulate(world, steps, 0.1, h, which, [fr.offset for fr in opt._fragments], int(overlap), 0.7, 0.9,
+                     skip)
     cs = [c.float().to(device) for c in _targets(world)[rank]]
     worst, scales = 0.0, []
     for t in range(1, steps + 1):
@@ -197,6 +207,8 @@ def built_differently(rank: int, world: int, what: str) -> str:
     params = [torch.zeros(s, requires_grad=True) for s in shapes]
     kw = dict(sync_every=8 if what == "sync_every" and rank == 1 else 4,
               wire=pycomm.Int8(block=128) if what == "block" and rank == 1 else pycomm.Int8())
+    if what == "alpha":
+        kw["alpha"] = 0.5 if rank == 1 else 0.4
     try:
         pycomm.DiLoCo(params, torch.optim.SGD(params, lr=0.1), communicator=comm, **kw)
     except ValueError as e:

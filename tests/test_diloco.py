@@ -32,9 +32,14 @@ def test_quadratic_follows_the_closed_form(pool, world, wire):
     assert all(torch.equal(r["final"], res[0]["final"]) for r in res), "ranks end on different parameters"
 
 
-@pytest.mark.parametrize("fragments,overlap", [(3, False), (3, True), (1, True)])
-def test_streaming_fragments_and_overlap_follow_the_closed_form(pool, fragments, overlap):
-    res = pool.run(diloco_cases.quadratic, 4, "plain", fragments, overlap)
+@pytest.mark.parametrize("fragments,overlap,alpha", [(3, False, None), (3, True, None), (1, True, None),
+                                                     (3, 2, None), (1, 3, None), (2, 3, 0.5), (3, 1, 0.0),
+                                                     (1, 0, 0.25)])
+def test_streaming_fragments_and_overlap_follow_the_closed_form(pool, fragments, overlap, alpha):
+    """Fragments; syncs travelling behind tau = 1-3 inner steps (several in
+    flight at once); the ranks meeting the new global parameters by keeping
+    their overlapped progress or by the paper's alpha mix."""
+    res = pool.run(diloco_cases.quadratic, 4, "plain", fragments, overlap, alpha=alpha)
     for r in res:
         assert r["fragments"] == fragments
         assert r["worst"] <= BOUNDS["plain"], r["worst"]
@@ -73,9 +78,9 @@ def test_a_step_grad_scaler_skips_on_one_rank_keeps_the_schedule(pool, fragments
     and without ``scaler.unscale_(opt)`` first."""
     res = pool.run(diloco_cases.grad_scaler, 4, fragments, overlap, fused, unscale_first)
     for rank, r in enumerate(res):
-        # Five syncs per fragment in 20 steps and the final sync(), which has
-        # only to finish the fragment whose overlapped sync began at step 20.
-        assert r["local_step"] == 20 and r["outer_steps"] == 6 * fragments - overlap, r
+        # Five syncs per fragment in 20 steps (with overlap, the one begun
+        # at step 20 lands in sync()), and sync()'s own.
+        assert r["local_step"] == 20 and r["outer_steps"] == 6 * fragments, r
         assert r["worst"] <= BOUNDS["plain"], (rank, r["worst"])
         halved = {0: [6], 3: [9]}.get(rank, [])
         assert [t + 1 for t in range(1, 20) if r["scales"][t] < r["scales"][t - 1]] == halved, (rank, r["scales"])
@@ -115,7 +120,7 @@ def test_digits_within_a_point_of_synchronous_training(pool):
 
 
 @pytest.mark.parametrize("what,named", [("sync_every", "sync_every"), ("block", "block"), ("shape", "shapes"),
-                                        ("nothing", None)])
+                                        ("alpha", "alpha"), ("nothing", None)])
 def test_ranks_built_differently_raise_at_construction(pool, what, named):
     """As DDP checks its parameters across ranks: every rank raises, naming
     the setting, before a sync could pair with the wrong one."""
@@ -134,6 +139,13 @@ def test_bad_arguments_say_what_to_do():
         pycomm.DiLoCo(p, inner, sync_every=0)
     with pytest.raises(ValueError, match="fragments must be an int"):
         pycomm.DiLoCo(p, inner, sync_every=8, fragments=3)
+    with pytest.raises(ValueError, match=r"overlap must be a bool or an int in \[0, sync_every\) = \[0, 8\)"):
+        pycomm.DiLoCo(p, inner, sync_every=8, overlap=8)
+    with pytest.raises(ValueError, match="overlap must be"):
+        pycomm.DiLoCo(p, inner, sync_every=8, overlap=1.5)
+    for bad in (1.5, -0.1, True, "half"):
+        with pytest.raises(ValueError, match="alpha must be None or a float in"):
+            pycomm.DiLoCo(p, inner, alpha=bad)
     with pytest.raises(ValueError, match="wire="):
         pycomm.DiLoCo(p, inner, wire=pycomm.TopK(0.01))
     with pytest.raises(ValueError, match="no parameters"):

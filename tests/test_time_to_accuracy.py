@@ -62,7 +62,8 @@ def test_diloco_configs_by_name():
     assert isinstance(s.pop("wire"), pycomm.Int4) and s == dict(sync_every=16, fragments=4, overlap=True)
     assert tta.diloco_options("diloco-8-m0.5-lr0.4-bf16-f2") == dict(
         sync_every=8, outer_momentum=0.5, outer_lr=0.4, wire=torch.bfloat16, fragments=2)
-    for bad in ("diloco-", "diloco-x", "diloco-16-int3", "diloco-16-fx"):
+    assert tta.diloco_options("diloco-16-f4-overlap3-a0.5") == dict(sync_every=16, fragments=4, overlap=3, alpha=0.5)
+    for bad in ("diloco-", "diloco-x", "diloco-16-int3", "diloco-16-fx", "diloco-16-overlapx", "diloco-16-ax"):
         with pytest.raises(SystemExit, match="unknown DiLoCo config"):
             tta.diloco_options(bad)
 
