@@ -21,12 +21,12 @@ Example::
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import torch
 
 from . import compression as _compression
+from ._optim import WrappedOptimizer
 from .hooks.policy import Group, Router
 
 logger = logging.getLogger("pycomm")
@@ -45,7 +45,7 @@ class _Fragment:
         self.at_sync: Optional[List[torch.Tensor]] = None
 
 
-class DiLoCo(torch.optim.Optimizer):
+class DiLoCo(WrappedOptimizer):
     """An optimizer wrapper: ``sync_every`` (H) steps of ``inner``, then the
     outer step.
 
@@ -97,14 +97,6 @@ class DiLoCo(torch.optim.Optimizer):
         opt = pycomm.DiLoCo(model.parameters(), torch.optim.SGD(model.parameters(), lr=0.1),
                             sync_every=16, fragments=4, overlap=True)
     """
-
-    # GradScaler's protocol for optimizers that handle scaling themselves: it
-    # hands step() the scale and the overflow flag instead of skipping the
-    # call. A step that GradScaler skips on one rank (its own gradients
-    # overflowed: inner steps are not averaged) must still count there, or that
-    # rank's sync schedule falls behind the others' and fragments pair with
-    # fragments of other sizes.
-    _step_supports_amp_scaling = True
 
     def __init__(self, params: Iterable[torch.Tensor], inner: torch.optim.Optimizer, *, sync_every: int = 64,
                  outer_lr: Optional[float] = None, outer_momentum: Optional[float] = None,
@@ -163,37 +155,12 @@ class DiLoCo(torch.optim.Optimizer):
             if not isinstance(self.outer, torch.optim.Optimizer):
                 raise TypeError(f"pycomm.DiLoCo: outer must build a torch.optim.Optimizer over the groups it is "
                                 f"given, got {type(self.outer).__name__}")
-        # torch.optim.Optimizer's bookkeeping without parameter groups of its
-        # own: those are the inner optimizer's (as in torch's
-        # PostLocalSGDOptimizer), so that LR schedulers, GradScaler and step
-        # hooks take the wrapper as they take any optimizer.
-        self.defaults = inner.defaults
-        for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
-                      "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
-                      "_optimizer_load_state_dict_post_hooks"):
-            setattr(self, hooks, OrderedDict())
-        self._patch_step_function()
+        self._wrap(inner)  # an optimizer to schedulers, GradScaler and step hooks (pycomm/_optim.py)
         #: Inner steps taken.
         self.local_step = 0
         #: Fragment syncs applied.
         self.outer_steps = 0
         self._check_ranks_agree(params)
-
-    @property  # type: ignore[override]
-    def param_groups(self) -> List[Dict[str, Any]]:
-        """The inner optimizer's parameter groups (what an LR scheduler sets)."""
-        return self.inner.param_groups
-
-    @property  # type: ignore[override]
-    def state(self) -> Any:
-        return self.inner.state
-
-    def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        raise NotImplementedError("pycomm.DiLoCo: the parameters and their fragments are fixed when it is built; "
-                                  "build a new DiLoCo over every parameter instead")
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Any = None) -> Any:
         """One inner step; then the syncs this step is due for.
@@ -201,8 +168,7 @@ class DiLoCo(torch.optim.Optimizer):
         Under ``torch.amp.GradScaler`` (``scaler.step(opt)``) a step whose
         gradients overflowed on this rank skips the inner update and still
         counts, so every rank syncs at the same steps."""
-        found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step for this call only
-        loss = self.inner.step(closure) if found_inf is None else self._scaled_inner_step(found_inf)
+        loss = self._inner_step(closure)
         self.local_step += 1
         for fr in self._fragments:
             if fr.work is not None and fr.due == self.local_step:  # travelled behind the last tau steps
@@ -292,28 +258,6 @@ class DiLoCo(torch.optim.Optimizer):
             raise ValueError(f"pycomm.DiLoCo: the ranks were built with different {', '.join(differ)} (this rank: "
                              f"{mine}); every rank must build DiLoCo with the same settings over the same "
                              "parameters, or their syncs pair up wrongly")
-
-    def _scaled_inner_step(self, found_inf: torch.Tensor) -> Any:
-        """The inner step as GradScaler would take it: skipped when the
-        gradients overflowed, else on the unscaled gradients. ``grad_scale``
-        is None when the user already called ``scaler.unscale_(opt)``."""
-        grad_scale = getattr(self, "grad_scale", None)
-        if getattr(self.inner, "_step_supports_amp_scaling", False):
-            # A fused inner optimizer unscales and skips in its own kernels,
-            # without reading the flag on the host.
-            self.inner.grad_scale, self.inner.found_inf = grad_scale, found_inf  # type: ignore[attr-defined]
-            try:
-                return self.inner.step()
-            finally:
-                del self.inner.grad_scale, self.inner.found_inf  # type: ignore[attr-defined]
-        if found_inf.item():
-            return None
-        if grad_scale is not None:
-            # GradScaler's arithmetic: the reciprocal in float64, then a multiply.
-            grads = [p.grad for g in self.inner.param_groups for p in g["params"] if p.grad is not None]
-            if grads:
-                torch._foreach_mul_(grads, grad_scale.double().reciprocal().float().to(grads[0].device))
-        return self.inner.step()
 
     def _start(self, fr: _Fragment) -> None:
         """The fragment's pseudo-gradient, averaged on its way."""

@@ -303,6 +303,38 @@ def local_sgd_case(rank: int, world: int, period: int, warmup: int, steps: int) 
     return {"spreads": spreads, "averages": opt.averages}
 
 
+def local_sgd_grad_scaler(rank: int, world: int, period: int = 2, steps: int = 8, overflow_at: int = 3
+                          ) -> Dict[str, object]:
+    """hooks.LocalSGD without a warm-up (each rank steps alone) under
+    GradScaler and an LR scheduler on the wrapper; rank 0's step
+    ``overflow_at`` overflows, so only its scaler skips it. Every rank must
+    still average at the same steps, ending on the same parameters."""
+    g, comm = _group(world)
+    if rank >= world:
+        return {}
+    model = make_model("mlp")
+    opt = hooks.LocalSGD(torch.optim.SGD(model.parameters(), lr=0.2), period=period, communicator=comm)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    gen = torch.Generator().manual_seed(310 + rank)
+    for t in range(1, steps + 1):
+        x, y = make_batch("mlp", gen)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if t == overflow_at and rank == 0:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat, group=g)
+    return {"averages": opt.averages, "step_count": opt.step_count, "scale": scaler.get_scale(),
+            "spread": max((t - gathered[0]).abs().max().item() for t in gathered),
+            "lr": opt.optimizer.param_groups[0]["lr"]}
+
+
 def local_sgd_average(rank: int, world: int) -> float:
     """LocalSGD.average on random per-rank parameters equals their mean."""
     g, comm = _group(world)

@@ -188,6 +188,15 @@ def test_stats_warm_up_and_rebuilt_buckets(pool):
         assert res["last_buckets"] > 2 and res["ef_keys"] == res["last_buckets"], res
 
 
+def test_local_sgd_keeps_its_schedule_when_grad_scaler_skips_on_one_rank(pool):
+    res = pool.run(hooks_cases.local_sgd_grad_scaler, 2)[:2]
+    for rank, r in enumerate(res):
+        assert r["step_count"] == 8 and r["averages"] == 4, r
+        assert r["spread"] == 0.0, r  # the last average, at step 8, on both ranks
+        assert r["lr"] == pytest.approx(0.2 * 0.5 ** 4), r  # StepLR on the wrapper set the inner rate
+    assert res[0]["scale"] == 2.0 ** 7 and res[1]["scale"] == 2.0 ** 8, res  # only rank 0 overflowed
+
+
 def test_local_sgd_averages_every_period(pool):
     period, warmup, steps = 3, 2, 8
     res = pool.run(hooks_cases.local_sgd_case, 2, period, warmup, steps)[:2]

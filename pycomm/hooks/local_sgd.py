@@ -7,7 +7,7 @@ Example::
     ddp.register_comm_hook(hooks.LocalSGDState(start_iter=100), hooks.local_sgd_hook)
     opt = hooks.LocalSGD(torch.optim.SGD(ddp.parameters(), lr=0.1), period=4, warmup_steps=100)
 """
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -15,6 +15,7 @@ from torch.profiler import record_function
 
 from .. import communicator as _communicator
 from .. import compression as _compression
+from .._optim import WrappedOptimizer
 from .plain import _average
 from .policy import Group, _resolve_communicator, completed
 from .state import HookState
@@ -52,7 +53,7 @@ def local_sgd_hook(state: LocalSGDState, bucket: dist.GradBucket) -> torch.futur
     return fut
 
 
-class LocalSGD:
+class LocalSGD(WrappedOptimizer):
     """An optimizer wrapper that averages the parameters over ranks every
     ``period`` steps (local SGD / periodic model averaging).
 
@@ -61,6 +62,11 @@ class LocalSGD:
     of one dtype travel as one flat all-reduce (optionally compressed). Ranks
     should start from the same parameters (DDP broadcasts them; without DDP,
     call :meth:`average` once before training).
+
+    To torch it is an optimizer over the wrapped one's parameter groups: LR
+    schedulers and step hooks take it, and under ``GradScaler``
+    (``scaler.step(opt)``) a step skipped for an overflow on one rank still
+    counts there, so every rank averages at the same steps.
 
     Args:
         optimizer: the wrapped optimizer (its ``step``, ``zero_grad``,
@@ -86,6 +92,7 @@ class LocalSGD:
         if int(warmup_steps) < 0:
             raise ValueError(f"pycomm.hooks.LocalSGD: warmup_steps must be >= 0, got {warmup_steps}")
         self.optimizer = optimizer
+        self._wrap(optimizer)
         self.period = int(period)
         self.warmup_steps = int(warmup_steps)
         self.communicator = _resolve_communicator(process_group, communicator)
@@ -93,16 +100,9 @@ class LocalSGD:
         self.step_count = 0
         self.averages = 0
 
-    @property
-    def param_groups(self) -> List[dict]:
-        return self.optimizer.param_groups
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """The wrapped optimizer's step, then the parameter average when one is due."""
-        loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        loss = self._inner_step(closure)
         self.step_count += 1
         if self.step_count > self.warmup_steps and (self.step_count - self.warmup_steps) % self.period == 0:
             self.average()
