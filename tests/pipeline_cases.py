@@ -277,6 +277,63 @@ def pipeline_matches(rank: int, num_stages: int, name: str, schedules=None, **co
         comm.close()
 
 
+def loss_scaling(rank: int, name: str, scaler_kind: str, schedule: str = "1f1b", checkpoint: bool = False,
+                 steps: int = 6, overflow_at: int = 3) -> dict:
+    """A 2-stage pipeline with ``grad_scaler=``, against the same pipeline
+    without loss scaling whose step ``overflow_at`` is skipped. At that step
+    only stage 0's gradients overflow (a value set to Inf after backward).
+    ``scaler_kind`` "sharded": ShardedGradScaler over the pipeline's ranks;
+    "plain": torch's GradScaler (the runner refuses it: the error)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    group = dist.new_group([0, 1])  # collective over the pool's default group
+    if rank >= 2:
+        return {}
+    comm = make_comm(rank, 2, name, timeout=60)
+    try:
+        v = 2 if schedule in ("interleaved-1f1b", "interleaved-zb", "zbv") else 1
+        balance = BALANCE[2] if v == 1 else BALANCE_V2[2]
+        runs = {}
+        for scaled in (True, False):
+            if scaled and scaler_kind == "plain":
+                try:
+                    Pipeline.from_layers(make_layers(seed=5), comm, balance=balance, num_microbatches=4,
+                                         schedule=schedule, loss_fn=nn.functional.mse_loss,
+                                         grad_scaler=torch.amp.GradScaler("cpu"))
+                except ValueError as e:
+                    return {"refused": str(e)}
+                return {"refused": ""}
+            scaler = ShardedGradScaler("cpu", init_scale=2.0 ** 10, process_group=group) if scaled else None
+            pipe = Pipeline.from_layers(make_layers(seed=5), comm, balance=balance, num_microbatches=4,
+                                        schedule=schedule, loss_fn=nn.functional.mse_loss, checkpoint=checkpoint,
+                                        grad_scaler=scaler)
+            opt = torch.optim.SGD(pipe.module.parameters(), lr=0.1, momentum=0.9)
+            gen = torch.Generator().manual_seed(21)
+            scales, moved, losses = [], [], []
+            for t in range(1, steps + 1):
+                x, y = torch.randn(16, WIDTH, generator=gen), torch.randn(16, 4, generator=gen)
+                opt.zero_grad()
+                loss = pipe.step(x if pipe.is_first else None, y if pipe.is_last else None)
+                losses.append(None if loss is None else loss.item())
+                before = [p.detach().clone() for p in pipe.module.parameters()]
+                if scaler is not None:
+                    if t == overflow_at and pipe.is_first:
+                        next(pipe.module.parameters()).grad[0, 0] = float("inf")
+                    scaler.step(opt)
+                    scaler.update()
+                    scales.append(scaler.get_scale())
+                elif t != overflow_at:
+                    opt.step()
+                moved.append(any(not torch.equal(a, b) for a, b in zip(before, pipe.module.parameters())))
+            runs[scaled] = {"scales": scales, "moved": moved, "losses": losses,
+                            "params": [p.detach().clone() for p in pipe.module.parameters()]}
+        same = all(torch.equal(a, b) for a, b in zip(runs[True]["params"], runs[False]["params"]))
+        return {"scales": runs[True]["scales"], "moved": runs[True]["moved"], "same_params": same,
+                "same_losses": runs[True]["losses"] == runs[False]["losses"], "last": pipe.is_last}
+    finally:
+        comm.close()
+
+
 _GRID: Dict[str, tuple] = {}
 
 

@@ -248,6 +248,30 @@ def test_pipeline_matches_single_process(pool, num_stages):
     assert params == per_rank * 14
 
 
+@pytest.mark.parametrize("schedule,checkpoint", [("1f1b", False), ("zb-h1", True), ("zbv", False)])
+def test_loss_scaling_skips_the_same_steps_on_every_stage(pool, schedule, checkpoint):
+    """Mixed precision in a pipeline (grad_scaler=): the last stage's backward
+    starts from the scaled loss, so every stage's gradients carry one scale.
+    With ShardedGradScaler over the pipeline's ranks, an overflow in stage 0
+    alone skips the step on both stages and halves both scales; every other
+    step equals the unscaled pipeline's bit for bit (a power-of-two scale),
+    and step() returns the loss unscaled. Split backwards (zero bubble) and
+    recomputation scale their loss too."""
+    res = pool.run(pipeline_cases.loss_scaling, pool.new_name("amp"), "sharded", schedule, checkpoint)[:2]
+    for r in res:
+        assert r["moved"] == [True, True, False, True, True, True], r
+        assert r["scales"][2] == r["scales"][1] / 2, r
+        assert r["same_params"] and r["same_losses"], r
+    assert res[0]["scales"] == res[1]["scales"]
+
+
+def test_a_plain_grad_scaler_is_refused(pool):
+    """torch's GradScaler decides overflows per rank: stages would skip
+    different steps (and unscale by scales the loss was not multiplied by)."""
+    for r in pool.run(pipeline_cases.loss_scaling, pool.new_name("amp"), "plain")[:2]:
+        assert "decides overflows per rank" in r["refused"] and "ShardedGradScaler" in r["refused"], r
+
+
 @pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2), ("zbv", 2)])
 def test_pp_dp_2x2_matches_single_process_training(pool, schedule, v):
     res = pool.run(pipeline_cases.pp_dp_matches, 3, schedule, v)

@@ -84,6 +84,16 @@ class Pipeline:
             rank's stages; each step ends with their gradients averaged over it.
         track_memory: record the bytes of activations kept for backward
             (``stats()["peak_activation_bytes"]``).
+        grad_scaler: loss scaling (float16): the last stage's backward starts
+            from the loss times the scaler's scale (``step()`` still returns
+            the loss unscaled), and every stage's scaler is readied, so that
+            ``scaler.step(opt); scaler.update()`` works on every rank. Every
+            stage's gradients carry that one scale, so the stages must agree
+            on overflows: pass a scaler that syncs them, e.g. torch's
+            ``ShardedGradScaler(process_group=...)`` over the pipeline's ranks
+            (and its replicas'). A plain ``GradScaler`` decides per rank
+            from its own gradients, letting one stage skip a step another
+            takes and their scales part; it is refused with more than one rank.
 
     Zero-bubble schedules split a stage's backward per layer (a layer of an
     ``nn.Sequential`` stage; any other module is one layer): B computes the
@@ -108,6 +118,7 @@ class Pipeline:
         checkpoint: bool = False,
         dp_comm: Optional[Communicator] = None,
         track_memory: bool = False,
+        grad_scaler: Optional["torch.amp.GradScaler"] = None,
     ) -> None:
         if num_microbatches < 1:
             raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
@@ -115,6 +126,14 @@ class Pipeline:
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         fn = get_schedule(schedule, virtual_stages)
         p, m, rank = comm.world_size, num_microbatches, comm.rank
+        if grad_scaler is not None:
+            ranks = p * (dp_comm.world_size if dp_comm is not None else 1)
+            if type(grad_scaler).unscale_ is torch.amp.GradScaler.unscale_ and ranks > 1:
+                raise ValueError(
+                    f"pycomm.pipeline: grad_scaler is a {type(grad_scaler).__name__}, which decides overflows per "
+                    f"rank from its own gradients; the {ranks} ranks would skip different steps and their scales "
+                    "part. Use torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler(process_group=...) "
+                    "over a group of the pipeline's ranks (and its replicas'), which agrees on them")
         all_plans = plans(fn, p, m)
         for r, plan in enumerate(all_plans):
             validate(plan, m, r)
@@ -136,6 +155,8 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.loss_reduction = loss_reduction
         self.checkpoint = checkpoint
+        self.grad_scaler = grad_scaler
+        self._loss_scale: Optional[torch.Tensor] = None  # this step's, from grad_scaler
         self.actions = all_plans[rank]
         self._split = split_backward(self.actions)
         # What this rank receives from each peer, in the order that peer sends it.
@@ -253,6 +274,12 @@ class Pipeline:
                 weights = [r / sum(rows) for r in rows]
         elif self.is_last and self.loss_reduction == "mean":
             weights = [1.0 / m] * m
+        if self.grad_scaler is not None:
+            # scale() readies the scaler on every rank (step() needs that)
+            # and gives the scale as a tensor, with no host sync.
+            device = next((p.device for mod in self._modules.values() for p in mod.parameters()),
+                          torch.device("cpu"))
+            self._loss_scale = self.grad_scaler.scale(torch.ones((), device=device))
         # 2. Post every receive of the step, per peer in the order that peer
         #    sends: they complete in the background while this rank computes.
         inbox: Dict[Tuple[int, int, int], Any] = {}
@@ -297,7 +324,7 @@ class Pipeline:
                         raise ValueError("pycomm.pipeline: the loss of a micro-batch must be a scalar tensor")
                     loss = loss.reshape(()) * weights[k]
                     losses.append(loss.detach())
-                    outs = [loss]
+                    outs = [self._scaled(loss)]
                 else:
                     outs = as_list(out)
                     deliver((0, s + 1, k), [o.detach() for o in outs])
@@ -349,6 +376,10 @@ class Pipeline:
                            bubble=max(0.0, 1.0 - compute / step) if step > 0 else 0.0)
         return torch.stack(losses).sum() if self.is_last else None
 
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss the backward starts from: times the step's loss scale."""
+        return loss if self._loss_scale is None else loss * self._loss_scale
+
     def _forward(self, s: int, xs: List[torch.Tensor], k: int, split: bool) -> Tuple[Any, Optional[SplitState]]:
         module = self._modules[s]
         if not split:
@@ -376,7 +407,7 @@ class Pipeline:
                 out, state.segments = cut_forward(self._modules[s], state.xs)
                 if last:
                     loss = out if self.loss_fn is None else self.loss_fn(out, target)
-                    outs = [loss.reshape(()) * weight]
+                    outs = [self._scaled(loss.reshape(()) * weight)]
                 else:
                     outs = as_list(out)
         segments = state.segments
