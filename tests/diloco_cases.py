@@ -6,9 +6,10 @@ import io
 from typing import Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
 import pycomm
-from hooks_cases import _digits, _group, digits_mlp, init_default  # noqa: F401 (init_default: the pool's set-up)
+from hooks_cases import _digits, _group, digits_mlp, init_default, make_batch, make_model  # noqa: F401 (init_default: the pool's set-up)
 
 SHAPES = [(20, 30), (600,), (7, 5, 3)]
 WIRES = {"plain": None, "bf16": torch.bfloat16, "int8": pycomm.Int8(), "int4": pycomm.Int4()}
@@ -214,6 +215,34 @@ def built_differently(rank: int, world: int, what: str) -> str:
     except ValueError as e:
         return str(e)
     return ""
+
+
+def ddp_within_diloco_across(rank: int, world: int, steps: int = 8) -> List[tuple]:
+    """4 ranks as 2 hosts x 2: DDP averages every step's gradients within a
+    host, DiLoCo (H = 4, int8 wire) averages pseudo-gradients between hosts
+    over its own process group. Per step: the largest difference between the
+    two ranks of a host and between the hosts."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    # new_group is collective over the default group: every rank builds all.
+    within = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    across = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    model = make_model("mlp")
+    ddp = DDP(model, process_group=within)
+    opt = pycomm.DiLoCo(ddp.parameters(), torch.optim.SGD(ddp.parameters(), lr=0.1), sync_every=4,
+                        process_group=across, wire=pycomm.Int8())
+    gen = torch.Generator().manual_seed(100 + rank)
+    spreads = []
+    for _ in range(steps):
+        x, y = make_batch("mlp", gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        every = [torch.empty_like(flat) for _ in range(4)]
+        dist.all_gather(every, flat)
+        spreads.append(((every[0] - every[1]).abs().max().item(), (every[0] - every[2]).abs().max().item()))
+    return spreads
 
 
 def checkpoint(rank: int, world: int, wire: str = "plain") -> Dict[str, object]:

@@ -56,6 +56,15 @@ def test_the_group_path_cuda_parameters_take_follows_the_closed_form(pool, wire)
     assert all(torch.equal(r["final"], res[0]["final"]) for r in res)
 
 
+def test_ddp_within_a_host_and_diloco_between_hosts(pool):
+    """DiLoCo over its own process group composed with DDP over another: the
+    two ranks of a host never differ, the hosts drift apart between syncs
+    and meet at every sync (steps 4 and 8)."""
+    spreads = pool.run(diloco_cases.ddp_within_diloco_across, 4)[0]
+    assert all(within == 0.0 for within, _ in spreads), spreads
+    assert [across == 0.0 for _, across in spreads] == [False, False, False, True] * 2, spreads
+
+
 @pytest.mark.parametrize("fragments", [1, 3])
 def test_an_outer_optimizer_of_ones_own(pool, fragments):
     """outer= builds the outer optimizer: SGD at lr 1 without momentum makes
