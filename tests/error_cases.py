@@ -23,6 +23,13 @@ def _outcome(fn) -> Optional[str]:
         return f"{type(e).__name__}: {e}"
 
 
+def _wrapper(n: int) -> torch.Tensor:
+    """A tensor subclass that wraps others and has no storage of its own."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    return TwoTensor(torch.ones(n), torch.ones(n))
+
+
 def bad_inputs(rank: int, world: int, name: str) -> List[tuple]:
     """Every rank makes the same mistake; each must raise CommError and leave
     the communicator usable (checked by a correct all_reduce after each)."""
@@ -46,6 +53,10 @@ def bad_inputs(rank: int, world: int, name: str) -> List[tuple]:
         "all_gather sizes": lambda: comm.all_gather(torch.empty(n * world - 1), good),
         "broadcast src": lambda: comm.broadcast(good.clone(), src=world),
         "async list all_gather": lambda: comm.all_gather([torch.empty(n)] * world, good, async_op=True),
+        # A wrapper subclass (as DTensor is) has no storage: this crashed the process.
+        "wrapper subclass": lambda: comm.all_reduce(_wrapper(n)),
+        "wrapper subclass, compressed": lambda: comm.all_reduce(_wrapper(n), compression=pycomm.Int8()),
+        "wrapper subclass output": lambda: comm.all_gather(_wrapper(n * world), good),
     }
     out = []
     for label, fn in cases.items():

@@ -27,6 +27,15 @@ bool check_layout(std::ostringstream& os, const at::Tensor& t, const char* role)
     os << role << " is undefined";
     return false;
   }
+  // A tensor subclass that wraps others (DTensor; fake and functional
+  // tensors) has no storage of its own: its data pointer is null or not its
+  // data, and the transports would read or write through it.
+  if (!t.has_storage() || t.unsafeGetTensorImpl()->is_python_dispatch()) {
+    os << role << " is a tensor subclass without storage of its own (a DTensor, or a fake or functional "
+                  "tensor); pass a plain tensor, e.g. dtensor.to_local() for this rank's shard or "
+                  "dtensor.full_tensor() for the whole";
+    return false;
+  }
   if (t.layout() != at::kStrided || t.is_quantized()) {
     os << role << " must be a dense tensor (got layout " << t.layout() << (t.is_quantized() ? ", quantized" : "")
        << ")";
