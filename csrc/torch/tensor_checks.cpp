@@ -20,20 +20,11 @@ void explain_device(std::ostringstream& os, const at::Tensor& t, const char* rol
         "e.g. init_process_group(\"cpu:pycomm,cuda:nccl\"), or use pycomm.cuda_ipc.IpcAllReduce within a host)";
 }
 
-// Strided, dense, on the CPU. Checked first: a sparse tensor's strides
+// Strided, dense, on the CPU, with storage of its own. Checked first: a sparse tensor's strides
 // (and so is_contiguous()) throw, outside the call's turn.
 bool check_layout(std::ostringstream& os, const at::Tensor& t, const char* role) {
   if (!t.defined()) {
     os << role << " is undefined";
-    return false;
-  }
-  // A tensor subclass that wraps others (DTensor; fake and functional
-  // tensors) has no storage of its own: its data pointer is null or not its
-  // data, and the transports would read or write through it.
-  if (!t.has_storage() || t.unsafeGetTensorImpl()->is_python_dispatch()) {
-    os << role << " is a tensor subclass without storage of its own (a DTensor, or a fake or functional "
-                  "tensor); pass a plain tensor, e.g. dtensor.to_local() for this rank's shard or "
-                  "dtensor.full_tensor() for the whole";
     return false;
   }
   if (t.layout() != at::kStrided || t.is_quantized()) {
@@ -43,6 +34,16 @@ bool check_layout(std::ostringstream& os, const at::Tensor& t, const char* role)
   }
   if (!t.device().is_cpu()) {
     explain_device(os, t, role);
+    return false;
+  }
+  // After the layout (a sparse tensor has no storage either) and the device:
+  // a tensor subclass that wraps others (DTensor; fake and functional
+  // tensors) has no storage of its own. Its data pointer is null or not its
+  // data, and the transports would read or write through it.
+  if (!t.has_storage() || t.unsafeGetTensorImpl()->is_python_dispatch()) {
+    os << role << " is a tensor subclass without storage of its own (a DTensor, or a fake or functional "
+                  "tensor); pass a plain tensor, e.g. dtensor.to_local() for this rank's shard or "
+                  "dtensor.full_tensor() for the whole";
     return false;
   }
   return true;
