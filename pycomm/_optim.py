@@ -19,6 +19,20 @@ from typing import Any, Dict, List
 
 import torch
 
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # a torch without distributed tensors
+    _DTensor = None
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (sharing its storage); any other tensor
+    itself. The wrappers average what ranks hold: with FSDP2 sharding a model
+    within a group and a wrapper averaging between groups, ranks of the same
+    place in their groups hold the same shards."""
+    return t.to_local() if _DTensor is not None and isinstance(t, _DTensor) else t
+
+
 _HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
                "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
                "_optimizer_load_state_dict_post_hooks")

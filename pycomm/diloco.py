@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 import torch
 
 from . import compression as _compression
-from ._optim import WrappedOptimizer
+from ._optim import WrappedOptimizer, local_tensor
 from .hooks.policy import Group, Router
 
 logger = logging.getLogger("pycomm")
@@ -134,7 +134,9 @@ class DiLoCo(WrappedOptimizer):
         self.alpha = None if alpha is None else float(alpha)
         self._router = Router(process_group, communicator=communicator, path=path)
         self._error_feedback = _compression.ErrorFeedback() if _compression.is_quantizer(wire) else None
-        glob = [p.detach().clone() for p in params]
+        # The global parameters as plain tensors: a DTensor's (FSDP2's) are
+        # this rank's shard of them.
+        glob = [local_tensor(p).detach().clone() for p in params]
         # Fragments of about equal numel, in parameter order.
         total, bounds, acc = sum(p.numel() for p in params), [0], 0
         for i, p in enumerate(params):
@@ -247,7 +249,8 @@ class DiLoCo(WrappedOptimizer):
             "shapes": hash(tuple(tuple(p.shape) for p in params)) & 0xFFFFFFFFFFFF,
         }
         limbs = [(v >> shift) & 0xFFFF for v in fields.values() for shift in (0, 16, 32)]
-        local = torch.tensor(limbs + [x * x for x in limbs], dtype=torch.int64, device=params[0].device)
+        local = torch.tensor(limbs + [x * x for x in limbs], dtype=torch.int64,
+                             device=local_tensor(params[0]).device)
         self._router._start_all_reduce(self._router._route(local, compressed=False), local, "sum").wait()
         n, got = self._router.world_size, local.tolist()
         sums, squares = got[:len(limbs)], got[len(limbs):]
@@ -262,10 +265,10 @@ class DiLoCo(WrappedOptimizer):
     def _start(self, fr: _Fragment) -> None:
         """The fragment's pseudo-gradient, averaged on its way."""
         with torch.no_grad():
-            flat = torch.cat([(g - p.detach()).reshape(-1) for g, p in zip(fr.glob, fr.local)])
+            flat = torch.cat([(g - local_tensor(p).detach()).reshape(-1) for g, p in zip(fr.glob, fr.local)])
             # The keep rule needs where the overlapped steps began.
-            fr.at_sync = ([p.detach().clone() for p in fr.local] if self.overlap and self.alpha is None
-                          else None)
+            fr.at_sync = ([local_tensor(p).detach().clone() for p in fr.local]
+                          if self.overlap and self.alpha is None else None)
             fr.due = self.local_step + self.overlap
             route = self._router._route(flat, compressed=self.wire is not None)
             if isinstance(self.wire, torch.dtype):
@@ -291,7 +294,8 @@ class DiLoCo(WrappedOptimizer):
                 g.grad = avg[off:off + g.numel()].view_as(g).clone()
                 off += g.numel()
             self.outer.step()
-            for i, (g, p) in enumerate(zip(fr.glob, fr.local)):
+            for i, (g, param) in enumerate(zip(fr.glob, fr.local)):
+                p = local_tensor(param)  # a DTensor's shard, written in place
                 if to_global:
                     p.copy_(g)
                 elif self.alpha is not None:  # the paper's mix of local and global

@@ -245,6 +245,63 @@ def ddp_within_diloco_across(rank: int, world: int, steps: int = 8) -> List[tupl
     return spreads
 
 
+def fsdp_within_wrapper_across(rank: int, world: int, wrapper: str, steps: int = 8) -> Dict[str, object]:
+    """4 ranks as 2 hosts x 2: FSDP2 shards the model within a host, DiLoCo
+    (H = 4) or hooks.LocalSGD (period 4) averages between hosts (the
+    ranks holding the same shards), against DDP within a host and the same
+    wrapper between hosts. The whole parameters (gathered) after ``steps``,
+    both ways, and per step whether the hosts' shards are equal."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from pycomm import hooks
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("between", "within"))
+    between = mesh["between"].get_group()
+
+    def wrap(params):
+        inner = torch.optim.SGD(params, lr=0.1)
+        if wrapper == "diloco":
+            # Plain pseudo-gradients: int8 blocks would cut shards and whole
+            # tensors differently, and round them differently.
+            return pycomm.DiLoCo(params, inner, sync_every=4, process_group=between)
+        return hooks.LocalSGD(inner, period=4, process_group=between)
+
+    out: Dict[str, object] = {}
+    for how in ("fsdp", "ddp"):
+        model = make_model("mlp")
+        if how == "fsdp":
+            for layer in model:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh["within"])
+            fully_shard(model, mesh=mesh["within"])
+            run = model
+        else:
+            run = DDP(model, process_group=mesh["within"].get_group())
+        opt = wrap(list(model.parameters()))
+        gen = torch.Generator().manual_seed(100 + rank)
+        met = []
+        for _ in range(steps):
+            x, y = make_batch("mlp", gen)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(run(x), y).backward()
+            opt.step()
+            if how == "fsdp":
+                shard = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
+                other = torch.empty_like(shard)
+                peer = (rank + 2) % 4
+                ops = [dist.P2POp(dist.isend, shard, peer), dist.P2POp(dist.irecv, other, peer)]
+                for w in dist.batch_isend_irecv(ops):
+                    w.wait()
+                met.append(torch.equal(shard, other))
+        full = [p.full_tensor() if how == "fsdp" else p for p in model.parameters()]
+        out[how] = torch.cat([p.detach().reshape(-1) for p in full])
+        if how == "fsdp":
+            out["met"] = met
+    return out
+
+
 def checkpoint(rank: int, world: int, wire: str = "plain") -> Dict[str, object]:
     """12 steps (H = 4, 2 fragments); at step 6 save the wrapper's state
     through torch.save, resume a fresh one, run to 12: the same parameters

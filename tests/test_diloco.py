@@ -65,6 +65,20 @@ def test_ddp_within_a_host_and_diloco_between_hosts(pool):
     assert [across == 0.0 for _, across in spreads] == [False, False, False, True] * 2, spreads
 
 
+@pytest.mark.parametrize("wrapper", ["diloco", "local_sgd"])
+def test_fsdp2_within_a_host_and_the_wrapper_between_hosts(pool, wrapper):
+    """FSDP2 (DTensor parameters) within a host, DiLoCo or LocalSGD between
+    hosts over the ranks holding the same shards: the shards meet at every
+    sync (steps 4 and 8) and the whole model ends as with DDP within a host
+    (the same math; FSDP2 reduce-scatters where DDP all-reduces). Before,
+    DiLoCo's pseudo-gradient was a DTensor, and the communicator crashed on it."""
+    res = pool.run(diloco_cases.fsdp_within_wrapper_across, 4, wrapper)
+    for r in res:
+        assert r["met"] == [False, False, False, True] * 2, r["met"]
+        assert (r["fsdp"] - r["ddp"]).abs().max().item() < 1e-5
+    assert all(torch.equal(r["fsdp"], res[0]["fsdp"]) for r in res)
+
+
 @pytest.mark.parametrize("fragments", [1, 3])
 def test_an_outer_optimizer_of_ones_own(pool, fragments):
     """outer= builds the outer optimizer: SGD at lr 1 without momentum makes

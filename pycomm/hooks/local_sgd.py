@@ -15,7 +15,7 @@ from torch.profiler import record_function
 
 from .. import communicator as _communicator
 from .. import compression as _compression
-from .._optim import WrappedOptimizer
+from .._optim import WrappedOptimizer, local_tensor
 from .plain import _average
 from .policy import Group, _resolve_communicator, completed
 from .state import HookState
@@ -111,7 +111,8 @@ class LocalSGD(WrappedOptimizer):
     @torch.no_grad()
     def average(self) -> None:
         """Average every parameter over ranks now (one flat all-reduce per dtype)."""
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        # A DTensor's (FSDP2's) shard: ranks of the same place hold the same ones.
+        params = [local_tensor(p) for group in self.optimizer.param_groups for p in group["params"]]
         with record_function("pycomm::local_sgd_average"):
             self.communicator.all_reduce_coalesced(params, op="avg", compression=self.compression)
         self.averages += 1
