@@ -217,40 +217,22 @@ def built_differently(rank: int, world: int, what: str) -> str:
     return ""
 
 
-def ddp_within_diloco_across(rank: int, world: int, steps: int = 8) -> List[tuple]:
-    """4 ranks as 2 hosts x 2: DDP averages every step's gradients within a
-    host, DiLoCo (H = 4, int8 wire) averages pseudo-gradients between hosts
-    over its own process group. Per step: the largest difference between the
-    two ranks of a host and between the hosts."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    # new_group is collective over the default group: every rank builds all.
-    within = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
-    across = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
-    model = make_model("mlp")
-    ddp = DDP(model, process_group=within)
-    opt = pycomm.DiLoCo(ddp.parameters(), torch.optim.SGD(ddp.parameters(), lr=0.1), sync_every=4,
-                        process_group=across, wire=pycomm.Int8())
-    gen = torch.Generator().manual_seed(100 + rank)
-    spreads = []
-    for _ in range(steps):
-        x, y = make_batch("mlp", gen)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(ddp(x), y).backward()
-        opt.step()
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        every = [torch.empty_like(flat) for _ in range(4)]
-        dist.all_gather(every, flat)
-        spreads.append(((every[0] - every[1]).abs().max().item(), (every[0] - every[2]).abs().max().item()))
-    return spreads
+def _same_as(mine: torch.Tensor, peer: int) -> bool:
+    """Whether ``peer`` holds what this rank holds (both send theirs)."""
+    other = torch.empty_like(mine)
+    ops = [dist.P2POp(dist.isend, mine, peer), dist.P2POp(dist.irecv, other, peer)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    return torch.equal(mine, other)
 
 
 def fsdp_within_wrapper_across(rank: int, world: int, wrapper: str, steps: int = 8) -> Dict[str, object]:
-    """4 ranks as 2 hosts x 2: FSDP2 shards the model within a host, DiLoCo
-    (H = 4) or hooks.LocalSGD (period 4) averages between hosts (the
-    ranks holding the same shards), against DDP within a host and the same
-    wrapper between hosts. The whole parameters (gathered) after ``steps``,
-    both ways, and per step whether the hosts' shards are equal."""
+    """4 ranks as 2 hosts x 2: DDP or FSDP2 (which shards the model) within
+    a host, DiLoCo (H = 4) or hooks.LocalSGD (period 4) between hosts over
+    its own process group (with FSDP2, between the ranks holding the same
+    shards). Per way: the whole parameters after ``steps``, and per step
+    whether this rank's parameters (or shards) equal those of its peer on the
+    other host and of its peer on this one."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -281,24 +263,18 @@ def fsdp_within_wrapper_across(rank: int, world: int, wrapper: str, steps: int =
             run = DDP(model, process_group=mesh["within"].get_group())
         opt = wrap(list(model.parameters()))
         gen = torch.Generator().manual_seed(100 + rank)
-        met = []
+        met, within = [], []
         for _ in range(steps):
             x, y = make_batch("mlp", gen)
             opt.zero_grad()
             torch.nn.functional.mse_loss(run(x), y).backward()
             opt.step()
-            if how == "fsdp":
-                shard = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
-                other = torch.empty_like(shard)
-                peer = (rank + 2) % 4
-                ops = [dist.P2POp(dist.isend, shard, peer), dist.P2POp(dist.irecv, other, peer)]
-                for w in dist.batch_isend_irecv(ops):
-                    w.wait()
-                met.append(torch.equal(shard, other))
+            mine = torch.cat([(p.to_local() if how == "fsdp" else p).detach().reshape(-1)
+                              for p in model.parameters()])
+            met.append(_same_as(mine, (rank + 2) % 4))
+            within.append(_same_as(mine, rank ^ 1))
         full = [p.full_tensor() if how == "fsdp" else p for p in model.parameters()]
-        out[how] = torch.cat([p.detach().reshape(-1) for p in full])
-        if how == "fsdp":
-            out["met"] = met
+        out[how] = {"whole": torch.cat([p.detach().reshape(-1) for p in full]), "met": met, "within": within}
     return out
 
 
