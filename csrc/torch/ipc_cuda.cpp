@@ -5,6 +5,7 @@
 
 #include "dtype.h"
 #include "ipc.h"
+#include "tensor_checks.h"
 #include "../compression/quantized_allreduce.h"
 
 namespace pycomm {
@@ -12,6 +13,7 @@ namespace pycomm {
 void ipc_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, RedOp op, int algo) {
   DType dt;
   TORCH_CHECK(in.is_cuda() && out.is_cuda(), "pycomm: the CUDA IPC all-reduce takes CUDA tensors");
+  TORCH_CHECK(has_own_storage(in) && has_own_storage(out), "pycomm: the tensor ", kNoStorageAdvice);
   TORCH_CHECK(in.device() == out.device(), "pycomm: input and output must be on one device");
   TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "pycomm: tensors must be contiguous");
   TORCH_CHECK(in.scalar_type() == out.scalar_type() && in.numel() == out.numel(),
@@ -60,6 +62,7 @@ void ipc_quantized_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, con
                               int block, bool stochastic, uint64_t seed_quantize, uint64_t seed_requantize,
                               const at::Tensor& worker_residual, const at::Tensor& server_residual) {
   TORCH_CHECK(in.is_cuda() && out.is_cuda(), "pycomm: the quantized CUDA IPC all-reduce takes CUDA tensors");
+  TORCH_CHECK(has_own_storage(in) && has_own_storage(out), "pycomm: the tensor ", kNoStorageAdvice);
   TORCH_CHECK(in.device() == out.device(), "pycomm: input and output must be on one device");
   TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "pycomm: tensors must be contiguous");
   TORCH_CHECK(in.scalar_type() == out.scalar_type() && in.numel() == out.numel(),

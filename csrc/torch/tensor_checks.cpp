@@ -36,20 +36,19 @@ bool check_layout(std::ostringstream& os, const at::Tensor& t, const char* role)
     explain_device(os, t, role);
     return false;
   }
-  // After the layout (a sparse tensor has no storage either) and the device:
-  // a tensor subclass that wraps others (DTensor; fake and functional
-  // tensors) has no storage of its own. Its data pointer is null or not its
-  // data, and the transports would read or write through it.
-  if (!t.has_storage() || t.unsafeGetTensorImpl()->is_python_dispatch()) {
-    os << role << " is a tensor subclass without storage of its own (a DTensor, or a fake or functional "
-                  "tensor); pass a plain tensor, e.g. dtensor.to_local() for this rank's shard or "
-                  "dtensor.full_tensor() for the whole";
+  // After the layout: a sparse tensor has no storage either.
+  if (!has_own_storage(t)) {
+    os << role << " " << kNoStorageAdvice;
     return false;
   }
   return true;
 }
 
 }  // namespace
+
+bool has_own_storage(const at::Tensor& t) {
+  return t.has_storage() && !t.unsafeGetTensorImpl()->is_python_dispatch();
+}
 
 std::string check_tensor(const at::Tensor& t, const char* role, Collective coll) {
   std::ostringstream os;

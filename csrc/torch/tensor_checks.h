@@ -17,8 +17,19 @@
 namespace pycomm {
 
 // `t` can take part in a collective: defined, dense and strided, on the
-// CPU, of a dtype pycomm moves, contiguous.
+// CPU, holding its own storage, of a dtype pycomm moves, contiguous.
 std::string check_tensor(const at::Tensor& t, const char* role, Collective coll);
+
+// `t` holds its own data. A tensor subclass that wraps others (DTensor; fake
+// and functional tensors) has no storage of its own: its data pointer is
+// null or not its data, and a transport or kernel would read or write
+// through it. (A sparse tensor has none either; check the layout first.)
+bool has_own_storage(const at::Tensor& t);
+
+// What to tell a user whose tensor has no storage of its own.
+constexpr const char* kNoStorageAdvice =
+    "is a tensor subclass without storage of its own (a DTensor, or a fake or functional tensor); pass a plain "
+    "tensor, e.g. dtensor.to_local() for this rank's shard or dtensor.full_tensor() for the whole";
 
 bool overlaps(const at::Tensor& a, const at::Tensor& b);
 
