@@ -87,6 +87,13 @@ class DiLoCo(WrappedOptimizer):
             (TorchFT's ``fragment_update_alpha``).
         process_group, communicator, path: where pseudo-gradients go, as for
             the hooks (:class:`pycomm.hooks.HookState`).
+        backup_device: where the global parameters and the outer
+            optimizer's state live (default: the parameters' device). With
+            CUDA parameters, ``"cpu"`` keeps those two copies of the model out
+            of GPU memory (pinned), as TorchFT's ``backup_device`` and
+            OpenDiLoCo do; each sync then moves its fragment across PCIe
+            twice. The pseudo-gradients are still formed and averaged on the
+            parameters' device.
 
     Building it is collective, as building DDP is: every rank checks that the
     others chose the same ``sync_every``, fragments, overlap, alpha and wire over
@@ -103,8 +110,8 @@ class DiLoCo(WrappedOptimizer):
                  nesterov: Optional[bool] = None,
                  outer: Optional[Callable[[List[Dict[str, Any]]], torch.optim.Optimizer]] = None, wire: Wire = None,
                  fragments: int = 1, overlap: Union[bool, int] = False, alpha: Optional[float] = None,
-                 process_group: Group = None,
-                 communicator: Any = None, path: Optional[str] = None) -> None:
+                 process_group: Group = None, communicator: Any = None, path: Optional[str] = None,
+                 backup_device: Union[None, str, torch.device] = None) -> None:
         params = [p for p in params if p.requires_grad]
         if not params:
             raise ValueError("pycomm.DiLoCo: no parameters that require grad")
@@ -136,7 +143,15 @@ class DiLoCo(WrappedOptimizer):
         self._error_feedback = _compression.ErrorFeedback() if _compression.is_quantizer(wire) else None
         # The global parameters as plain tensors: a DTensor's (FSDP2's) are
         # this rank's shard of them.
-        glob = [local_tensor(p).detach().clone() for p in params]
+        device = local_tensor(params[0]).device
+        backup = device if backup_device is None else torch.device(backup_device)
+        # Pinned host memory lets the copies to and from the GPU run
+        # asynchronously (only where there is a GPU to pin for).
+        pin = backup.type == "cpu" and device.type == "cuda"
+        glob = [local_tensor(p).detach().to(backup, copy=True) for p in params]
+        if pin:
+            glob = [g.pin_memory() for g in glob]
+        self._pinned = pin
         # Fragments of about equal numel, in parameter order.
         total, bounds, acc = sum(p.numel() for p in params), [0], 0
         for i, p in enumerate(params):
@@ -219,6 +234,8 @@ class DiLoCo(WrappedOptimizer):
                 logger.warning("pycomm.DiLoCo: the checkpoint holds no error-feedback residuals (saved without a "
                                "quantized wire); they restart from zero")
                 self._error_feedback.reset()
+        if self._pinned:  # copies from the pinned global parameters may still be in flight
+            torch.cuda.synchronize(local_tensor(self._fragments[0].local[0]).device)
         saved = iter(state["global"])
         with torch.no_grad():
             for fr in self._fragments:
@@ -265,7 +282,8 @@ class DiLoCo(WrappedOptimizer):
     def _start(self, fr: _Fragment) -> None:
         """The fragment's pseudo-gradient, averaged on its way."""
         with torch.no_grad():
-            flat = torch.cat([(g - local_tensor(p).detach()).reshape(-1) for g, p in zip(fr.glob, fr.local)])
+            flat = torch.cat([(g.to(lp.device, non_blocking=True) - lp).reshape(-1)
+                              for g, lp in ((g, local_tensor(p).detach()) for g, p in zip(fr.glob, fr.local))])
             # The keep rule needs where the overlapped steps began.
             fr.at_sync = ([local_tensor(p).detach().clone() for p in fr.local]
                           if self.overlap and self.alpha is None else None)
@@ -284,7 +302,7 @@ class DiLoCo(WrappedOptimizer):
         parameters (``to_global``: exactly onto them)."""
         fr.work.wait()
         fr.work = None
-        avg = fr.flat.to(fr.glob[0].dtype)
+        avg = fr.flat.to(fr.glob[0].device, fr.glob[0].dtype)
         with torch.no_grad():
             off = 0
             for other in self._fragments:
@@ -294,16 +312,17 @@ class DiLoCo(WrappedOptimizer):
                 g.grad = avg[off:off + g.numel()].view_as(g).clone()
                 off += g.numel()
             self.outer.step()
-            for i, (g, param) in enumerate(zip(fr.glob, fr.local)):
+            for i, (glob, param) in enumerate(zip(fr.glob, fr.local)):
                 p = local_tensor(param)  # a DTensor's shard, written in place
+                g = glob.to(p.device, non_blocking=True)  # itself, unless backup_device put it elsewhere
                 if to_global:
                     p.copy_(g)
                 elif self.alpha is not None:  # the paper's mix of local and global
                     p.mul_(self.alpha).add_(g, alpha=1.0 - self.alpha)
                 elif fr.at_sync is not None:  # keep the local progress of the overlapped steps
-                    p.copy_(g + (p - fr.at_sync[i]))
+                    p.sub_(fr.at_sync[i]).add_(g)
                 else:
                     p.copy_(g)
-                g.grad = None
+                glob.grad = None
         fr.flat = fr.at_sync = None
         self.outer_steps += 1

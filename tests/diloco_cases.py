@@ -92,7 +92,7 @@ def _route(world: int, device: str, path: Optional[str]) -> Dict[str, object]:
 
 def quadratic(rank: int, world: int, wire: str, fragments: int, overlap: int, steps: int = 20,
               h: int = 4, outer: str = "default", device: str = "cpu", path: Optional[str] = None,
-              alpha: Optional[float] = None) -> Dict[str, object]:
+              alpha: Optional[float] = None, backup_device: Optional[str] = None) -> Dict[str, object]:
     """pycomm.DiLoCo on the quadratic against the float64 simulation: the
     largest difference over every step, relative to the targets' scale.
     ``outer`` "averaging": the outer optimizer passed as ``outer=``, plain
@@ -103,7 +103,7 @@ def quadratic(rank: int, world: int, wire: str, fragments: int, overlap: int, st
     inner = torch.optim.SGD(params, lr=0.1)
     kw = dict(outer=lambda groups: torch.optim.SGD(groups, lr=1.0)) if outer == "averaging" else {}
     opt = pycomm.DiLoCo(params, inner, sync_every=h, fragments=fragments, overlap=overlap, wire=WIRES[wire],
-                        alpha=alpha, **_route(world, device, path), **kw)
+                        alpha=alpha, backup_device=backup_device, **_route(world, device, path), **kw)
     which = [next(f for f, fr in enumerate(opt._fragments) if any(p is q for q in fr.local)) for p in params]
     offsets = [fr.offset for fr in opt._fragments]
     want = _simulate(world, steps, 0.1, h, which, offsets, int(overlap),
@@ -117,7 +117,12 @@ def quadratic(rank: int, world: int, wire: str, fragments: int, overlap: int, st
         worst = max(worst, max((p.detach().double().cpu() - w).abs().max().item() for p, w in zip(params, want[t][rank])))
     opt.sync()
     final = torch.cat([p.detach().reshape(-1) for p in params]).cpu()
-    return {"worst": worst, "final": final, "outer_steps": opt.outer_steps, "fragments": len(opt._fragments)}
+    glob = [t for fr in opt._fragments for t in fr.glob]
+    kept = glob + [v for st in opt.outer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return {"worst": worst, "final": final, "outer_steps": opt.outer_steps, "fragments": len(opt._fragments),
+            "kept_on": sorted({str(t.device) for t in kept}),
+            # The global parameters are pinned (the outer state is the outer optimizer's own).
+            "pinned": all(t.is_pinned() for t in glob) if device == "cuda" and backup_device == "cpu" else None}
 
 
 def grad_scaler(rank: int, world: int, fragments: int, overlap: bool, fused: bool, unscale_first: bool,

@@ -368,6 +368,20 @@ def test_diloco_on_cuda_follows_the_closed_form(ddp_pool, wire, fragments, overl
     assert all(torch.equal(r["final"], res[0]["final"]) for r in res)
 
 
+@pytest.mark.parametrize("wire,overlap", [("plain", 0), ("int8", 2)])
+def test_diloco_on_cuda_keeps_the_global_model_on_the_cpu_when_asked(ddp_pool, wire, overlap):
+    """backup_device="cpu": the global parameters and the outer momentum in
+    pinned host memory, the pseudo-gradients formed and averaged on the GPU;
+    the same path as without it (the quadratic's float64 simulation)."""
+    import diloco_cases
+    from test_diloco import BOUNDS
+
+    res = ddp_pool.run(diloco_cases.quadratic, 4, wire, 3, overlap, device="cuda", backup_device="cpu")
+    for r in res:
+        assert r["worst"] <= BOUNDS[wire] and r["kept_on"] == ["cpu"] and r["pinned"], r
+    assert all(torch.equal(r["final"], res[0]["final"]) for r in res)
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_diloco_on_cuda_keeps_its_schedule_when_grad_scaler_skips(ddp_pool, fused):
     """GradScaler("cuda") skips an overflowing inner step on one rank; the

@@ -46,6 +46,16 @@ def test_streaming_fragments_and_overlap_follow_the_closed_form(pool, fragments,
     assert all(torch.equal(r["final"], res[0]["final"]) for r in res)
 
 
+def test_global_parameters_kept_on_a_backup_device_follow_the_closed_form(pool):
+    """backup_device: where the global parameters and the outer optimizer's
+    state live (on CUDA parameters, the CPU; here both are the CPU, so this
+    runs the moves without their effect: tests/test_cuda.py has it)."""
+    res = pool.run(diloco_cases.quadratic, 4, "int8", 3, 2, backup_device="cpu")
+    for r in res:
+        assert r["worst"] <= BOUNDS["int8"] and r["kept_on"] == ["cpu"], r
+    assert all(torch.equal(r["final"], res[0]["final"]) for r in res)
+
+
 @pytest.mark.parametrize("wire", ["plain", "int8"])
 def test_the_group_path_cuda_parameters_take_follows_the_closed_form(pool, wire):
     """The pseudo-gradients through the process group (CUDA parameters' path),
