@@ -57,6 +57,9 @@ def bad_inputs(rank: int, world: int, name: str) -> List[tuple]:
         "wrapper subclass": lambda: comm.all_reduce(_wrapper(n)),
         "wrapper subclass, compressed": lambda: comm.all_reduce(_wrapper(n), compression=pycomm.Int8()),
         "wrapper subclass output": lambda: comm.all_gather(_wrapper(n * world), good),
+        # Lazy views whose memory holds other values than they read as.
+        "negative view": lambda: comm.all_reduce(torch._neg_view(torch.ones(n)), op="max"),
+        "nested": lambda: comm.all_reduce(torch.nested.nested_tensor([torch.ones(3), torch.ones(n - 3)])),
     }
     out = []
     for label, fn in cases.items():

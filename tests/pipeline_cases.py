@@ -149,6 +149,16 @@ def p2p_errors(rank: int, name: str, **comm_kwargs) -> Dict[str, str]:
     catch("self", lambda: comm.send(torch.ones(2), rank))
     catch("range", lambda: comm.recv(5))
     catch("tag", lambda: comm.send(torch.ones(1), 1 - rank, tag=-1))
+    # A lazy conjugate view: its memory holds the unconjugated values, which
+    # the receiver got (silently wrong data) before the check. The refused
+    # send fails the channel, so the receiver learns why; a refused out
+    # tensor is refused before any message is taken.
+    z = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)
+    if rank == 0:
+        catch("conj_send", lambda: comm.send(z.conj(), 1))
+    else:
+        catch("conj_out", lambda: comm.recv(0, out=torch.empty(2, dtype=torch.complex64).conj()))
+        catch("conj_send", lambda: comm.recv(0))
     if rank == 0:
         catch("bad_send", lambda: comm.send(torch.ones(2).to_sparse(), 1))
         comm.send(torch.ones(2, 3), 1)

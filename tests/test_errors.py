@@ -44,6 +44,8 @@ EXPECTED_WORDS = {
     "wrapper subclass": "without storage of its own",
     "wrapper subclass, compressed": "without storage of its own",
     "wrapper subclass output": "without storage of its own",
+    "negative view": "tensor.resolve_neg()",
+    "nested": "nested",
 }
 
 

@@ -215,6 +215,9 @@ def test_p2p_both_directions_at_once_larger_than_the_ring(pool):
 
 def test_p2p_errors_reach_both_ranks(pool):
     r0, r1 = pool.run(pipeline_cases.p2p_errors, pool.new_name("p2pe"), world=2)
+    assert "lazy conjugate view" in r0["conj_send"] and "resolve_conj()" in r0["conj_send"], r0
+    assert "the sender failed" in r1["conj_send"] and "lazy conjugate view" in r1["conj_send"], r1
+    assert "lazy conjugate view" in r1["conj_out"], r1
     for r in (r0, r1):
         assert "is this rank itself" in r["self"]
         assert "src=5 is not a rank" in r["range"]

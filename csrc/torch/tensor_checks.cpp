@@ -27,9 +27,17 @@ bool check_layout(std::ostringstream& os, const at::Tensor& t, const char* role)
     os << role << " is undefined";
     return false;
   }
-  if (t.layout() != at::kStrided || t.is_quantized()) {
+  if (t.layout() != at::kStrided || t.is_quantized() || t.is_nested()) {
     os << role << " must be a dense tensor (got layout " << t.layout() << (t.is_quantized() ? ", quantized" : "")
-       << ")";
+       << (t.is_nested() ? ", nested" : "") << ")";
+    return false;
+  }
+  // A lazy conjugate or negative view reads as other values than its memory
+  // holds; the transports move memory, so the receiver (or a max / min)
+  // would see the memory's values. torch.distributed refuses such tensors too.
+  if (t.is_conj() || t.is_neg()) {
+    os << role << " is a lazy " << (t.is_conj() ? "conjugate" : "negative") << " view (its memory holds other "
+       << "values than it reads as); pass " << (t.is_conj() ? "tensor.resolve_conj()" : "tensor.resolve_neg()");
     return false;
   }
   if (!t.device().is_cpu()) {
