@@ -125,18 +125,21 @@ def run_ipc_async(rank: int, world: int, name: str) -> dict:
     s.fill_(rank + 1)
     ipc.all_reduce(s)
     s2 = (s * 2).cpu()
-    # A tensor subclass without storage (as a DTensor) is refused on every
-    # rank, synchronous, asynchronous and quantized, and the group goes on.
+    # A tensor subclass without storage (as a DTensor) and a lazy negative
+    # view are refused on every rank, synchronous, asynchronous and
+    # quantized, and the group goes on.
     from torch.testing._internal.two_tensor import TwoTensor
 
     refused = []
     for call in (lambda t: ipc.all_reduce(t), lambda t: ipc.all_reduce(t, async_op=True).wait(),
                  lambda t: ipc.all_reduce(t, compression=pycomm.Int8())):
-        try:
-            call(TwoTensor(torch.ones(1024, device="cuda"), torch.ones(1024, device="cuda")))
-            refused.append("")
-        except Exception as e:  # noqa: BLE001 - the message is the result
-            refused.append(str(e))
+        for bad in (TwoTensor(torch.ones(1024, device="cuda"), torch.ones(1024, device="cuda")),
+                    torch._neg_view(torch.ones(1024, device="cuda"))):
+            try:
+                call(bad)
+                refused.append("")
+            except Exception as e:  # noqa: BLE001 - the message is the result
+                refused.append(str(e))
     after = torch.full((4096,), float(rank + 1), device="cuda")
     ipc.all_reduce(after)
     return {"y": yc, "z": z, "s": s2, "future_is_x": got.data_ptr() == x.data_ptr(), "done": work.is_completed(),

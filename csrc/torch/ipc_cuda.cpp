@@ -14,6 +14,9 @@ void ipc_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, const at::Ten
   DType dt;
   TORCH_CHECK(in.is_cuda() && out.is_cuda(), "pycomm: the CUDA IPC all-reduce takes CUDA tensors");
   TORCH_CHECK(has_own_storage(in) && has_own_storage(out), "pycomm: the tensor ", kNoStorageAdvice);
+  TORCH_CHECK(!in.is_neg() && !out.is_neg() && !in.is_conj() && !out.is_conj(),
+              "pycomm: the tensor is a lazy negative or conjugate view (its memory holds other values than it "
+              "reads as); pass tensor.resolve_neg() or tensor.resolve_conj()");
   TORCH_CHECK(in.device() == out.device(), "pycomm: input and output must be on one device");
   TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "pycomm: tensors must be contiguous");
   TORCH_CHECK(in.scalar_type() == out.scalar_type() && in.numel() == out.numel(),
@@ -63,6 +66,9 @@ void ipc_quantized_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, con
                               const at::Tensor& worker_residual, const at::Tensor& server_residual) {
   TORCH_CHECK(in.is_cuda() && out.is_cuda(), "pycomm: the quantized CUDA IPC all-reduce takes CUDA tensors");
   TORCH_CHECK(has_own_storage(in) && has_own_storage(out), "pycomm: the tensor ", kNoStorageAdvice);
+  TORCH_CHECK(!in.is_neg() && !out.is_neg() && !in.is_conj() && !out.is_conj(),
+              "pycomm: the tensor is a lazy negative or conjugate view (its memory holds other values than it "
+              "reads as); pass tensor.resolve_neg() or tensor.resolve_conj()");
   TORCH_CHECK(in.device() == out.device(), "pycomm: input and output must be on one device");
   TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "pycomm: tensors must be contiguous");
   TORCH_CHECK(in.scalar_type() == out.scalar_type() && in.numel() == out.numel(),
