@@ -79,7 +79,8 @@ def digest(ft: FaultTolerantDDP, optimizer: bool = True) -> str:
 
 def train(comm: pycomm.Communicator, hook: str, steps: int, *, lr: float = 0.05, kill_at: Optional[tuple] = None,
           on_step=None, bucket_cap_mb: float = 0.03, admit_every: int = 0, on_failure: str = "redo",
-          freeze: bool = False, path: Optional[str] = None, device: str = "cpu") -> Dict[str, Any]:
+          freeze: bool = False, path: Optional[str] = None, device: str = "cpu", amp: bool = False
+          ) -> Dict[str, Any]:
     """Train the digits MLP for ``steps`` steps with FaultTolerantDDP; the
     global batch of step s is the same on every rank and split over the
     current world. ``kill_at=(step, phase)`` kills this process at that step:
@@ -87,7 +88,10 @@ def train(comm: pycomm.Communicator, hook: str, steps: int, *, lr: float = 0.05,
     out), 2 after the backward (its peers may complete the step); with
     ``freeze`` it stops there instead (SIGSTOP, until the test continues it).
     ``path="group"``: the buckets go over a Gloo group per epoch;
-    ``device="cuda"``: a CUDA model (the group path, NCCL or Gloo)."""
+    ``device="cuda"``: a CUDA model (the group path, NCCL or Gloo).
+    ``amp``: loss scaling through ``grad_scaler=``, each rank's scaler built
+    with another initial scale (the wrapper's first heal makes them equal),
+    and rank 0's loss overflowing at step 15 (every rank must skip it)."""
     from hooks_cases import digits_mlp
 
     xtr, ytr, xte, yte = _digits()
@@ -101,8 +105,12 @@ def train(comm: pycomm.Communicator, hook: str, steps: int, *, lr: float = 0.05,
     if wrapped is None:
         wrapped = hooks.LocalSGD(opt, period=4, warmup_steps=20, communicator=comm)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    scaler = (torch.amp.GradScaler(torch.device(device).type, init_scale=2.0 ** (10 + comm.rank), growth_interval=25)
+              if amp else None)
     ft = FaultTolerantDDP(model, wrapped, comm, hook=hook_fn, state=state, scheduler=sched,
-                          bucket_cap_mb=bucket_cap_mb, admit_every=admit_every, on_failure=on_failure)
+                          bucket_cap_mb=bucket_cap_mb, admit_every=admit_every, on_failure=on_failure,
+                          grad_scaler=scaler)
+    scales: List[float] = []
     first = model[0].weight
     digests: Dict[int, str] = {}
     sig = signal.SIGSTOP if freeze else signal.SIGKILL
@@ -123,7 +131,11 @@ def train(comm: pycomm.Communicator, hook: str, steps: int, *, lr: float = 0.05,
         idx = torch.randint(0, len(xtr), (GLOBAL_BATCH,), generator=torch.Generator().manual_seed(1000 + step))
         mine = torch.tensor_split(idx, ft.world_size)[ft.rank].to(device)
         loss = torch.nn.functional.cross_entropy(ft(xtr[mine]), ytr[mine])
-        loss.backward()
+        if scaler is not None:
+            scales.append(scaler.get_scale())
+            (scaler.scale(loss * float("inf") if step == 15 and ft.rank == 0 else loss)).backward()
+        else:
+            loss.backward()
         if kill_at is not None and step == kill_at[0] and kill_at[1] == 2:
             os.kill(os.getpid(), sig)
         return loss.item()
@@ -137,7 +149,8 @@ def train(comm: pycomm.Communicator, hook: str, steps: int, *, lr: float = 0.05,
     return dict(acc=acc, digest=digest(ft), params=digest(ft, optimizer=False), steps=ft.steps_done,
                 world=ft.world_size, rank=ft.rank, routes=state.routes(),
                 cuda_backend=ft.group.cuda_backend if ft.group is not None else None,
-                epoch=ft.comm.epoch, events=ft.events, digests=digests, stats=state.stats())
+                epoch=ft.comm.epoch, events=ft.events, digests=digests, stats=state.stats(),
+                scales=scales + ([scaler.get_scale()] if scaler is not None else []))
 
 
 def _collect(procs: int, target, *args: Any, dead: tuple = (), frozen: tuple = ()) -> Dict[str, Any]:

@@ -105,6 +105,21 @@ def test_two_deaths_and_the_drop_policy(zygote, baselines):
     check(res, f"drop, killed {res['kills']}", 4)
 
 
+def test_loss_scaling_survives_kill_9(zygote, baselines):
+    """grad_scaler=: the ranks' scalers start at different scales and the
+    wrapper's first heal makes them one; rank 0's overflow at step 15 is
+    skipped on every rank (the scale halves everywhere); a rank is killed
+    and the survivors go on, bitwise identical, at the accuracy of training
+    without loss scaling."""
+    res = zygote.run(fc.kill_during_training, "int8", 4, STEPS, 3, amp=True, timeout=180)
+    where = f"loss scaling, killed {res['kills']}"
+    check(res, where, 4)
+    scales = [rep["scales"] for rep in res["reports"].values()]
+    assert all(s == scales[0] for s in scales), where
+    assert scales[0][0] == 2.0 ** 10 and scales[0][16] == 2.0 ** 9, (where, scales[0][:20])
+    assert next(iter(res["reports"].values()))["acc"] >= baselines["int8"] - 1.0, where
+
+
 @pytest.mark.parametrize("hook", ["allreduce", "int8", "stale1"])
 def test_replacement_joins_and_is_healed(zygote, hook):
     res = zygote.run(fc.replacement_joins, hook, timeout=240)

@@ -139,6 +139,13 @@ class FaultTolerantDDP(torch.nn.Module, ElasticLoop):
         extra_state: anything else with ``state_dict()`` /
             ``load_state_dict()`` that must match on every rank: healed with
             the model.
+        grad_scaler: a ``torch.amp.GradScaler`` for float16 training. The
+            closure scales the loss (``ft.grad_scaler.scale(loss).backward()``)
+            and each step ends with ``grad_scaler.step(optimizer)`` and
+            ``update()`` in place of ``optimizer.step()``; overflows are seen
+            alike on every rank (DDP averages the scaled gradients). Its scale
+            is healed with the model: gradients are averaged before they are
+            unscaled, so every rank, a replacement too, must scale alike.
         shrink_timeout, grace: passed to :func:`~pycomm.elastic.shrink`.
         max_recoveries: raise after this many failed shrinks in one step's
             recovery (one that failed because a further peer was lost
@@ -154,8 +161,8 @@ class FaultTolerantDDP(torch.nn.Module, ElasticLoop):
     def __init__(self, module: torch.nn.Module, optimizer: Any, comm: Communicator, *,
                  hook: Optional[Callable] = None, state: Optional[_hooks.HookState] = None,
                  on_failure: str = "redo", admit_every: int = 10, scheduler: Any = None, extra_state: Any = None,
-                 shrink_timeout: float = 30.0, grace: float = 2.0, max_recoveries: int = 8,
-                 **ddp_kwargs: Any) -> None:
+                 grad_scaler: Any = None, shrink_timeout: float = 30.0, grace: float = 2.0,
+                 max_recoveries: int = 8, **ddp_kwargs: Any) -> None:
         super().__init__()
         if not isinstance(comm, Communicator):
             raise TypeError(f"pycomm.elastic.FaultTolerantDDP: comm must be a pycomm.Communicator, got "
@@ -195,7 +202,7 @@ class FaultTolerantDDP(torch.nn.Module, ElasticLoop):
         self.hook, self.state = hook, state
         self.on_failure = on_failure
         self.admit_every = int(admit_every)
-        self.scheduler, self.extra_state = scheduler, extra_state
+        self.scheduler, self.extra_state, self.grad_scaler = scheduler, extra_state, grad_scaler
         self.shrink_timeout, self.grace, self.max_recoveries = float(shrink_timeout), float(grace), int(max_recoveries)
         self.steps_done = 0
         self.events: List[Dict[str, Any]] = []
@@ -276,7 +283,7 @@ class FaultTolerantDDP(torch.nn.Module, ElasticLoop):
                 self._epoch.fail(str(self._failures[0]))
             if not self._failures:
                 try:
-                    self.optimizer.step()
+                    self._optimizer_step()
                 except Exception as e:  # LocalSGD's average: the local step is applied
                     if not _is_comm_failure(e):
                         raise
@@ -320,12 +327,23 @@ class FaultTolerantDDP(torch.nn.Module, ElasticLoop):
         self.steps_done = int(state["steps_done"])
         self._load_extras(state)
 
+    def _optimizer_step(self) -> None:
+        if self.grad_scaler is None:
+            self.optimizer.step()
+            return
+        self.grad_scaler.step(self.optimizer)
+        self.grad_scaler.update()
+
+    def _extra_objects(self):
+        # A disabled GradScaler has an empty state, which it refuses to load.
+        scaler = self.grad_scaler if self.grad_scaler is not None and self.grad_scaler.is_enabled() else None
+        return (("scheduler", self.scheduler), ("extra", self.extra_state), ("grad_scaler", scaler))
+
     def _extras(self) -> Dict[str, Any]:
-        return {k: (v.state_dict() if v is not None else None)
-                for k, v in (("scheduler", self.scheduler), ("extra", self.extra_state))}
+        return {k: (v.state_dict() if v is not None else None) for k, v in self._extra_objects()}
 
     def _load_extras(self, state: Dict[str, Any]) -> None:
-        for k, v in (("scheduler", self.scheduler), ("extra", self.extra_state)):
+        for k, v in self._extra_objects():
             if v is not None and state.get(k) is not None:
                 v.load_state_dict(state[k])
 
