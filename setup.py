@@ -24,6 +24,14 @@ if not sys.platform.startswith("linux"):
     raise SystemExit(f"torch-pycomm builds on Linux only (its transports use futexes, /dev/shm and /proc); "
                      f"this is {sys.platform}")
 
+import setuptools  # noqa: E402
+
+if int(setuptools.__version__.split(".")[0]) < 77:
+    # pyproject.toml states the license as an SPDX string, which older
+    # setuptools reject with a schema error that does not say this.
+    raise SystemExit(f"torch-pycomm builds with setuptools >= 77 (pip install -U 'setuptools>=77'); this is "
+                     f"setuptools {setuptools.__version__}")
+
 from setuptools import find_packages, setup  # noqa: E402
 from torch.utils import cpp_extension  # noqa: E402
 

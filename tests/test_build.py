@@ -63,6 +63,21 @@ def test_setup_says_linux_only_elsewhere():
     assert "Traceback" not in r.stderr, r.stderr[-500:]  # a message, not an import failing on the way
 
 
+def test_setup_says_which_setuptools_it_needs():
+    """An older setuptools rejects pyproject.toml's license string with a
+    schema error; setup.py says what to install instead (the version stands
+    in for an older install)."""
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import setuptools; setuptools.__version__ = '70.3.0'; import sys; sys.argv = ['setup.py', '--version']; "
+            "exec(open('setup.py').read())")
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "setuptools >= 77" in r.stderr and "70.3.0" in r.stderr, r.stderr[-500:]
+    assert "Traceback" not in r.stderr, r.stderr[-500:]
+
+
 def test_the_source_distribution_carries_what_the_build_reads(tmp_path):
     """The sdist (setuptools' PEP 517 hook, what pip and build call) holds
     every file under csrc/ (headers and .cu files are read only by the
