@@ -10,13 +10,22 @@
 
 namespace pycomm {
 
+namespace {
+
+// The communicator's rule (tensor_checks.h): the kernels move memory.
+void check_memory(const at::Tensor& in, const at::Tensor& out) {
+  for (const at::Tensor* t : {&in, &out}) {
+    const std::string why = memory_mismatch(*t);
+    TORCH_CHECK(why.empty(), "pycomm: the ", t == &in ? "input " : "output ", why);
+  }
+}
+
+}  // namespace
+
 void ipc_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, RedOp op, int algo) {
   DType dt;
   TORCH_CHECK(in.is_cuda() && out.is_cuda(), "pycomm: the CUDA IPC all-reduce takes CUDA tensors");
-  TORCH_CHECK(has_own_storage(in) && has_own_storage(out), "pycomm: the tensor ", kNoStorageAdvice);
-  TORCH_CHECK(!in.is_neg() && !out.is_neg() && !in.is_conj() && !out.is_conj(),
-              "pycomm: the tensor is a lazy negative or conjugate view (its memory holds other values than it "
-              "reads as); pass tensor.resolve_neg() or tensor.resolve_conj()");
+  check_memory(in, out);
   TORCH_CHECK(in.device() == out.device(), "pycomm: input and output must be on one device");
   TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "pycomm: tensors must be contiguous");
   TORCH_CHECK(in.scalar_type() == out.scalar_type() && in.numel() == out.numel(),
@@ -65,10 +74,7 @@ void ipc_quantized_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, con
                               int block, bool stochastic, uint64_t seed_quantize, uint64_t seed_requantize,
                               const at::Tensor& worker_residual, const at::Tensor& server_residual) {
   TORCH_CHECK(in.is_cuda() && out.is_cuda(), "pycomm: the quantized CUDA IPC all-reduce takes CUDA tensors");
-  TORCH_CHECK(has_own_storage(in) && has_own_storage(out), "pycomm: the tensor ", kNoStorageAdvice);
-  TORCH_CHECK(!in.is_neg() && !out.is_neg() && !in.is_conj() && !out.is_conj(),
-              "pycomm: the tensor is a lazy negative or conjugate view (its memory holds other values than it "
-              "reads as); pass tensor.resolve_neg() or tensor.resolve_conj()");
+  check_memory(in, out);
   TORCH_CHECK(in.device() == out.device(), "pycomm: input and output must be on one device");
   TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "pycomm: tensors must be contiguous");
   TORCH_CHECK(in.scalar_type() == out.scalar_type() && in.numel() == out.numel(),

@@ -20,8 +20,9 @@ void explain_device(std::ostringstream& os, const at::Tensor& t, const char* rol
         "e.g. init_process_group(\"cpu:pycomm,cuda:nccl\"), or use pycomm.cuda_ipc.IpcAllReduce within a host)";
 }
 
-// Strided, dense, on the CPU, with storage of its own. Checked first: a sparse tensor's strides
-// (and so is_contiguous()) throw, outside the call's turn.
+// Strided, dense, on the CPU, its memory holding what it reads as. Checked
+// first: a sparse tensor's strides (and so is_contiguous()) throw, outside
+// the call's turn.
 bool check_layout(std::ostringstream& os, const at::Tensor& t, const char* role) {
   if (!t.defined()) {
     os << role << " is undefined";
@@ -32,21 +33,13 @@ bool check_layout(std::ostringstream& os, const at::Tensor& t, const char* role)
        << (t.is_nested() ? ", nested" : "") << ")";
     return false;
   }
-  // A lazy conjugate or negative view reads as other values than its memory
-  // holds; the transports move memory, so the receiver (or a max / min)
-  // would see the memory's values. torch.distributed refuses such tensors too.
-  if (t.is_conj() || t.is_neg()) {
-    os << role << " is a lazy " << (t.is_conj() ? "conjugate" : "negative") << " view (its memory holds other "
-       << "values than it reads as); pass " << (t.is_conj() ? "tensor.resolve_conj()" : "tensor.resolve_neg()");
-    return false;
-  }
   if (!t.device().is_cpu()) {
     explain_device(os, t, role);
     return false;
   }
-  // After the layout: a sparse tensor has no storage either.
-  if (!has_own_storage(t)) {
-    os << role << " " << kNoStorageAdvice;
+  const std::string why = memory_mismatch(t);
+  if (!why.empty()) {
+    os << role << " " << why;
     return false;
   }
   return true;
@@ -54,8 +47,15 @@ bool check_layout(std::ostringstream& os, const at::Tensor& t, const char* role)
 
 }  // namespace
 
-bool has_own_storage(const at::Tensor& t) {
-  return t.has_storage() && !t.unsafeGetTensorImpl()->is_python_dispatch();
+std::string memory_mismatch(const at::Tensor& t) {
+  if (!t.has_storage() || t.unsafeGetTensorImpl()->is_python_dispatch())
+    return "is a tensor subclass without storage of its own (a DTensor, or a fake or functional tensor); pass a "
+           "plain tensor, e.g. dtensor.to_local() for this rank's shard or dtensor.full_tensor() for the whole";
+  if (t.is_conj() || t.is_neg())
+    return std::string("is a lazy ") + (t.is_conj() ? "conjugate" : "negative") +
+           " view (its memory holds other values than it reads as); pass " +
+           (t.is_conj() ? "tensor.resolve_conj()" : "tensor.resolve_neg()");
+  return "";
 }
 
 std::string check_tensor(const at::Tensor& t, const char* role, Collective coll) {

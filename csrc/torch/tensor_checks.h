@@ -20,16 +20,14 @@ namespace pycomm {
 // CPU, holding its own storage, of a dtype pycomm moves, contiguous.
 std::string check_tensor(const at::Tensor& t, const char* role, Collective coll);
 
-// `t` holds its own data. A tensor subclass that wraps others (DTensor; fake
-// and functional tensors) has no storage of its own: its data pointer is
-// null or not its data, and a transport or kernel would read or write
-// through it. (A sparse tensor has none either; check the layout first.)
-bool has_own_storage(const at::Tensor& t);
-
-// What to tell a user whose tensor has no storage of its own.
-constexpr const char* kNoStorageAdvice =
-    "is a tensor subclass without storage of its own (a DTensor, or a fake or functional tensor); pass a plain "
-    "tensor, e.g. dtensor.to_local() for this rank's shard or dtensor.full_tensor() for the whole";
+// "" when `t`'s memory holds the values it reads as, else what to tell the
+// user (to follow the tensor's name). Transports and kernels move memory: a
+// tensor subclass that wraps others (DTensor; fake and functional tensors)
+// has no storage of its own (its data pointer is null or not its data), and a
+// lazy conjugate or negative view's memory holds other values than it reads
+// as (torch.distributed refuses such views too). Check the layout first: a
+// sparse tensor has no storage either.
+std::string memory_mismatch(const at::Tensor& t);
 
 bool overlaps(const at::Tensor& a, const at::Tensor& b);
 
