@@ -143,15 +143,14 @@ class DiLoCo(WrappedOptimizer):
         self._error_feedback = _compression.ErrorFeedback() if _compression.is_quantizer(wire) else None
         # The global parameters as plain tensors: a DTensor's (FSDP2's) are
         # this rank's shard of them.
-        device = local_tensor(params[0]).device
-        backup = device if backup_device is None else torch.device(backup_device)
+        self._device = local_tensor(params[0]).device  # every parameter's (checked above)
+        backup = self._device if backup_device is None else torch.device(backup_device)
         # Pinned host memory lets the copies to and from the GPU run
         # asynchronously (only where there is a GPU to pin for).
-        pin = backup.type == "cpu" and device.type == "cuda"
+        self._pinned = backup.type == "cpu" and self._device.type == "cuda"
         glob = [local_tensor(p).detach().to(backup, copy=True) for p in params]
-        if pin:
+        if self._pinned:
             glob = [g.pin_memory() for g in glob]
-        self._pinned = pin
         # Fragments of about equal numel, in parameter order.
         total, bounds, acc = sum(p.numel() for p in params), [0], 0
         for i, p in enumerate(params):
@@ -235,7 +234,7 @@ class DiLoCo(WrappedOptimizer):
                                "quantized wire); they restart from zero")
                 self._error_feedback.reset()
         if self._pinned:  # copies from the pinned global parameters may still be in flight
-            torch.cuda.synchronize(local_tensor(self._fragments[0].local[0]).device)
+            torch.cuda.synchronize(self._device)
         saved = iter(state["global"])
         with torch.no_grad():
             for fr in self._fragments:
@@ -266,8 +265,7 @@ class DiLoCo(WrappedOptimizer):
             "shapes": hash(tuple(tuple(p.shape) for p in params)) & 0xFFFFFFFFFFFF,
         }
         limbs = [(v >> shift) & 0xFFFF for v in fields.values() for shift in (0, 16, 32)]
-        local = torch.tensor(limbs + [x * x for x in limbs], dtype=torch.int64,
-                             device=local_tensor(params[0]).device)
+        local = torch.tensor(limbs + [x * x for x in limbs], dtype=torch.int64, device=self._device)
         self._router._start_all_reduce(self._router._route(local, compressed=False), local, "sum").wait()
         n, got = self._router.world_size, local.tolist()
         sums, squares = got[:len(limbs)], got[len(limbs):]
@@ -282,8 +280,8 @@ class DiLoCo(WrappedOptimizer):
     def _start(self, fr: _Fragment) -> None:
         """The fragment's pseudo-gradient, averaged on its way."""
         with torch.no_grad():
-            flat = torch.cat([(g.to(lp.device, non_blocking=True) - lp).reshape(-1)
-                              for g, lp in ((g, local_tensor(p).detach()) for g, p in zip(fr.glob, fr.local))])
+            flat = torch.cat([(g.to(self._device, non_blocking=True) - local_tensor(p).detach()).reshape(-1)
+                              for g, p in zip(fr.glob, fr.local)])
             # The keep rule needs where the overlapped steps began.
             fr.at_sync = ([local_tensor(p).detach().clone() for p in fr.local]
                           if self.overlap and self.alpha is None else None)
@@ -314,7 +312,7 @@ class DiLoCo(WrappedOptimizer):
             self.outer.step()
             for i, (glob, param) in enumerate(zip(fr.glob, fr.local)):
                 p = local_tensor(param)  # a DTensor's shard, written in place
-                g = glob.to(p.device, non_blocking=True)  # itself, unless backup_device put it elsewhere
+                g = glob.to(self._device, non_blocking=True)  # itself, unless backup_device put it elsewhere
                 if to_global:
                     p.copy_(g)
                 elif self.alpha is not None:  # the paper's mix of local and global

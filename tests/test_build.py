@@ -50,15 +50,21 @@ def test_numbers_in_the_extension_s_messages_come_out_whole():
     assert str(n) in str(e.value), str(e.value)
 
 
-def test_setup_says_linux_only_elsewhere():
-    """On another OS setup.py stops with what pycomm needs, before torch is
-    imported or a compiler runs (sys.platform stands in for that OS)."""
+def _setup_after(prelude: str) -> subprocess.CompletedProcess:
+    """setup.py --version in a fresh interpreter, after ``prelude`` (which
+    makes the machine look like another)."""
     import os
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = "import sys; sys.platform = 'darwin'; sys.argv = ['setup.py', '--version']; exec(open('setup.py').read())"
-    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    code = prelude + "; import sys; sys.argv = ['setup.py', '--version']; exec(open('setup.py').read())"
+    return subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+
+
+def test_setup_says_linux_only_elsewhere():
+    """On another OS setup.py stops with what pycomm needs, before torch is
+    imported or a compiler runs (sys.platform stands in for that OS)."""
+    r = _setup_after("import sys; sys.platform = 'darwin'")
     assert r.returncode == 1 and "builds on Linux only" in r.stderr and "darwin" in r.stderr, r.stderr[-500:]
     assert "Traceback" not in r.stderr, r.stderr[-500:]  # a message, not an import failing on the way
 
@@ -67,13 +73,7 @@ def test_setup_says_which_setuptools_it_needs():
     """An older setuptools rejects pyproject.toml's license string with a
     schema error; setup.py says what to install instead (the version stands
     in for an older install)."""
-    import os
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = ("import setuptools; setuptools.__version__ = '70.3.0'; import sys; sys.argv = ['setup.py', '--version']; "
-            "exec(open('setup.py').read())")
-    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    r = _setup_after("import setuptools; setuptools.__version__ = '70.3.0'")
     assert r.returncode == 1 and "setuptools >= 77" in r.stderr and "70.3.0" in r.stderr, r.stderr[-500:]
     assert "Traceback" not in r.stderr, r.stderr[-500:]
 
