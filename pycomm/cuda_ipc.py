@@ -238,6 +238,13 @@ class IpcAllReduce:
         """The schedules' round size in bytes."""
         return self._c.round_bytes
 
+    @property
+    def blocks(self) -> int:
+        """Thread blocks per launch: 36 for a rank alone on its GPU; ranks that
+        share a GPU split 144 between them (at most 72 each), since every
+        rank's blocks of a launch must be resident at once."""
+        return self._c.blocks
+
     def check(self) -> None:
         """Waits until this group's kernels issued so far are done, then raises
         :class:`~pycomm.CommError` if one of them gave up (a peer gone, or

@@ -29,6 +29,8 @@ IPC_CASES = [
 def run_ipc(rank: int, world: int, name: str, cases: List[tuple]) -> List[torch.Tensor]:
     ipc = pycomm.cuda_ipc.IpcAllReduce(worker_store(), rank, world, device="cuda:0", buffer_bytes=1 << 20,
                                        prefix=name)
+    # Ranks sharing GPU 0 split 144 blocks per launch (36 to 72 each).
+    assert ipc.blocks == (36 if world == 1 else min(72, max(36, 144 // world))), ipc.blocks
     outs = []
     for i, (dtype, op, n, algo) in enumerate(cases):
         x = make_input(i, rank, n, dtype).cuda()

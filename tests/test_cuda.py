@@ -41,18 +41,48 @@ def test_quantize_and_error_feedback_match_cpu(dtype, bits, block, stochastic):
         assert same_bits(acc, acc_gpu)
 
 
-@pytest.mark.parametrize("bits,block", [(8, 256), (4, 256), (8, 40), (4, 512)])
-def test_dequant_reduce_requant_matches_cpu(bits, block):
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("bits,block", [(8, 256), (4, 256), (8, 64), (4, 512)])
+def test_dequantize_matches_cpu_at_any_alignment(dtype, bits, block):
+    """Outputs and payloads that start one element or byte off their
+    allocation take the one-element-per-step kernel, the others the kernel
+    of two elements per step; odd counts cut a block's last pair."""
+    for n in (1, block - 1, 100003):
+        p_cpu = OPS.quantize(rand_blocks(n, block, n, dtype), bits, block, False, 0, None)
+        for p_off in (0, 1):
+            p_gpu = torch.zeros(p_cpu.numel() + p_off, dtype=torch.uint8, device="cuda")[p_off:]
+            p_gpu.copy_(p_cpu)
+            for o_off in (0, 1):
+                want = rand_blocks(n, block, 7, dtype)
+                got = torch.zeros(n + o_off, dtype=dtype, device="cuda")[o_off:]
+                got.copy_(want)
+                OPS.dequantize_accumulate(want, p_cpu, bits, block)
+                OPS.dequantize_accumulate(got, p_gpu, bits, block)
+                assert same_bits(want, got), (n, p_off, o_off, "accumulate")
+                OPS.dequantize_into(want, p_cpu, bits, block)
+                OPS.dequantize_into(got, p_gpu, bits, block)
+                assert same_bits(want, got), (n, p_off, o_off)
+
+
+# 9 sources at blocks of 64 and 5 at 256 take the fused kernel's groups of
+# sources whole and cut; 1 source, no dense addend and no residual its
+# shortest form.
+@pytest.mark.parametrize("bits,block,sources", [(8, 256, 5), (4, 256, 4), (8, 40, 5), (4, 512, 3), (8, 64, 9),
+                                                (4, 128, 1)])
+@pytest.mark.parametrize("dense_and_residual", [True, False])
+def test_dequant_reduce_requant_matches_cpu(bits, block, sources, dense_and_residual):
     n = 70001
-    payloads = [OPS.quantize(rand_blocks(n, block, s), bits, block, False, 0, None) for s in range(5)]
-    dense = torch.randn(n, generator=torch.Generator().manual_seed(5))
-    r = torch.zeros(n)
-    r_gpu = r.cuda()
-    cpu = OPS.dequant_reduce_requant(payloads, dense, n, bits, block, 0.2, True, 11, r)
-    gpu = OPS.dequant_reduce_requant([p.cuda() for p in payloads], dense.cuda(), n, bits, block, 0.2, True, 11,
-                                     r_gpu)
+    payloads = [OPS.quantize(rand_blocks(n, block, s), bits, block, False, 0, None) for s in range(sources)]
+    dense = torch.randn(n, generator=torch.Generator().manual_seed(5)) if dense_and_residual else None
+    r = torch.randn(n, generator=torch.Generator().manual_seed(6)) * 0.01 if dense_and_residual else None
+    r_gpu = r.cuda() if r is not None else None
+    scale = 0.2 if dense_and_residual else 1.0
+    cpu = OPS.dequant_reduce_requant(payloads, dense, n, bits, block, scale, True, 11, r)
+    gpu = OPS.dequant_reduce_requant([p.cuda() for p in payloads], dense.cuda() if dense is not None else None, n,
+                                     bits, block, scale, True, 11, r_gpu)
     assert same_bits(cpu, gpu)
-    assert same_bits(r, r_gpu)
+    if r is not None:
+        assert same_bits(r, r_gpu)
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)

@@ -108,18 +108,21 @@ kernels() {
 }
 
 profile() {
-  # Two passes, each with its own launch count: the quantization kernels
-  # come first in kernels.py and would use up a shared count before top-k's.
-  local quant="quantize_kernel|quantize_warp_kernel|dequantize_warp_kernel|store_sum_kernel|store_sum_warp_kernel|reduce_kernel"
-  local topk="fold_kernel|histogram_kernel|choose_kernel|gather_kernel|DeviceSelect"
+  # One pass per kernel (its demangled name matched), each with its own
+  # launch count: in one shared count the first kernels of kernels.py (the
+  # quantize kernel's warm-up and repeats) used it all up.
   local sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats"
+  local kernels=("InputValue<float>" "SumValue<float>" "dequantize_(pair|warp)_kernel<8, float>"
+                 "dequantize_(pair|warp)_kernel<8, .*BFloat16" "reduce_kernel<float"
+                 "histogram_kernel" "kept_(count|write)_kernel|gather_kernel|choose_kernel")
   : > "$LOG/ncu.txt"
-  for kernels in "$quant" "$topk"; do
-    timeout "$(cap "$STEP_TIMEOUT")" ncu --clock-control none --kernel-name "regex:$kernels" --launch-count 20 \
-      $sections "$PY" benchmarks/gpu/kernels.py --elems $((16 << 20)) --repeats 1 >> "$LOG/ncu.txt" 2>&1
+  for k in "${kernels[@]}"; do
+    timeout "$(cap 60)" ncu --clock-control none --kernel-name-base demangled --kernel-name "regex:$k" \
+      --launch-count 3 $sections "$PY" benchmarks/gpu/kernels.py --elems $((16 << 20)) --repeats 1 \
+      >> "$LOG/ncu.txt" 2>&1
   done
-  grep -E "^  [A-Za-z_:<> ]*[Kk]ernel|Memory Throughput|DRAM Throughput|Achieved Occupancy|Duration" "$LOG/ncu.txt" \
-    | head -120
+  grep -E "^  [A-Za-z_:<> ]*[Kk]ernel|^  void|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Duration|Registers Per" \
+    "$LOG/ncu.txt" | head -150
 }
 
 overlap() {

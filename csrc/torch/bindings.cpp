@@ -467,7 +467,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "'' unless a wait of a launch gave up (read once the stream is done); else why.")
       .def("abort", &CudaIpcAllReduce::abort, py::arg("why"), "Makes every wait give up and every later call raise.")
       .def_property_readonly("buffer_bytes", &CudaIpcAllReduce::buffer_bytes)
-      .def_property_readonly("round_bytes", &CudaIpcAllReduce::round_bytes);
+      .def_property_readonly("round_bytes", &CudaIpcAllReduce::round_bytes)
+      .def_property_readonly("blocks", &CudaIpcAllReduce::blocks);
   py::dict ipc;
   ipc["auto"] = static_cast<int>(IpcAlgo::kAuto);
   ipc["one_shot"] = static_cast<int>(IpcAlgo::kOneShot);

@@ -1,6 +1,5 @@
 // CUDA IPC all-reduce (cuda_ipc.h): the one-shot and two-shot kernels, and
-// the group's setup, watchdog and failure reporting. NOT YET RUN ON A GPU
-// since the bounded waits were added: written and compiled without one.
+// the group's setup, watchdog and failure reporting.
 // The flag protocol and its memory ordering are in cuda_ipc_detail.cuh.
 // Each phase has its own flag row, so a fast peer already in the next
 // launch's start barrier cannot disturb a slow one still waiting at this
@@ -84,13 +83,13 @@ __device__ __forceinline__ T finish(typename kernels::Acc<T>::type acc, bool avg
 }
 
 // Whether a thread takes two packs at a time: their loads from each rank go
-// out together. One load in flight per thread, with at most kIpcMaxBlocks
-// blocks per rank, left HBM under-used when 2 ranks share a GPU (two-shot
-// 64 % of the copy rate at 64 MB, 92 % with 4 ranks; H200 under MPS). Packs
-// of 8 or 16 elements (16- and 8-bit types) would need more registers than
+// out together. One load in flight per thread, with 36 blocks per rank,
+// left HBM under-used when 2 ranks share a GPU (two-shot 64 % of the copy
+// rate at 64 MB, 92 % with 4 ranks; H200 under MPS). Packs of 8 or 16
+// elements (16- and 8-bit types) would need more registers than
 // __launch_bounds__' 3 blocks per SM leave (every rank's blocks of a launch
-// must be resident at once, since they wait for each other: 8 ranks x
-// kIpcMaxBlocks on a GPU of 132 SMs).
+// must be resident at once, since they wait for each other: see
+// ipc_blocks_for).
 template <typename T>
 constexpr bool kTwoPacks = Pack<T>::kPer <= 4;
 
@@ -296,13 +295,21 @@ CudaIpcAllReduce::~CudaIpcAllReduce() {
   if (order_event_) cudaEventDestroy(order_event_);
 }
 
+namespace {
+// What a rank publishes: its two IPC handles, its process, its GPU.
+constexpr size_t kHandlesBytes = 2 * sizeof(cudaIpcMemHandle_t) + sizeof(ProcessId) + sizeof(cudaUUID_t);
+}  // namespace
+
 std::string CudaIpcAllReduce::handles() const {
   cudaIpcMemHandle_t h[2];
   check(cudaIpcGetMemHandle(&h[0], buffer_), "handle of the staging buffer");
   check(cudaIpcGetMemHandle(&h[1], signal_), "handle of the signal block");
   const ProcessId self = this_process();
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, device_), "device properties");
   return std::string(reinterpret_cast<const char*>(h), sizeof h) +
-         std::string(reinterpret_cast<const char*>(&self), sizeof self);
+         std::string(reinterpret_cast<const char*>(&self), sizeof self) +
+         std::string(reinterpret_cast<const char*>(&prop.uuid), sizeof prop.uuid);
 }
 
 void CudaIpcAllReduce::open(const std::vector<std::string>& all) {
@@ -311,9 +318,16 @@ void CudaIpcAllReduce::open(const std::vector<std::string>& all) {
     throw CommError("pycomm: CUDA IPC open() needs " + std::to_string(world_) + " ranks' handles, got " +
                     std::to_string(all.size()));
   peers_.assign(world_, ProcessId{});
+  int ranks_per_gpu = 1;
   for (int q = 0; q < world_; ++q) {
-    if (all[q].size() != 2 * sizeof(cudaIpcMemHandle_t) + sizeof(ProcessId))
+    if (all[q].size() != kHandlesBytes)
       throw CommError("pycomm: rank " + std::to_string(q) + "'s CUDA IPC handles are malformed");
+    const char* uuid = all[q].data() + kHandlesBytes - sizeof(cudaUUID_t);
+    int same = 0;
+    for (int p = 0; p < world_; ++p)
+      same += all[p].size() == kHandlesBytes &&
+              std::memcmp(all[p].data() + kHandlesBytes - sizeof(cudaUUID_t), uuid, sizeof(cudaUUID_t)) == 0;
+    ranks_per_gpu = std::max(ranks_per_gpu, same);
     // (A peer in another pid namespace: the watchdog cannot tell, and leaves
     // it to the timeout.)
     std::memcpy(&peers_[q], all[q].data() + 2 * sizeof(cudaIpcMemHandle_t), sizeof(ProcessId));
@@ -327,6 +341,7 @@ void CudaIpcAllReduce::open(const std::vector<std::string>& all) {
     check(cudaIpcOpenMemHandle(&peer_signals_[q], h[1], cudaIpcMemLazyEnablePeerAccess),
           ("opening rank " + std::to_string(q) + "'s signal block").c_str());
   }
+  blocks_ = ipc_blocks_for(ranks_per_gpu);
   opened_ = true;
   // The watchdog: the ranks share this host, so a peer's death is seen from
   // its process id at once (its kernels' flags would just stop moving), a
@@ -437,7 +452,7 @@ void CudaIpcAllReduce::all_reduce(const void* in, void* out, size_t count, DType
     const size_t vec = 16 / es;
     const size_t work = a.two_shot ? ((n / vec + world_ - 1) / world_) : n / vec;
     const unsigned grid = static_cast<unsigned>(
-        std::max<size_t>(1, std::min<size_t>(kIpcMaxBlocks, (std::max<size_t>(work, 1) + kThreads - 1) / kThreads)));
+        std::max<size_t>(1, std::min<size_t>(blocks_, (std::max<size_t>(work, 1) + kThreads - 1) / kThreads)));
     void* o = static_cast<char*>(out) + off * es;
     ipc_detail::with_ipc_dtype(dtype, [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;

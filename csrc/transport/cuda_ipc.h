@@ -40,9 +40,26 @@ namespace pycomm {
 // rank, and every block's flag row has one slot per rank.
 constexpr int kIpcMaxRanks = 8;
 // Blocks per launch. Each block synchronises only with the same block on
-// the other ranks (its own flag row), so there is no grid-wide barrier; 36
-// blocks of 512 threads read enough in flight to saturate HBM on one GPU.
-constexpr int kIpcMaxBlocks = 36;
+// the other ranks (its own flag row), so there is no grid-wide barrier.
+// A rank alone on its GPU launches kIpcBlocks (36 blocks of 512 threads read
+// enough in flight to saturate one GPU's HBM); ranks that share a GPU split
+// kIpcSharedGpuBlocks between them, up to kIpcMaxBlocks each: 2 ranks
+// sharing an H200 under MPS, 36 blocks each, held 72 of its 132 SMs and
+// reached 62 % of the copy bandwidth at 64 MB (two-shot), where 4 ranks' 144
+// blocks reached 99 %. Every rank's blocks of a launch must be resident at
+// once (they wait for each other): 144 blocks of 3 per SM fit any GPU of 48
+// SMs or more.
+constexpr int kIpcBlocks = 36;
+constexpr int kIpcSharedGpuBlocks = 144;
+constexpr int kIpcMaxBlocks = 72;
+
+// The blocks per launch of a group whose busiest GPU runs `ranks_per_gpu`
+// of its ranks (the same on every rank: all see the same handles).
+inline int ipc_blocks_for(int ranks_per_gpu) {
+  if (ranks_per_gpu <= 1) return kIpcBlocks;
+  const int share = kIpcSharedGpuBlocks / ranks_per_gpu;
+  return share < kIpcBlocks ? kIpcBlocks : (share > kIpcMaxBlocks ? kIpcMaxBlocks : share);
+}
 
 // Why a kernel gave up, in the host-mapped status block.
 constexpr uint32_t kIpcTimedOut = 1;
@@ -152,6 +169,8 @@ class CudaIpcAllReduce {
   size_t round_bytes() const { return round_bytes_; }
   int world() const { return world_; }
   size_t buffer_bytes() const { return buffer_bytes_; }
+  // Blocks per launch (ipc_blocks_for), known after open().
+  int blocks() const { return blocks_; }
 
  private:
   int rank_, world_, device_ = -1;
@@ -169,6 +188,7 @@ class CudaIpcAllReduce {
   const DeviceProgram& program(int algo);
   void run_schedule(const void* in, void* out, size_t count, DType dtype, RedOp op, int algo, cudaStream_t stream);
   size_t round_bytes_;
+  int blocks_ = kIpcBlocks;
   std::map<int, DeviceProgram> programs_;
   // Steps posted and rounds finished by this rank's schedule launches so
   // far (the same on every rank).

@@ -255,7 +255,7 @@ void CudaIpcAllReduce::run_schedule(const void* in, void* out, size_t count, DTy
   //    segment b of a chunk is block b's on every rank; at least 4 packs
   //    per thread before another block joins.
   const unsigned grid = static_cast<unsigned>(
-      std::max<size_t>(1, std::min<size_t>(kIpcMaxBlocks, a.layout.chunk_max * es / (kThreads * 16 * 4))));
+      std::max<size_t>(1, std::min<size_t>(blocks_, a.layout.chunk_max * es / (kThreads * 16 * 4))));
   ipc_detail::with_ipc_dtype(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     ipc_detail::with_ipc_op(op, [&](auto k) {

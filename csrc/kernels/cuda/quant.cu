@@ -12,6 +12,7 @@
 // 8-14 % busy. Other block sizes take those block-wide kernels.
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -54,28 +55,40 @@ struct Sources {
   int n;
 };
 
+// The code of element i (global; j within its block) of a payload's codes.
+__device__ __forceinline__ int code_at(const uint8_t* codes, int bits, size_t i, int j) {
+  if (bits == 8) return reinterpret_cast<const int8_t*>(codes)[i];
+  const uint8_t byte = codes[i / 2];
+  return code_of_nibble((j & 1) ? static_cast<uint8_t>(byte >> 4) : byte);
+}
+
 __device__ float dequant_at(const uint8_t* payload, size_t nblocks, int bits, int block, size_t blk, size_t i_in_blk) {
   const float stored = reinterpret_cast<const float*>(payload)[blk];
-  const uint8_t* codes = payload + nblocks * 4;
-  int c;
-  if (bits == 8) {
-    c = reinterpret_cast<const int8_t*>(codes)[blk * block + i_in_blk];
-  } else {
-    const uint8_t byte = codes[(blk * block + i_in_blk) / 2];
-    c = code_of_nibble((i_in_blk % 2) ? static_cast<uint8_t>(byte >> 4) : byte);
-  }
-  return dequant_code(c, stored, bits);
+  return dequant_code(code_at(payload + nblocks * 4, bits, blk * block + i_in_blk, static_cast<int>(i_in_blk % 2)),
+                      stored, bits);
 }
 
 // The value to quantize at element i (global) of the current call: either
 // input + residual (quantize) or the fused sum (dequant_reduce).
+// lane_values: the values of a lane's E elements of the block at `base`
+// (lane, lane + 32, ...; 0 past the end, m elements in the block), for the
+// warp kernels.
 template <typename T>
 struct InputValue {
   const T* x;
   const float* r;
   __device__ float operator()(size_t /*blk*/, size_t /*j*/, size_t i) const { return load_f(x, i) + (r ? r[i] : 0.f); }
+  template <int E>
+  __device__ __forceinline__ void lane_values(size_t blk, size_t base, int lane, int m, float (&v)[E]) const {
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+      const int j = lane + 32 * k;
+      v[k] = j < m ? (*this)(blk, j, base + j) : 0.f;
+    }
+  }
   const uint32_t* cancel = nullptr;
 };
+
 
 template <typename D>
 struct SumValue {
@@ -94,6 +107,59 @@ struct SumValue {
     }
     if (post_scale != 1.f) acc *= post_scale;
     return r ? acc + r[i] : acc;
+  }
+  // The same sums, a lane's E elements at once, with the loads of a group of
+  // sources all issued before the first is used. Element by element (above)
+  // the sources are a loop of runtime length: one load in flight per lane,
+  // and the kernel waited on latency at a quarter of the copy bandwidth
+  // (4 sources, H200). The additions keep operator()'s order, hence its bits.
+  template <int E>
+  __device__ __forceinline__ void lane_values(size_t blk, size_t base, int lane, int m, float (&v)[E]) const {
+    // 16 to 32 codes of a lane in registers per group (1 to 8 sources): at
+    // blocks of 256, 4 sources' loads in one round trip with 2 thread blocks
+    // resident per SM (~120 registers); blocks of 512 take one source at a
+    // time, or a single thread block would fit an SM.
+    constexpr int kGroup = E >= 16 ? 1 : (32 / E < 8 ? 32 / E : 8);
+    float res[E];
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+      const int j = lane + 32 * k;
+      v[k] = dense && j < m ? load_f(dense, base + j) : 0.f;
+      res[k] = r && j < m ? r[base + j] : 0.f;
+    }
+    for (int s0 = 0; s0 < s.n; s0 += kGroup) {
+      int c[kGroup][E];
+      float stored[kGroup];
+#pragma unroll
+      for (int q = 0; q < kGroup; ++q) {
+        if (s0 + q < s.n) {
+          const uint8_t* p = s.p[s0 + q];
+          stored[q] = reinterpret_cast<const float*>(p)[blk];
+#pragma unroll
+          for (int k = 0; k < E; ++k) {
+            const int j = lane + 32 * k;
+            c[q][k] = j < m ? code_at(p + nblocks * 4, bits, base + j, j) : 0;
+          }
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < kGroup; ++q) {
+        if (s0 + q < s.n) {
+#pragma unroll
+          for (int k = 0; k < E; ++k) {
+            const float d = dequant_code(c[q][k], stored[q], bits);
+            v[k] = (s0 + q == 0 && !dense) ? d : v[k] + d;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+      float a = v[k];
+      if (post_scale != 1.f) a *= post_scale;
+      if (r) a += res[k];
+      v[k] = lane + 32 * k < m ? a : 0.f;
+    }
   }
 };
 
@@ -149,13 +215,10 @@ __global__ void quantize_warp_kernel(V value, size_t n, int bits, bool stochasti
     //    notices) and their largest magnitude; finite values only if the
     //    block holds NaN/Inf.
     float v[E];
+    value.lane_values(blk, base, lane, m, v);
     uint32_t amax = 0;
 #pragma unroll
-    for (int k = 0; k < E; ++k) {
-      const int j = lane + 32 * k;
-      v[k] = j < m ? value(blk, j, base + j) : 0.f;
-      amax = max(amax, float_to_bits(v[k]) & 0x7fffffffu);
-    }
+    for (int k = 0; k < E; ++k) amax = max(amax, float_to_bits(v[k]) & 0x7fffffffu);
     amax = warp_max(amax);
     const bool flagged = amax >= 0x7f800000u;
     if (flagged) {
@@ -219,15 +282,7 @@ __global__ void dequantize_warp_kernel(const uint8_t* payload, size_t n, int bit
     for (int k = 0; k < E; ++k) {
       const int j = lane + 32 * k;
       const size_t i = base + j;
-      c[k] = 0;
-      if (j < m) {
-        if (bits == 8) {
-          c[k] = reinterpret_cast<const int8_t*>(codes)[i];
-        } else {
-          const uint8_t byte = codes[i / 2];
-          c[k] = code_of_nibble((j & 1) ? static_cast<uint8_t>(byte >> 4) : byte);
-        }
-      }
+      c[k] = j < m ? code_at(codes, bits, i, j) : 0;
     }
     if (accumulate) {
 #pragma unroll
@@ -248,6 +303,87 @@ __global__ void dequantize_warp_kernel(const uint8_t* payload, size_t n, int bit
   }
 }
 
+// dequantize_warp_kernel with two neighbouring elements per lane and step
+// (lane l takes elements 2l, 2l + 1, then 2l + 64, ...): one load of two
+// int8 codes and one store of two outputs where the other kernel makes two of
+// each. Both kernels issued about 0.7-0.75 G elements per ms on an H200
+// whatever the bytes, so 16-bit outputs (3 bytes an element) reached 57 % of
+// the copy bandwidth against 87 % for float32: instructions, not memory.
+// Needs the output aligned to two elements and int8 codes to two bytes
+// (launch_dequantize checks; the other kernel takes the rest).
+template <typename T>
+struct alignas(2 * sizeof(T)) TwoOf {
+  T a, b;
+};
+
+template <int E, typename T>
+__global__ void dequantize_pair_kernel(const uint8_t* payload, size_t n, int bits, T* out, bool accumulate,
+                                       const uint32_t* cancel) {
+  constexpr int kBlock = 32 * E;
+  constexpr int kPairs = E / 2;
+  if (cancelled(cancel)) return;
+  const size_t nb = quant_num_blocks(n, kBlock);
+  const float* scales = reinterpret_cast<const float*>(payload);
+  const uint8_t* codes = payload + nb * 4;
+  const int lane = threadIdx.x % 32;
+  for (size_t blk = first_warp_block(); blk < nb; blk += warp_block_stride()) {
+    const size_t base = blk * kBlock;
+    const int m = static_cast<int>(min(static_cast<size_t>(kBlock), n - base));
+    const float stored = scales[blk];
+    // 1. Loads: codes, then (accumulating) outputs. j is the pair's first
+    //    element in the block (even: a whole int4 byte); only the block's
+    //    last pair may be cut, when n is odd.
+    int c0[kPairs], c1[kPairs];
+    float p0[kPairs], p1[kPairs];
+#pragma unroll
+    for (int k = 0; k < kPairs; ++k) {
+      const int j = 2 * (lane + 32 * k);
+      c0[k] = c1[k] = 0;
+      if (j + 1 < m) {
+        if (bits == 8) {
+          const char2 two = *reinterpret_cast<const char2*>(codes + base + j);
+          c0[k] = two.x;
+          c1[k] = two.y;
+        } else {
+          const uint8_t byte = codes[(base + j) / 2];
+          c0[k] = code_of_nibble(byte);
+          c1[k] = code_of_nibble(static_cast<uint8_t>(byte >> 4));
+        }
+      } else if (j < m) {
+        c0[k] = code_at(codes, bits, base + j, j);
+      }
+    }
+    if (accumulate) {
+#pragma unroll
+      for (int k = 0; k < kPairs; ++k) {
+        const int j = 2 * (lane + 32 * k);
+        p0[k] = p1[k] = 0.f;
+        if (j + 1 < m) {
+          const TwoOf<T> t = *reinterpret_cast<const TwoOf<T>*>(out + base + j);
+          p0[k] = load_acc(t.a);
+          p1[k] = load_acc(t.b);
+        } else if (j < m) {
+          p0[k] = load_acc(out[base + j]);
+        }
+      }
+    }
+    // 2. Values.
+#pragma unroll
+    for (int k = 0; k < kPairs; ++k) {
+      const int j = 2 * (lane + 32 * k);
+      const float d0 = dequant_code(c0[k], stored, bits), d1 = dequant_code(c1[k], stored, bits);
+      if (j + 1 < m) {
+        TwoOf<T> t;
+        t.a = store_acc<T>(accumulate ? p0[k] + d0 : d0);
+        t.b = store_acc<T>(accumulate ? p1[k] + d1 : d1);
+        *reinterpret_cast<TwoOf<T>*>(out + base + j) = t;
+      } else if (j < m) {
+        out[base + j] = store_acc<T>(accumulate ? p0[k] + d0 : d0);
+      }
+    }
+  }
+}
+
 // store_sum_kernel with the warp layout: no 64-bit division per element to
 // find its quantization block.
 template <int E, typename D, typename O>
@@ -260,11 +396,7 @@ __global__ void store_sum_warp_kernel(SumValue<D> sum, size_t n, O* out) {
     const size_t base = blk * kBlock;
     const int m = static_cast<int>(min(static_cast<size_t>(kBlock), n - base));
     float v[E];
-#pragma unroll
-    for (int k = 0; k < E; ++k) {
-      const int j = lane + 32 * k;
-      v[k] = j < m ? sum(blk, j, base + j) : 0.f;
-    }
+    sum.lane_values(blk, base, lane, m, v);
 #pragma unroll
     for (int k = 0; k < E; ++k) {
       const int j = lane + 32 * k;
@@ -398,10 +530,17 @@ void dequantize_cuda(int bits, int block, const uint8_t* payload, size_t n, DTyp
   if (n == 0) return;
   with_float_type(dtype, "CUDA dequantize", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
+    const bool pairs = reinterpret_cast<uintptr_t>(out) % (2 * sizeof(T)) == 0 &&
+                       (bits == 4 || reinterpret_cast<uintptr_t>(payload) % 2 == 0);
+    const unsigned grid = grid_for(quant_num_blocks(n, block) * 32);
     const bool warp = with_warp_block(block, [&](auto e) {
-      dequantize_warp_kernel<decltype(e)::value, T><<<grid_for(quant_num_blocks(n, block) * 32), kThreads, 0,
-                                                      stream>>>(payload, n, bits, static_cast<T*>(out), accumulate,
-                                                                cancel);
+      constexpr int E = decltype(e)::value;
+      if (pairs)
+        dequantize_pair_kernel<E, T><<<grid, kThreads, 0, stream>>>(payload, n, bits, static_cast<T*>(out),
+                                                                     accumulate, cancel);
+      else
+        dequantize_warp_kernel<E, T><<<grid, kThreads, 0, stream>>>(payload, n, bits, static_cast<T*>(out),
+                                                                     accumulate, cancel);
     });
     if (!warp)
       dequantize_kernel<T><<<grid_for(n), kThreads, 0, stream>>>(payload, n, bits, block, static_cast<T*>(out),

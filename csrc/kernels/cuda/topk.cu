@@ -10,14 +10,13 @@
 // after one or two passes. The exact mode runs all four and then keeps the
 // ties of the k-th key with the lowest indices (found by counting ties per
 // range of the tensor: no pass at all once the approximate mode settled).
-// Kept indices come out ascending from an order-preserving selection
-// (cub::DeviceSelect).
+// Kept indices come out ascending: each range of the tensor counts its kept
+// keys, then writes them from the slot the ranges before it leave.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
-#include <cub/device/device_select.cuh>
-#include <thrust/iterator/counting_iterator.h>
 #include <string>
 #include <type_traits>
 
@@ -67,6 +66,9 @@ __global__ void fold_kernel(const T* x, float* r, size_t n) {
 // grid that fills the GPU once holds ~1 MB of single loads in flight, under
 // what HBM needs to stream (bandwidth x latency, ~3 MB on an H200).
 constexpr int kHistLoads = 4;
+// Lanes of a row at most that bin with plain shared-memory atomics
+// (histogram_kernel); more take a match first.
+constexpr int kFewBinned = 8;
 
 template <typename T>
 __global__ void histogram_kernel(const T* x, size_t n, const SelectState* st, int shift, uint32_t* hist) {
@@ -112,8 +114,19 @@ __global__ void histogram_kernel(const T* x, size_t n, const SelectState* st, in
       bin[u] = in[u] && (key[u] & mask) == prefix ? (key[u] >> shift) & 0xffu : kBins;  // kBins: none
 #pragma unroll
     for (int u = 0; u < kHistLoads; ++u) {
-      const unsigned same = __match_any_sync(0xffffffffu, bin[u]);
-      if (bin[u] < kBins && lane == __ffs(same) - 1) atomicAdd(&local[bin[u]], static_cast<uint32_t>(__popc(same)));
+      // After the first pass only keys under the prefix are binned (a few
+      // per cent of a tensor, when its k-th key lies in the tail): with few
+      // lanes of a row binned, their atomics seldom meet, and the match
+      // (which every row paid for, ~80 % of the SMs' issue slots at 16M on
+      // an H200) costs more than it saves.
+      const unsigned binned = __ballot_sync(0xffffffffu, bin[u] < kBins);
+      if (__popc(binned) > kFewBinned) {
+        const unsigned same = __match_any_sync(0xffffffffu, bin[u]);
+        if (bin[u] < kBins && lane == __ffs(same) - 1)
+          atomicAdd(&local[bin[u]], static_cast<uint32_t>(__popc(same)));
+      } else if (bin[u] < kBins) {
+        atomicAdd(&local[bin[u]], 1u);
+      }
     }
   }
   __syncthreads();
@@ -170,14 +183,18 @@ __global__ void choose_kernel(SelectState* st, uint32_t* hist, int shift, bool l
   hist[b] = 0;  // each thread empties the bin it read
 }
 
-template <typename T>
-struct IsKept {
-  const T* x;
-  const SelectState* st;
-  __device__ bool operator()(int32_t i) const {
-    const uint32_t key = key_at(x, i);
-    if (st->done) return key >= st->threshold;
-    return key > st->threshold || (key == st->threshold && i <= st->tie_cutoff);
+// Whether the key of element i is kept, from the selection's final state
+// (read once per thread: read per element, as a functor given to
+// cub::DeviceSelect was, its loads took more issue slots than the keys').
+struct KeepTest {
+  uint32_t threshold;
+  bool done;
+  int32_t tie_cutoff;
+  __device__ explicit KeepTest(const SelectState* st)
+      : threshold(st->threshold), done(st->done != 0), tie_cutoff(st->tie_cutoff) {}
+  __device__ bool operator()(uint32_t key, size_t i) const {
+    if (done) return key >= threshold;
+    return key > threshold || (key == threshold && static_cast<int64_t>(i) <= tie_cutoff);
   }
 };
 
@@ -305,6 +322,86 @@ __global__ void tie_cutoff_kernel(const T* x, size_t n, SelectState* st, int ran
   }
 }
 
+// 3. The kept indices in ascending order, as cub::DeviceSelect gave them,
+// in two passes over the tie ranges: each block counts the kept keys of its
+// range, then writes them from the slot the ranges before it leave. cub's
+// single pass (a look-back across tiles) ran at a quarter of the copy
+// bandwidth here (54 us at 16M, H200); two passes with four loads of a
+// thread in flight read the tensor twice at near the copy rate.
+template <typename T>
+__global__ void kept_count_kernel(const T* x, size_t n, const SelectState* st, int ranges, uint32_t* counts) {
+  __shared__ uint32_t total;
+  if (threadIdx.x == 0) total = 0;
+  const KeepTest keep(st);
+  __syncthreads();
+  size_t lo, hi;
+  tie_range(n, ranges, blockIdx.x, &lo, &hi);
+  uint32_t c = 0;
+  for (size_t b = lo; b < hi; b += kHistLoads * blockDim.x) {
+    uint32_t key[kHistLoads];
+#pragma unroll
+    for (int u = 0; u < kHistLoads; ++u) {
+      const size_t i = b + u * blockDim.x + threadIdx.x;
+      key[u] = i < hi ? key_at(x, i) : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < kHistLoads; ++u) {
+      const size_t i = b + u * blockDim.x + threadIdx.x;
+      c += i < hi && keep(key[u], i);
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+  if (threadIdx.x % 32 == 0) atomicAdd(&total, c);
+  __syncthreads();
+  if (threadIdx.x == 0) counts[blockIdx.x] = total;
+}
+
+template <typename T>
+__global__ void kept_write_kernel(const T* x, size_t n, const SelectState* st, int ranges, const uint32_t* counts,
+                                  int32_t* idx, int* kept) {
+  // 1. The first slot of this block's range: the kept keys of the ranges
+  //    before it (and, in the last block, of all: the count kept).
+  constexpr int kPer = kTieRanges / kThreads;
+  using Reduce = cub::BlockReduce<uint32_t, kThreads>;
+  __shared__ typename Reduce::TempStorage reduce;
+  __shared__ uint32_t first;
+  uint32_t mine = 0;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int r = threadIdx.x * kPer + j;
+    mine += r < static_cast<int>(blockIdx.x) ? counts[r] : 0u;
+  }
+  const uint32_t before = Reduce(reduce).Sum(mine);
+  if (threadIdx.x == 0) {
+    first = before;
+    if (blockIdx.x == gridDim.x - 1) *kept = static_cast<int>(before + counts[blockIdx.x]);
+  }
+  const KeepTest keep(st);
+  __syncthreads();
+  // 2. The range's kept indices, in order: kHistLoads loads of a thread in
+  //    flight, then a block-wide prefix count per row of blockDim elements.
+  size_t lo, hi;
+  tie_range(n, ranges, blockIdx.x, &lo, &hi);
+  uint32_t slot = first;
+  for (size_t b = lo; b < hi; b += kHistLoads * blockDim.x) {
+    uint32_t key[kHistLoads];
+#pragma unroll
+    for (int u = 0; u < kHistLoads; ++u) {
+      const size_t i = b + u * blockDim.x + threadIdx.x;
+      key[u] = i < hi ? key_at(x, i) : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < kHistLoads; ++u) {
+      const size_t i = b + u * blockDim.x + threadIdx.x;
+      const bool kept_here = i < hi && keep(key[u], i);
+      uint32_t row;
+      const uint32_t upto = block_prefix_count(kept_here, &row);
+      if (kept_here) idx[slot + upto - 1] = static_cast<int32_t>(i);
+      slot += row;
+    }
+  }
+}
+
 template <typename T>
 __global__ void gather_kernel(const T* x, const float* eff, float* residual, const int32_t* idx, const int* count,
                               size_t cap, T* values, int32_t* indices) {
@@ -365,45 +462,34 @@ __global__ void scatter_kernel(const V* values, const int32_t* indices, size_t c
 
 
 
-// Workspace: state | histogram | counter | tie counts | n kept indices | cub temp.
+// Workspace: state | histogram | counter | counts per range (ties, then
+// kept) | n kept indices.
 struct Layout {
-  size_t state = 0, hist, counters, ties, idx, temp, total;
-  explicit Layout(size_t n, size_t temp_bytes) {
+  size_t state = 0, hist, counters, ranges, idx, total;
+  explicit Layout(size_t n) {
     hist = 64;
     counters = hist + kBins * 4;
-    ties = counters + 64;
-    idx = ties + kTieRanges * 4;
-    temp = (idx + n * 4 + 255) / 256 * 256;
-    total = temp + temp_bytes;
+    ranges = counters + 64;
+    idx = ranges + kTieRanges * 4;
+    total = idx + n * 4;
   }
 };
 
-size_t select_temp_bytes(size_t n) {
-  size_t bytes = 0;
-  thrust::counting_iterator<int32_t> it(0);
-  IsKept<float> pred{nullptr, nullptr};
-  cub::DeviceSelect::If(nullptr, bytes, it, static_cast<int32_t*>(nullptr), static_cast<int*>(nullptr),
-                        static_cast<int>(n), pred);
-  return bytes;
-}
-
 }  // namespace
 
-size_t topk_cuda_workspace_bytes(size_t n) { return Layout(n, select_temp_bytes(n)).total; }
+size_t topk_cuda_workspace_bytes(size_t n) { return Layout(n).total; }
 
 size_t topk_cuda(const TopK& s, DType dtype, const void* x, float* residual, size_t n, size_t cap, void* values,
                  int32_t* indices, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (n > static_cast<size_t>(INT32_MAX)) throw CommError("pycomm: top-k indexes with int32");
-  const size_t temp_bytes = select_temp_bytes(n);
-  const Layout lay(n, temp_bytes);
+  const Layout lay(n);
   if (workspace_bytes < lay.total) throw CommError("pycomm: topk_cuda workspace too small");
   auto* base = static_cast<uint8_t*>(workspace);
   auto* st = reinterpret_cast<SelectState*>(base + lay.state);
   auto* hist = reinterpret_cast<uint32_t*>(base + lay.hist);
   auto* counters = reinterpret_cast<int*>(base + lay.counters);
-  auto* tie_counts = reinterpret_cast<uint32_t*>(base + lay.ties);
+  auto* range_counts = reinterpret_cast<uint32_t*>(base + lay.ranges);
   auto* idx = reinterpret_cast<int32_t*>(base + lay.idx);
-  void* temp = base + lay.temp;
   const size_t k = s.k < n ? s.k : n;
   const uint32_t lo_ok = static_cast<uint32_t>(k);  // as on the CPU: a superset of the exact top-k
   const uint32_t hi_ok = static_cast<uint32_t>(topk_capacity(k, n, false, s.tolerance));
@@ -440,13 +526,11 @@ size_t topk_cuda(const TopK& s, DType dtype, const void* x, float* residual, siz
       // 2. Unless the approximate mode settled: the lowest-index ties of
       //    the k-th key complete the k.
       const int ranges = tie_ranges(n);
-      tie_count_kernel<E><<<ranges, kThreads, 0, stream>>>(eff, n, st, ranges, tie_counts);
-      tie_cutoff_kernel<E><<<1, kThreads, 0, stream>>>(eff, n, st, ranges, tie_counts);
+      tie_count_kernel<E><<<ranges, kThreads, 0, stream>>>(eff, n, st, ranges, range_counts);
+      tie_cutoff_kernel<E><<<1, kThreads, 0, stream>>>(eff, n, st, ranges, range_counts);
       // 3. Everything kept, in index order, then values and residuals.
-      thrust::counting_iterator<int32_t> it(0);
-      size_t tb = temp_bytes;
-      check(cub::DeviceSelect::If(temp, tb, it, idx, counters, static_cast<int>(n), IsKept<E>{eff, st}, stream),
-            "topk select");
+      kept_count_kernel<E><<<ranges, kThreads, 0, stream>>>(eff, n, st, ranges, range_counts);
+      kept_write_kernel<E><<<ranges, kThreads, 0, stream>>>(eff, n, st, ranges, range_counts, idx, counters);
       gather_kernel<T><<<grid_for(cap), kThreads, 0, stream>>>(xt, residual, residual, idx, counters, cap,
                                                                static_cast<T*>(values), indices);
       if (residual && k < n)
