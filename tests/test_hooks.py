@@ -188,6 +188,21 @@ def test_stats_warm_up_and_rebuilt_buckets(pool):
         assert res["last_buckets"] > 2 and res["ef_keys"] == res["last_buckets"], res
 
 
+@pytest.mark.parametrize("hook,path", [("allreduce", "auto"), ("int8", "auto"), ("topk", "auto"),
+                                       ("powersgd", "auto"), ("stale", "auto"), ("int8", "group")])
+def test_sparse_gradients_are_averaged_under_every_hook(pool, hook, path):
+    """An nn.EmbeddingBag(sparse=True) under each hook: its gradient equals
+    DDP's without a hook every step (before: every hook raised "input must be
+    a dense tensor"), through the communicator on the CPU or the group's own
+    sparse all-reduce with path="group"."""
+    world = 2
+    res = pool.run(hooks_cases.sparse_embedding, world, hook, path)[:world]
+    for rank in range(world):
+        assert res[rank]["sparse"] and res[rank]["dense_finite"], res[rank]
+        assert res[rank]["diff"] <= 1e-6, (rank, res[rank])
+        assert res[rank]["routes"].get("cpu/sparse") == ("communicator" if path == "auto" else "group"), res[rank]
+
+
 def test_local_sgd_keeps_its_schedule_when_grad_scaler_skips_on_one_rank(pool):
     res = pool.run(hooks_cases.local_sgd_grad_scaler, 2)[:2]
     for rank, r in enumerate(res):

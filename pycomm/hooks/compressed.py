@@ -183,8 +183,12 @@ def _compressed(state: CompressionState, bucket: dist.GradBucket, want: Optional
         raise TypeError(f"pycomm.hooks.{hook}: state must be a pycomm.hooks.CompressionState, got "
                         f"{type(state).__name__}")
     codec = state._codec(want, default, hook)
-    buf = bucket.buffer()
     state._observe(bucket)
+    sparse = state._sparse_future(bucket)
+    if sparse is not None:
+        state._end_bucket(bucket)
+        return sparse
+    buf = bucket.buffer()
     if state.iteration < state.start_iter or buf.dtype not in _compression.codec_dtypes():
         return _average(state, bucket, None, f"pycomm::{hook}")
     route = state._route(buf, compressed=True, quantized=_compression.is_quantizer(codec))

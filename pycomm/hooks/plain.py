@@ -12,7 +12,7 @@ from torch.profiler import record_function
 
 from .. import communicator as _communicator
 from .. import default as _default
-from .policy import Group
+from .policy import Group, completed, sparse_average
 from .state import HookState
 
 _WIRE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
@@ -67,6 +67,10 @@ def _average(state: HookState, bucket: dist.GradBucket, wire_dtype: Optional[tor
              name: str) -> torch.futures.Future[torch.Tensor]:
     """The bucket averaged over ranks, optionally sent as ``wire_dtype``, on
     the path the state's policy picks for it."""
+    sparse = state._sparse_future(bucket)
+    if sparse is not None:
+        state._end_bucket(bucket)
+        return sparse
     buf = bucket.buffer()
     cast = wire_dtype is not None and wire_dtype != buf.dtype and buf.is_floating_point()
     route = state._route(buf, compressed=False)
@@ -117,6 +121,8 @@ def allreduce_hook(state: Optional[AllReduceState], bucket: dist.GradBucket) -> 
     """
     if state is None:
         buf = bucket.buffer()
+        if buf.is_sparse and not buf.is_cuda:  # pycomm's communicator takes dense tensors
+            return completed(sparse_average(_default.get_default(), buf))
         if buf.is_cuda:  # as torch's allreduce_hook: the default group's own all-reduce
             buf.div_(dist.get_world_size())
             return dist.all_reduce(buf, async_op=True).get_future().then(lambda fut: fut.value()[0])

@@ -11,6 +11,12 @@ bucket and logged (INFO, logger ``pycomm``) with its reason.
   Both give the communicator's bits.
 * CUDA buckets, plain: CUDA IPC when every rank is on one host, each on its
   own GPU; otherwise the group's own all-reduce.
+* Buckets of sparse gradients (``nn.Embedding(sparse=True)``; DDP gives each
+  such parameter a bucket of its own), under every hook: averaged as they
+  are, never compressed, as DDP averages them without a hook: on the CPU
+  through the communicator (every rank's indices and values gathered, then
+  summed by coalescing, as Gloo's sparse all-reduce does), else through the
+  group's own all-reduce.
 
 ``path=`` on a state (or ``PYCOMM_HOOK_PATH``) forces one of :data:`PATHS`.
 
@@ -75,6 +81,34 @@ def completed(value: torch.Tensor) -> torch.futures.Future:
     return fut
 
 
+def sparse_average(comm: "_communicator.Communicator", t: torch.Tensor) -> torch.Tensor:
+    """The average over ``comm``'s ranks of the sparse COO tensor ``t``: every
+    rank's entries gathered in rank order and summed by coalescing (Gloo's
+    sparse all-reduce), then divided by the ranks. The entry counts differ
+    between ranks, so the sizes travel first and the entries padded to the
+    largest. Every rank computes the same bits."""
+    t = t.coalesce()
+    world = comm.world_size
+    sizes = torch.empty(world, dtype=torch.int64)
+    comm.all_gather(sizes, torch.tensor([t._nnz()], dtype=torch.int64))
+    most = int(sizes.max())
+    if most == 0:
+        return t / world
+    nnz = t._nnz()
+    idx = torch.zeros(t.sparse_dim(), most, dtype=torch.int64)
+    idx[:, :nnz] = t._indices()
+    val = torch.zeros((most,) + tuple(t._values().shape[1:]), dtype=t.dtype)
+    val[:nnz] = t._values()
+    all_idx = torch.empty((world,) + tuple(idx.shape), dtype=torch.int64)
+    all_val = torch.empty((world,) + tuple(val.shape), dtype=t.dtype)
+    comm.all_gather(all_idx, idx)
+    comm.all_gather(all_val, val)
+    indices = torch.cat([all_idx[r, :, :int(sizes[r])] for r in range(world)], dim=1)
+    values = torch.cat([all_val[r, :int(sizes[r])] for r in range(world)])
+    # Checked: the indices came from other processes.
+    return torch.sparse_coo_tensor(indices, values, t.shape, check_invariants=True).coalesce() / world
+
+
 def ipc_refusal(ranks: List[Tuple[str, str, bool]]) -> Optional[str]:
     """Why CUDA IPC cannot carry plain buckets among ``ranks`` (each rank's
     (host, GPU id, build has CUDA)), or None if it can."""
@@ -132,8 +166,37 @@ class Router:
         return dist.get_world_size(self.process_group) if dist.is_initialized() else self.communicator.world_size
 
     def routes(self) -> Dict[str, str]:
-        """The path each kind of bucket took so far, e.g. ``{"cuda/compressed": "group"}``."""
-        return {f"{dev}/{'compressed' if c else 'plain'}": r for (dev, c), r in self._routes.items()}
+        """The path each kind of bucket took so far, e.g. ``{"cuda/compressed": "group"}``
+        (``"cpu/sparse"`` for buckets of sparse gradients)."""
+        return {f"{dev}/{c if isinstance(c, str) else 'compressed' if c else 'plain'}": r
+                for (dev, c), r in self._routes.items()}
+
+    def _sparse_future(self, bucket: dist.GradBucket) -> Optional[torch.futures.Future]:
+        """The average of a bucket of sparse gradients, or None for a dense
+        bucket (the module docstring says how; decided once, logged). pycomm's
+        codecs and kernels take dense tensors: every hook averages such a
+        bucket as DDP does without a hook, uncompressed, in the same step."""
+        buf = bucket.buffer()
+        if buf.layout == torch.strided:
+            return None
+        if buf.layout != torch.sparse_coo:
+            raise CommError(f"pycomm.hooks: gradients of layout {buf.layout} are not supported (dense and sparse "
+                            "COO are)")
+        key = (buf.device.type, "sparse")
+        route = self._routes.get(key)
+        if route is None:
+            on_comm = buf.device.type == "cpu" and self.path in ("auto", "communicator")
+            route = self._routes[key] = "communicator" if on_comm else "group"
+            logger.info("pycomm.hooks: %s buckets of sparse gradients take the %s path, uncompressed: pycomm's "
+                        "codecs and kernels take dense tensors", buf.device.type, route)
+        if route == "communicator":
+            return completed(sparse_average(self.communicator, buf))
+        if self._comm_arg is not None:
+            raise CommError("pycomm.hooks: sparse CUDA gradients go through the group's own all-reduce; build the "
+                            "state with the DDP process group (or none), not a communicator")
+        buf = buf / self.world_size
+        work = dist.all_reduce(buf, group=self.process_group, async_op=True)
+        return self._group_future(work, lambda fut: fut.value()[0], buf.device)
 
 
     def _route(self, buf: torch.Tensor, compressed: bool, quantized: bool = False) -> str:

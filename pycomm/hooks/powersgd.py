@@ -510,6 +510,16 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
         raise TypeError(f"pycomm.hooks.powersgd_hook: state must be a pycomm.hooks.PowerSGDState, got "
                         f"{type(state).__name__}")
     state._observe(bucket)
+    sparse = state._sparse_future(bucket)
+    if sparse is not None:
+        # A sparse last bucket still ends the step: the bucket waiting for
+        # its Q phase (the one before) takes it now.
+        if bucket.is_last() and state._waiting is not None:
+            waiting, state._waiting = state._waiting, None
+            with record_function("pycomm::powersgd_hook"):
+                _q_phase(state, waiting)
+        state._end_bucket(bucket)
+        return sparse
     buf = bucket.buffer()
     if state.iteration < state.start_iter or not buf.is_floating_point():
         return _average(state, bucket, None, "pycomm::powersgd_hook")

@@ -265,6 +265,22 @@ def stale_hook(state: StaleState, bucket: dist.GradBucket) -> torch.futures.Futu
     if not isinstance(state, StaleState):
         raise TypeError(f"pycomm.hooks.stale_hook: state must be a pycomm.hooks.StaleState, got "
                         f"{type(state).__name__}")
+    sparse = state.inner._sparse_future(bucket)
+    if sparse is not None:
+        # Sparse gradients: this step's average, no staleness (the inner
+        # state's policy says how); the step's bookkeeping below as usual.
+        result = sparse
+    else:
+        result = _stale_result(state, bucket)
+    if bucket.is_last():
+        state.has_update = len(state._inflight) > state.staleness
+        if state.has_update:
+            state._inflight.pop(0)
+        state.iteration += 1
+    return result
+
+
+def _stale_result(state: StaleState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     buf = bucket.buffer()
     with record_function("pycomm::stale_hook"):
         # 1. Start this step's average on a copy: DDP writes the average we
@@ -283,9 +299,4 @@ def stale_hook(state: StaleState, bucket: dist.GradBucket) -> torch.futures.Futu
         else:
             buf.zero_()
             result = completed(buf)
-    if bucket.is_last():
-        state.has_update = len(state._inflight) > state.staleness
-        if state.has_update:
-            state._inflight.pop(0)
-        state.iteration += 1
     return result
