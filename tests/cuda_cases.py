@@ -39,6 +39,12 @@ def run_ipc(rank: int, world: int, name: str, cases: List[tuple]) -> List[torch.
         buf = torch.empty(n + 1, dtype=dtype, device="cuda")
         ipc.all_reduce(make_input(i, rank, n, dtype).cuda(), op=op, algorithm=algo, out=buf[1:])
         outs.append(buf[1:].cpu())
+        # In place on a misaligned view (the kernel stages its input itself,
+        # element by element where it is not 16-byte aligned).
+        view = torch.empty(n + 1, dtype=dtype, device="cuda")[1:]
+        view.copy_(make_input(i, rank, n, dtype).cuda())
+        ipc.all_reduce(view, op=op, algorithm=algo)
+        outs.append(view.cpu())
     torch.cuda.synchronize()
     return outs
 

@@ -185,8 +185,8 @@ def gpu_pool():
 @pytest.mark.parametrize("world", [2, 4])
 def test_ipc_all_reduce_on_one_gpu_matches_the_cpu_reduction(gpu_pool, world):
     """Every rank on GPU 0 (NCCL refuses this): the result is the CPU kernel's reduction of every rank's input
-    in rank order, bit for bit, on every rank, for one-shot and two-shot, tails, several launches per call and
-    a misaligned output."""
+    in rank order, bit for bit, on every rank, for one-shot and two-shot, tails, several launches per call, a
+    misaligned output and a misaligned tensor reduced in place."""
     from collective_cases import make_input
     from cuda_cases import IPC_CASES, run_ipc
 
@@ -194,7 +194,7 @@ def test_ipc_all_reduce_on_one_gpu_matches_the_cpu_reduction(gpu_pool, world):
     for i, (dtype, op, n, algo) in enumerate(IPC_CASES):
         exp = OPS.reduce([make_input(i, q, n, dtype) for q in range(world)], op)
         for r in range(world):
-            for k in (2 * i, 2 * i + 1):
+            for k in (3 * i, 3 * i + 1, 3 * i + 2):
                 assert same_bits(per_rank[r][k], exp), (dtype, op, n, algo, r, k)
 
 

@@ -123,6 +123,29 @@ __device__ __forceinline__ void reduce_packs(const IpcArgs& a, size_t i, size_t 
 }
 
 template <typename T>
+__device__ __forceinline__ Pack<T> load_pack(const T* in, size_t i, bool aligned) {
+  if (aligned) return reinterpret_cast<const Pack<T>*>(in)[i];
+  Pack<T> v;
+#pragma unroll
+  for (int j = 0; j < Pack<T>::kPer; ++j) v.e[j] = in[i * Pack<T>::kPer + j];
+  return v;
+}
+
+// Copies this thread's packs of [lo, end), those it (and the same thread of
+// every peer) reads below, from the input into this rank's buffer: the loop
+// of the reduction it stages for, pack for pack.
+template <typename T>
+__device__ __forceinline__ void stage_packs(const T* in, Pack<T>* own, size_t lo, size_t end, size_t stride,
+                                            size_t step, bool aligned) {
+  for (size_t i = lo; i < end; i += step) {
+    const bool two = kTwoPacks<T> && i + stride < end;
+    const Pack<T> v = load_pack(in, i, aligned), v2 = load_pack(in, two ? i + stride : i, aligned);
+    own[i] = v;
+    if (two) own[i + stride] = v2;
+  }
+}
+
+template <typename T>
 __device__ __forceinline__ void store_pack(T* out, size_t i, const Pack<T>& v, bool aligned) {
   if (aligned) {
     reinterpret_cast<Pack<T>*>(out)[i] = v;
@@ -133,7 +156,7 @@ __device__ __forceinline__ void store_pack(T* out, size_t i, const Pack<T>& v, b
 }
 
 template <typename T, RedOp kOp>
-__global__ void __launch_bounds__(kThreads, 3) ipc_all_reduce_kernel(IpcArgs a, T* out, size_t count) {
+__global__ void __launch_bounds__(kThreads, 3) ipc_all_reduce_kernel(IpcArgs a, const T* in, T* out, size_t count) {
   using namespace kernels;
   constexpr int kPer = Pack<T>::kPer;
   const size_t nvec = count / kPer;
@@ -141,8 +164,26 @@ __global__ void __launch_bounds__(kThreads, 3) ipc_all_reduce_kernel(IpcArgs a, 
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   const bool aligned = (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
   const size_t step = kTwoPacks<T> ? 2 * stride : stride;  // a thread's packs: i, i + stride, then i + step
+  const size_t part = (nvec + a.world - 1) / a.world;     // two-shot: rank r reduces part r
 
-  // 1. Every rank's buffer holds its input.
+  // 1. Every rank stages its input in its buffer, each thread the positions
+  //    that it, and the same thread of every peer, reads in step 2 (and 5):
+  //    the start barrier, which pairs the same blocks of every rank, then
+  //    orders them before the peers' reads. (A copy on the stream before the
+  //    kernel did this, one more operation per call; the buffer is free, as
+  //    before: the previous launch's last barrier on this stream waited for
+  //    every peer's reads of it, in every block.)
+  {
+    Pack<T>* own = static_cast<Pack<T>*>(a.own);
+    const bool in_aligned = (reinterpret_cast<uintptr_t>(in) & 15u) == 0;
+    if (!a.two_shot) {
+      stage_packs(in, own, tid, nvec, stride, step, in_aligned);
+    } else {
+      for (int r = 0; r < a.world; ++r)
+        stage_packs(in, own, r * part + tid, min(nvec, (r + 1) * part), stride, step, in_aligned);
+    }
+    for (size_t i = nvec * kPer + tid; i < count; i += stride) static_cast<T*>(a.own)[i] = in[i];
+  }
   const uint32_t epoch = next_epoch(a);
   if (!barrier(a, 0, epoch)) return;
   if (!a.two_shot) {
@@ -157,7 +198,6 @@ __global__ void __launch_bounds__(kThreads, 3) ipc_all_reduce_kernel(IpcArgs a, 
   } else {
     // 2. Two-shot, reduce-scatter: this rank reduces its part into its own
     //    buffer, in place (only this rank reads its part in this phase).
-    const size_t part = (nvec + a.world - 1) / a.world;
     const size_t end = min(nvec, (a.rank + 1) * part);
     Pack<T>* own = static_cast<Pack<T>*>(a.own);
     for (size_t i = a.rank * part + tid; i < end; i += step) {
@@ -440,13 +480,9 @@ void CudaIpcAllReduce::all_reduce(const void* in, void* out, size_t count, DType
   a.avg = op == RedOp::kAvg;
   for (size_t off = 0; off < count; off += per_launch) {
     const size_t n = std::min(per_launch, count - off);
-    // 1. Stage this rank's input; stream order keeps it after the previous
-    //    launch, whose last barrier every peer passed after reading.
-    check(cudaMemcpyAsync(buffer_, static_cast<const char*>(in) + off * es, n * es, cudaMemcpyDeviceToDevice,
-                          stream),
-          "staging copy");
-    // 2. One kernel; the grid depends only on what every rank agrees on, so
-    //    element i maps to the same thread index on every rank.
+    // One kernel, which stages its input too; the grid depends only on what
+    // every rank agrees on, so element i maps to the same thread index on
+    // every rank.
     const IpcAlgo use = algo == IpcAlgo::kAuto ? choose(n * es, world_) : algo;
     a.two_shot = use == IpcAlgo::kTwoShot && world_ > 1;
     const size_t vec = 16 / es;
@@ -454,10 +490,12 @@ void CudaIpcAllReduce::all_reduce(const void* in, void* out, size_t count, DType
     const unsigned grid = static_cast<unsigned>(
         std::max<size_t>(1, std::min<size_t>(blocks_, (std::max<size_t>(work, 1) + kThreads - 1) / kThreads)));
     void* o = static_cast<char*>(out) + off * es;
+    const void* i = static_cast<const char*>(in) + off * es;
     ipc_detail::with_ipc_dtype(dtype, [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
       ipc_detail::with_ipc_op(op, [&](auto k) {
-        ipc_all_reduce_kernel<T, decltype(k)::value><<<grid, kThreads, 0, stream>>>(a, static_cast<T*>(o), n);
+        ipc_all_reduce_kernel<T, decltype(k)::value><<<grid, kThreads, 0, stream>>>(a, static_cast<const T*>(i),
+                                                                                      static_cast<T*>(o), n);
       });
     });
     check(cudaGetLastError(), "all-reduce launch");
