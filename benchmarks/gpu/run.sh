@@ -114,7 +114,7 @@ profile() {
   local sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats"
   local kernels=("InputValue<float>" "SumValue<float>" "dequantize_(pair|warp)_kernel<8, float>"
                  "dequantize_(pair|warp)_kernel<8, .*BFloat16" "reduce_kernel<float"
-                 "histogram_kernel" "kept_(count|write)_kernel|gather_kernel|choose_kernel")
+                 "histogram_kernel" "range_count_kernel|kept_write_kernel|gather_kernel|choose_kernel")
   : > "$LOG/ncu.txt"
   for k in "${kernels[@]}"; do
     timeout "$(cap 60)" ncu --clock-control none --kernel-name-base demangled --kernel-name "regex:$k" \

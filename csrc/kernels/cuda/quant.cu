@@ -180,12 +180,19 @@ __device__ __forceinline__ uint32_t warp_max(uint32_t v) {
 
 constexpr int kWarps = kThreads / 32;
 
-// The first quantization block of this warp, and the stride between its
-// blocks (a warp's lanes agree on both: every shuffle below is warp-uniform).
-__device__ __forceinline__ size_t first_warp_block() {
-  return blockIdx.x * static_cast<size_t>(kWarps) + threadIdx.x / 32;
+// Calls f(blk, base, m) for each of this warp's quantization blocks of
+// kBlock elements (block blk starts at element base and holds m: the last
+// may be short). A warp's lanes agree on every argument, so every shuffle in
+// f is warp-uniform.
+template <int kBlock, typename F>
+__device__ __forceinline__ void for_warp_blocks(size_t n, F&& f) {
+  const size_t nb = quant_num_blocks(n, kBlock);
+  for (size_t blk = blockIdx.x * static_cast<size_t>(kWarps) + threadIdx.x / 32; blk < nb;
+       blk += static_cast<size_t>(gridDim.x) * kWarps) {
+    const size_t base = blk * kBlock;
+    f(blk, base, static_cast<int>(min(static_cast<size_t>(kBlock), n - base)));
+  }
 }
-__device__ __forceinline__ size_t warp_block_stride() { return static_cast<size_t>(gridDim.x) * kWarps; }
 
 // The padding after the codes travels too (the CPU kernel zeroes it): keep
 // its bytes deterministic, or payloads differ between devices and runs.
@@ -208,9 +215,7 @@ __global__ void quantize_warp_kernel(V value, size_t n, int bits, bool stochasti
   float* scales = reinterpret_cast<float*>(payload);
   uint8_t* codes = payload + nb * 4;
   const int lane = threadIdx.x % 32;
-  for (size_t blk = first_warp_block(); blk < nb; blk += warp_block_stride()) {
-    const size_t base = blk * kBlock;
-    const int m = static_cast<int>(min(static_cast<size_t>(kBlock), n - base));
+  for_warp_blocks<kBlock>(n, [&](size_t blk, size_t base, int m) {
     // 1. The values (elements past the end count as 0, which no absmax
     //    notices) and their largest magnitude; finite values only if the
     //    block holds NaN/Inf.
@@ -253,7 +258,7 @@ __global__ void quantize_warp_kernel(V value, size_t n, int bits, bool stochasti
         if ((lane & 1) == 0 && j < m) codes[i / 2] = static_cast<uint8_t>(nibble_of(c) | (nibble_of(next) << 4));
       }
     }
-  }
+  });
   zero_payload_tail(payload, n, bits, kBlock);
 }
 
@@ -267,14 +272,10 @@ __global__ void dequantize_warp_kernel(const uint8_t* payload, size_t n, int bit
                                        const uint32_t* cancel) {
   constexpr int kBlock = 32 * E;
   if (cancelled(cancel)) return;
-  const size_t nb = quant_num_blocks(n, kBlock);
-  const float* scales = reinterpret_cast<const float*>(payload);
-  const uint8_t* codes = payload + nb * 4;
+  const uint8_t* codes = payload + quant_num_blocks(n, kBlock) * 4;
   const int lane = threadIdx.x % 32;
-  for (size_t blk = first_warp_block(); blk < nb; blk += warp_block_stride()) {
-    const size_t base = blk * kBlock;
-    const int m = static_cast<int>(min(static_cast<size_t>(kBlock), n - base));
-    const float stored = scales[blk];
+  for_warp_blocks<kBlock>(n, [&](size_t blk, size_t base, int m) {
+    const float stored = reinterpret_cast<const float*>(payload)[blk];  // the block's scale
     // 1. Loads.
     int c[E];
     float prev[E];
@@ -300,7 +301,7 @@ __global__ void dequantize_warp_kernel(const uint8_t* payload, size_t n, int bit
         out[base + j] = store_acc<T>(accumulate ? prev[k] + d : d);
       }
     }
-  }
+  });
 }
 
 // dequantize_warp_kernel with two neighbouring elements per lane and step
@@ -322,14 +323,10 @@ __global__ void dequantize_pair_kernel(const uint8_t* payload, size_t n, int bit
   constexpr int kBlock = 32 * E;
   constexpr int kPairs = E / 2;
   if (cancelled(cancel)) return;
-  const size_t nb = quant_num_blocks(n, kBlock);
-  const float* scales = reinterpret_cast<const float*>(payload);
-  const uint8_t* codes = payload + nb * 4;
+  const uint8_t* codes = payload + quant_num_blocks(n, kBlock) * 4;
   const int lane = threadIdx.x % 32;
-  for (size_t blk = first_warp_block(); blk < nb; blk += warp_block_stride()) {
-    const size_t base = blk * kBlock;
-    const int m = static_cast<int>(min(static_cast<size_t>(kBlock), n - base));
-    const float stored = scales[blk];
+  for_warp_blocks<kBlock>(n, [&](size_t blk, size_t base, int m) {
+    const float stored = reinterpret_cast<const float*>(payload)[blk];  // the block's scale
     // 1. Loads: codes, then (accumulating) outputs. j is the pair's first
     //    element in the block (even: a whole int4 byte); only the block's
     //    last pair may be cut, when n is odd.
@@ -381,7 +378,7 @@ __global__ void dequantize_pair_kernel(const uint8_t* payload, size_t n, int bit
         out[base + j] = store_acc<T>(accumulate ? p0[k] + d0 : d0);
       }
     }
-  }
+  });
 }
 
 // store_sum_kernel with the warp layout: no 64-bit division per element to
@@ -390,11 +387,8 @@ template <int E, typename D, typename O>
 __global__ void store_sum_warp_kernel(SumValue<D> sum, size_t n, O* out) {
   constexpr int kBlock = 32 * E;
   if (cancelled(sum.cancel)) return;
-  const size_t nb = quant_num_blocks(n, kBlock);
   const int lane = threadIdx.x % 32;
-  for (size_t blk = first_warp_block(); blk < nb; blk += warp_block_stride()) {
-    const size_t base = blk * kBlock;
-    const int m = static_cast<int>(min(static_cast<size_t>(kBlock), n - base));
+  for_warp_blocks<kBlock>(n, [&](size_t blk, size_t base, int m) {
     float v[E];
     sum.lane_values(blk, base, lane, m, v);
 #pragma unroll
@@ -402,7 +396,7 @@ __global__ void store_sum_warp_kernel(SumValue<D> sum, size_t n, O* out) {
       const int j = lane + 32 * k;
       if (j < m) out[base + j] = store_acc<O>(v[k]);
     }
-  }
+  });
 }
 
 // f(std::integral_constant<int, E>) for a block of 32 * E elements that the

@@ -187,6 +187,7 @@ __global__ void choose_kernel(SelectState* st, uint32_t* hist, int shift, bool l
 // (read once per thread: read per element, as a functor given to
 // cub::DeviceSelect was, its loads took more issue slots than the keys').
 struct KeepTest {
+  static constexpr bool kSkipWhenDone = false;
   uint32_t threshold;
   bool done;
   int32_t tie_cutoff;
@@ -232,28 +233,48 @@ __device__ uint32_t block_prefix_count(bool flag, uint32_t* total) {
   return before + in_warp;
 }
 
-// Each thread counts its own ties; the block adds them up once at the end.
-template <typename T>
-__global__ void tie_count_kernel(const T* x, size_t n, const SelectState* st, int ranges, uint32_t* counts) {
-  if (st->done) return;
+// Calls f(key, i, in) for the keys of [lo, hi), a row of blockDim elements
+// at a time, with kHistLoads rows' loads of a thread in flight before the
+// first call (~1024 blocks hold too few single loads for HBM). Every thread
+// makes the same calls (`in` false past hi): f may take a block-wide step.
+template <typename T, typename F>
+__device__ __forceinline__ void for_keys_in_range(const T* x, size_t lo, size_t hi, F&& f) {
+  for (size_t b = lo; b < hi; b += kHistLoads * blockDim.x) {
+    uint32_t key[kHistLoads];
+#pragma unroll
+    for (int u = 0; u < kHistLoads; ++u) {
+      const size_t i = b + u * blockDim.x + threadIdx.x;
+      key[u] = i < hi ? key_at(x, i) : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < kHistLoads; ++u) {
+      const size_t i = b + u * blockDim.x + threadIdx.x;
+      f(key[u], i, i < hi);
+    }
+  }
+}
+
+// The keys of each range that pass Test (TieTest: the ties of the exact
+// k-th key, skipped once the approximate mode settled; KeepTest: the kept
+// ones), one count per block.
+struct TieTest {
+  static constexpr bool kSkipWhenDone = true;
+  uint32_t threshold;
+  __device__ explicit TieTest(const SelectState* st) : threshold(st->threshold) {}
+  __device__ bool operator()(uint32_t key, size_t) const { return key == threshold; }
+};
+
+template <typename T, typename Test>
+__global__ void range_count_kernel(const T* x, size_t n, const SelectState* st, int ranges, uint32_t* counts) {
+  if (Test::kSkipWhenDone && st->done) return;
   __shared__ uint32_t total;
   if (threadIdx.x == 0) total = 0;
+  const Test test(st);
   __syncthreads();
   size_t lo, hi;
   tie_range(n, ranges, blockIdx.x, &lo, &hi);
-  const uint32_t threshold = st->threshold;
   uint32_t c = 0;
-  // kHistLoads loads of a thread in flight at once, as in histogram_kernel
-  // (~1024 blocks hold too few single loads for HBM), then the rest.
-  size_t i = lo + threadIdx.x;
-  for (; i + (kHistLoads - 1) * blockDim.x < hi; i += kHistLoads * blockDim.x) {
-    uint32_t key[kHistLoads];
-#pragma unroll
-    for (int u = 0; u < kHistLoads; ++u) key[u] = key_at(x, i + u * blockDim.x);
-#pragma unroll
-    for (int u = 0; u < kHistLoads; ++u) c += key[u] == threshold;
-  }
-  for (; i < hi; i += blockDim.x) c += key_at(x, i) == threshold;
+  for_keys_in_range(x, lo, hi, [&](uint32_t key, size_t i, bool in) { c += in && test(key, i); });
   for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
   if (threadIdx.x % 32 == 0) atomicAdd(&total, c);
   __syncthreads();
@@ -329,34 +350,6 @@ __global__ void tie_cutoff_kernel(const T* x, size_t n, SelectState* st, int ran
 // bandwidth here (54 us at 16M, H200); two passes with four loads of a
 // thread in flight read the tensor twice at near the copy rate.
 template <typename T>
-__global__ void kept_count_kernel(const T* x, size_t n, const SelectState* st, int ranges, uint32_t* counts) {
-  __shared__ uint32_t total;
-  if (threadIdx.x == 0) total = 0;
-  const KeepTest keep(st);
-  __syncthreads();
-  size_t lo, hi;
-  tie_range(n, ranges, blockIdx.x, &lo, &hi);
-  uint32_t c = 0;
-  for (size_t b = lo; b < hi; b += kHistLoads * blockDim.x) {
-    uint32_t key[kHistLoads];
-#pragma unroll
-    for (int u = 0; u < kHistLoads; ++u) {
-      const size_t i = b + u * blockDim.x + threadIdx.x;
-      key[u] = i < hi ? key_at(x, i) : 0u;
-    }
-#pragma unroll
-    for (int u = 0; u < kHistLoads; ++u) {
-      const size_t i = b + u * blockDim.x + threadIdx.x;
-      c += i < hi && keep(key[u], i);
-    }
-  }
-  for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
-  if (threadIdx.x % 32 == 0) atomicAdd(&total, c);
-  __syncthreads();
-  if (threadIdx.x == 0) counts[blockIdx.x] = total;
-}
-
-template <typename T>
 __global__ void kept_write_kernel(const T* x, size_t n, const SelectState* st, int ranges, const uint32_t* counts,
                                   int32_t* idx, int* kept) {
   // 1. The first slot of this block's range: the kept keys of the ranges
@@ -383,23 +376,13 @@ __global__ void kept_write_kernel(const T* x, size_t n, const SelectState* st, i
   size_t lo, hi;
   tie_range(n, ranges, blockIdx.x, &lo, &hi);
   uint32_t slot = first;
-  for (size_t b = lo; b < hi; b += kHistLoads * blockDim.x) {
-    uint32_t key[kHistLoads];
-#pragma unroll
-    for (int u = 0; u < kHistLoads; ++u) {
-      const size_t i = b + u * blockDim.x + threadIdx.x;
-      key[u] = i < hi ? key_at(x, i) : 0u;
-    }
-#pragma unroll
-    for (int u = 0; u < kHistLoads; ++u) {
-      const size_t i = b + u * blockDim.x + threadIdx.x;
-      const bool kept_here = i < hi && keep(key[u], i);
-      uint32_t row;
-      const uint32_t upto = block_prefix_count(kept_here, &row);
-      if (kept_here) idx[slot + upto - 1] = static_cast<int32_t>(i);
-      slot += row;
-    }
-  }
+  for_keys_in_range(x, lo, hi, [&](uint32_t key, size_t i, bool in) {
+    const bool kept_here = in && keep(key, i);
+    uint32_t row;
+    const uint32_t upto = block_prefix_count(kept_here, &row);
+    if (kept_here) idx[slot + upto - 1] = static_cast<int32_t>(i);
+    slot += row;
+  });
 }
 
 template <typename T>
@@ -526,10 +509,10 @@ size_t topk_cuda(const TopK& s, DType dtype, const void* x, float* residual, siz
       // 2. Unless the approximate mode settled: the lowest-index ties of
       //    the k-th key complete the k.
       const int ranges = tie_ranges(n);
-      tie_count_kernel<E><<<ranges, kThreads, 0, stream>>>(eff, n, st, ranges, range_counts);
+      range_count_kernel<E, TieTest><<<ranges, kThreads, 0, stream>>>(eff, n, st, ranges, range_counts);
       tie_cutoff_kernel<E><<<1, kThreads, 0, stream>>>(eff, n, st, ranges, range_counts);
       // 3. Everything kept, in index order, then values and residuals.
-      kept_count_kernel<E><<<ranges, kThreads, 0, stream>>>(eff, n, st, ranges, range_counts);
+      range_count_kernel<E, KeepTest><<<ranges, kThreads, 0, stream>>>(eff, n, st, ranges, range_counts);
       kept_write_kernel<E><<<ranges, kThreads, 0, stream>>>(eff, n, st, ranges, range_counts, idx, counters);
       gather_kernel<T><<<grid_for(cap), kThreads, 0, stream>>>(xt, residual, residual, idx, counters, cap,
                                                                static_cast<T*>(values), indices);
