@@ -57,7 +57,8 @@ class DiLoCo(WrappedOptimizer):
         theta_i = theta                                    (every rank)
 
     Args:
-        params: the parameters ``inner`` optimizes (a module's parameters).
+        params: the parameters ``inner`` optimizes (a module's parameters), or
+            the module.
         inner: any optimizer over them.
         sync_every: inner steps per outer step (H).
         outer_lr, outer_momentum, nesterov: the outer SGD (0.7, 0.9, True as
@@ -112,6 +113,11 @@ class DiLoCo(WrappedOptimizer):
                  fragments: int = 1, overlap: Union[bool, int] = False, alpha: Optional[float] = None,
                  process_group: Group = None, communicator: Any = None, path: Optional[str] = None,
                  backup_device: Union[None, str, torch.device] = None) -> None:
+        if isinstance(params, torch.nn.Module):  # TorchFT's DiLoCo takes the model
+            params = params.parameters()
+        if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
+            raise TypeError("pycomm.DiLoCo: params must be the parameters inner optimizes (model.parameters()) "
+                            f"or the model, got {type(params).__name__}")
         params = [p for p in params if p.requires_grad]
         if not params:
             raise ValueError("pycomm.DiLoCo: no parameters that require grad")

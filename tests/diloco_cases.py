@@ -330,7 +330,8 @@ def digits(rank: int, world: int, h: Optional[int], steps: int = 500, fragments:
     torch.manual_seed(seed)
     model = digits_mlp()
     inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    opt = (pycomm.DiLoCo(model.parameters(), inner, sync_every=h, fragments=fragments, overlap=overlap,
+    # The model itself as DiLoCo's params (as TorchFT's DiLoCo takes it).
+    opt = (pycomm.DiLoCo(model, inner, sync_every=h, fragments=fragments, overlap=overlap,
                          wire=WIRES[wire], communicator=comm, outer_lr=outer_lr, outer_momentum=outer_momentum)
            if h else inner)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)  # on the wrapper: it sets the inner's rate

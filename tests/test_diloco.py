@@ -177,6 +177,9 @@ def test_bad_arguments_say_what_to_do():
         pycomm.DiLoCo(p, inner, wire=pycomm.TopK(0.01))
     with pytest.raises(ValueError, match="no parameters"):
         pycomm.DiLoCo([torch.zeros(2)], inner)
+    for bad in (p[0], 3):  # a tensor iterates over its rows: refused, not taken for parameters
+        with pytest.raises(TypeError, match=r"params must be the parameters inner optimizes \(model.parameters\(\)\)"):
+            pycomm.DiLoCo(bad, inner)
     with pytest.raises(ValueError, match="not both"):
         pycomm.DiLoCo(p, inner, outer_lr=0.5, outer=lambda groups: torch.optim.Adam(groups))
     with pytest.raises(TypeError, match="must build a torch.optim.Optimizer"):
