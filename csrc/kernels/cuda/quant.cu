@@ -339,8 +339,8 @@ __global__ void dequantize_pair_kernel(const uint8_t* payload, size_t n, int bit
       if (j + 1 < m) {
         if (bits == 8) {
           const char2 two = *reinterpret_cast<const char2*>(codes + base + j);
-          c0[k] = two.x;
-          c1[k] = two.y;
+          c0[k] = static_cast<int8_t>(two.x);  // whatever char's signedness
+          c1[k] = static_cast<int8_t>(two.y);
         } else {
           const uint8_t byte = codes[(base + j) / 2];
           c0[k] = code_of_nibble(byte);
