@@ -38,6 +38,12 @@ wire (``stale1-int8``): median step time (forward, backward,
 optimizer) and the final loss, every config on the same data. "none" (a hook
 that sends nothing; each rank trains alone) gives the compute floor.
 Medians over the measured steps; ratios are side by side in one run.
+
+summarize: e2e rows of several fresh launches (each run's --json file, named
+``..._<rate>_...``), per rate: step time min / median / max per config and
+the median of the launches' speed-ups over torch's bf16 hook::
+
+    python benchmarks/ddp_hooks.py summarize gpu-logs/nccl_ddp_*.json
 """
 import argparse
 import json
@@ -45,6 +51,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -346,7 +353,43 @@ def straggler(args):
     return rows
 
 
+def summarize(paths: List[str]) -> str:
+    """The e2e rows of several fresh launches (their --json files), per link
+    rate when the files say one (``..._1gbit_...``): step time min / median /
+    max per config, and the median of each launch's speed-up over torch's
+    bf16 hook, measured within that launch."""
+    groups: Dict[str, List[dict]] = {}
+    for path in paths:
+        rate = next((part for part in os.path.basename(path).split("_") if part.endswith("bit")), "")
+        with open(path) as f:
+            groups.setdefault(rate, []).append(json.load(f))
+    lines = []
+    for rate, runs in sorted(groups.items()):
+        lines.append(f"### {rate or 'e2e'}: {len(runs)} launches")
+        lines.append("| config | step ms, min / median / max | x torch bf16 (median of launches) | final loss |")
+        lines.append("| --- | --- | ---: | ---: |")
+        configs = list(dict.fromkeys(r["config"] for run in runs for r in run["rows"]))
+        for name in configs:
+            steps, ups, losses = [], [], []
+            for run in runs:
+                by = {r["config"]: r for r in run["rows"]}
+                if name not in by:
+                    continue
+                steps.append(by[name]["step_ms"])
+                losses.append(by[name]["final_loss"])
+                if "torch-bf16" in by:
+                    ups.append(by["torch-bf16"]["step_ms"] / by[name]["step_ms"])
+            up = f"{statistics.median(ups):.2f}x" if ups else "-"
+            lines.append(f"| {name} | {min(steps):.1f} / {statistics.median(steps):.1f} / {max(steps):.1f} | {up} | "
+                         f"{statistics.median(losses):.4f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["summarize"]:
+        print(summarize(argv[1:]))
+        return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=["overlap", "e2e", "straggler"])
     p.add_argument("--configs", default=None, help="comma-separated (overlap: gloo,pycomm,stale1; "

@@ -287,3 +287,27 @@ def test_gpu_kernel_benchmark_checks_itself_on_cpu():
     assert len(kernels) == 10 and all(line.rsplit("|", 1)[1].strip() == "0" for line in kernels), r.stdout
     topk = [line for line in r.stdout.splitlines() if line.startswith("top-k")]
     assert len(topk) == 1 and topk[0].endswith("#wrong 0"), r.stdout
+
+
+def test_ddp_hooks_summarize_launches(tmp_path):
+    """benchmarks/ddp_hooks.py summarize: per rate, each config's step time
+    min / median / max over the launches, and the median of the speed-ups
+    over torch's bf16 hook taken within each launch."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("ddp_hooks", os.path.join(root, "benchmarks", "ddp_hooks.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    steps = {"torch-bf16": [100.0, 120.0, 90.0], "int8": [50.0, 80.0, 30.0]}
+    paths = []
+    for launch in range(3):
+        rows = [dict(config=c, step_ms=steps[c][launch], final_loss=0.5 + launch) for c in steps]
+        path = tmp_path / f"nccl_ddp_1gbit_{launch + 1}.json"
+        path.write_text(json.dumps({"mode": "e2e", "rows": rows}))
+        paths.append(str(path))
+    out = mod.summarize(paths)
+    assert "### 1gbit: 3 launches" in out
+    # int8: 30 / 50 / 80 ms; speed-ups 2.0, 1.5, 3.0 -> median 2.00x; losses 0.5, 1.5, 2.5 -> 1.5
+    assert "| int8 | 30.0 / 50.0 / 80.0 | 2.00x | 1.5000 |" in out, out
+    assert "| torch-bf16 | 90.0 / 100.0 / 120.0 | 1.00x | 1.5000 |" in out, out

@@ -163,10 +163,12 @@ nccl() {
     for launch in $(seq "${NCCL_LAUNCHES:-3}"); do
       timeout "$(cap "$STEP_TIMEOUT")" "$PY" "$tb" --hosts 4 --rate "$rate" --timeout $((STEP_TIMEOUT - 20)) -- \
         benchmarks/ddp_hooks.py e2e --device cuda --backend cpu:gloo,cuda:nccl --steps "${NCCL_STEPS:-12}" \
-        --configs gloo,torch-bf16,torch-powersgd,int8,topk,stale1-int8 2>&1 \
-        | tee "$LOG/nccl_ddp_${rate}_${launch}.log" | grep -v "^W1\|^\*\*\*"
+        --configs gloo,torch-bf16,torch-powersgd,int8,topk,stale1-int8 --json "$LOG/nccl_ddp_${rate}_${launch}.json" \
+        2>&1 | tee "$LOG/nccl_ddp_${rate}_${launch}.log" | grep -v "^W1\|^\*\*\*"
     done
   done
+  # min / median / max over the launches, per rate
+  "$PY" benchmarks/ddp_hooks.py summarize "$LOG"/nccl_ddp_*.json 2>&1 | tee "$LOG/nccl_ddp_summary.md"
 }
 
 tta() {
