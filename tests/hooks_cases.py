@@ -544,7 +544,8 @@ def checkpoint_resume(rank: int, world: int, hook: str, path: str = "auto", mode
             "saved": sum(t is not None for t in ckpt["hook"].get("worker_residuals", []))}
 
 
-def sparse_embedding(rank: int, world: int, hook: str, path: str = "auto") -> Dict[str, object]:
+def sparse_embedding(rank: int, world: int, hook: str, path: str = "auto", device: str = "cpu"
+                     ) -> Dict[str, object]:
     """DDP over a model with a sparse embedding, under ``hook``: the
     embedding's gradient stays sparse and equals DDP's without a hook (the
     average of every rank's) at every step, including PowerSGD's steps (its
@@ -561,28 +562,29 @@ def sparse_embedding(rank: int, world: int, hook: str, path: str = "auto") -> Di
         return torch.nn.Sequential(torch.nn.EmbeddingBag(60, 8, mode="sum", sparse=True), torch.nn.Linear(8, 16),
                                    torch.nn.Tanh(), torch.nn.Linear(16, 4))
 
-    ref_model, model_ = model(), model()
+    ref_model, model_ = model().to(device), model().to(device)
     ref = DDP(ref_model, process_group=g)
     # Small buckets: the dense layers take two, the embedding (first in the
     # model, last in the backward) one of its own.
     ddp = DDP(model_, process_group=g, bucket_cap_mb=0.0005)
     if hook == "stale":
-        state = hooks.StaleState(g if path != "auto" else None, staleness=1, wire=torch.bfloat16,
-                                 **(dict(communicator=comm) if path == "auto" else dict(path=path)))
+        on_comm = path == "auto" and device == "cpu"
+        state = hooks.StaleState(None if on_comm else g, staleness=1, wire=torch.bfloat16,
+                                 **(dict(communicator=comm) if on_comm else dict(path=path)))
         ddp.register_comm_hook(state, hooks.stale_hook)
     else:
-        state = _state(hook, comm, path=path, group=g, start_iter=2)
+        state = _state(hook, comm, path=path, group=g, start_iter=2, device=device)
         ddp.register_comm_hook(state, HOOKS[hook])
     diff, sparse = 0.0, True
     for step in range(5):
         gen = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randint(0, 60, (6, 3), generator=gen), torch.randn(6, 4, generator=gen)
+        x, y = torch.randint(0, 60, (6, 3), generator=gen).to(device), torch.randn(6, 4, generator=gen).to(device)
         for m in (ref, ddp):
             m.zero_grad()
             torch.nn.functional.mse_loss(m(x), y).backward()
         got, want = model_[0].weight.grad, ref_model[0].weight.grad
         sparse = sparse and got.is_sparse
-        diff = max(diff, float((got.to_dense() - want.to_dense()).abs().max()))
+        diff = max(diff, float((got.to_dense() - want.to_dense()).abs().max().cpu()))
     return {"diff": diff, "sparse": sparse, "routes": state.routes(),
             "dense_finite": all(bool(p.grad.isfinite().all()) for p in model_[1:].parameters())}
 

@@ -453,6 +453,20 @@ def test_cuda_buckets_through_ipc_when_asked(ddp_pool, hook):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("hook", ["allreduce", "int8", "powersgd", "stale"])
+def test_sparse_cuda_gradients_take_the_group_path(ddp_pool, hook):
+    """An nn.EmbeddingBag(sparse=True) on CUDA under each hook: its gradient
+    goes through the group's own sparse all-reduce (Gloo's here) and equals
+    DDP's without a hook, as on the CPU."""
+    import hooks_cases
+
+    res = ddp_pool.run(hooks_cases.sparse_embedding, 2, hook, "auto", "cuda")[:2]
+    for rank in range(2):
+        assert res[rank]["sparse"] and res[rank]["dense_finite"], res[rank]
+        assert res[rank]["diff"] <= 1e-5, (rank, res[rank])
+        assert res[rank]["routes"].get("cuda/sparse") == "group", res[rank]
+
+
 def test_cuda_digits_convergence_with_int8_and_topk(ddp_pool):
     """4 ranks on GPU 0: int8 within 0.5 and top-k 1 % within 2 accuracy points of DDP without a hook, as on CPU."""
     import hooks_cases
