@@ -88,13 +88,12 @@ def sparse_average(comm: "_communicator.Communicator", t: torch.Tensor) -> torch
     between ranks, so the sizes travel first and the entries padded to the
     largest. Every rank computes the same bits."""
     t = t.coalesce()
-    world = comm.world_size
+    world, nnz = comm.world_size, t._nnz()
     sizes = torch.empty(world, dtype=torch.int64)
-    comm.all_gather(sizes, torch.tensor([t._nnz()], dtype=torch.int64))
+    comm.all_gather(sizes, torch.tensor([nnz], dtype=torch.int64))
     most = int(sizes.max())
     if most == 0:
         return t / world
-    nnz = t._nnz()
     idx = torch.zeros(t.sparse_dim(), most, dtype=torch.int64)
     idx[:, :nnz] = t._indices()
     val = torch.zeros((most,) + tuple(t._values().shape[1:]), dtype=t.dtype)
@@ -194,8 +193,7 @@ class Router:
         if self._comm_arg is not None:
             raise CommError("pycomm.hooks: sparse CUDA gradients go through the group's own all-reduce; build the "
                             "state with the DDP process group (or none), not a communicator")
-        buf = buf / self.world_size
-        work = dist.all_reduce(buf, group=self.process_group, async_op=True)
+        work = self._start_all_reduce("group", buf, "avg")
         return self._group_future(work, lambda fut: fut.value()[0], buf.device)
 
 
