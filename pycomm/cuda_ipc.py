@@ -89,11 +89,21 @@ class IpcAllReduce:
         prefix: Store key prefix, unique per group.
         timeout: seconds to wait for every rank's handles, and the most a
             kernel waits for a peer before it gives up.
+        quantized_kernels: how compressed calls run: ``"fused"`` (default)
+            as one kernel whose steps meet their peers' inside it, where the
+            codec's block is 64, 128, 256 or 512 elements; ``"split"`` as a
+            kernel per step with barriers between them (what other blocks
+            always take). The same bits either way; every rank must pass
+            the same.
     """
 
     def __init__(self, store: "torch.distributed.Store", rank: int, world_size: int,
                  device: Optional[torch.device] = None, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-                 round_bytes: Optional[int] = None, prefix: str = "pycomm.ipc", timeout: float = 300.0) -> None:
+                 round_bytes: Optional[int] = None, prefix: str = "pycomm.ipc", timeout: float = 300.0,
+                 quantized_kernels: str = "fused") -> None:
+        if quantized_kernels not in ("fused", "split"):
+            raise CommError(f"pycomm: quantized_kernels must be 'fused' or 'split', got {quantized_kernels!r}")
+        self._fused = quantized_kernels == "fused"
         core = load_core()
         if not core.has_cuda:
             raise CommError("pycomm: this build has no CUDA support (build with a CUDA torch and nvcc on the PATH)")
@@ -186,7 +196,7 @@ class IpcAllReduce:
 
         def launch() -> None:
             self._c.quantized_all_reduce(tensor, out, avg, bits, block, stochastic, seeds[0], seeds[1],
-                                         worker, server)
+                                         worker, server, self._fused)
             for r in (worker, server):
                 if r is not None:
                     r.record_stream(self._stream)

@@ -280,7 +280,7 @@ def run_schedules(rank: int, world: int, name: str) -> List[str]:
 
 
 # The kinds of IPC call a dying peer is tested in.
-DEATH_KINDS = ("one_shot", "two_shot", "ring", "tree", "int8")
+DEATH_KINDS = ("one_shot", "two_shot", "ring", "tree", "int8", "int8_split")
 
 
 def ipc_peer_dies(rank: int, world: int, path: str, mode: str, results) -> None:
@@ -302,12 +302,14 @@ def ipc_peer_dies(rank: int, world: int, path: str, mode: str, results) -> None:
     long = datetime.timedelta(seconds=120)
     kinds = range(len(DEATH_KINDS)) if rank < 2 else [rank - 2]
     groups = {k: pycomm.cuda_ipc.IpcAllReduce(store, min(rank, 2), 3, device="cuda:0", buffer_bytes=1 << 22,
-                                              prefix=f"dies{k}", timeout=timeout) for k in kinds}
+                                              prefix=f"dies{k}", timeout=timeout,
+                                              quantized_kernels="split" if DEATH_KINDS[k] == "int8_split" else "fused")
+              for k in kinds}
     x = torch.ones(1 << 18, device="cuda")
 
     def call(k):
         kind = DEATH_KINDS[k]
-        if kind == "int8":
+        if kind.startswith("int8"):
             return groups[k].all_reduce(x, compression=pycomm.Int8())
         return groups[k].all_reduce(x, algorithm=kind)
 
@@ -341,18 +343,28 @@ def ipc_peer_dies(rank: int, world: int, path: str, mode: str, results) -> None:
         store.set(f"reported/{k}/{rank}", "1")
 
 
-def run_ipc_quantized(rank: int, world: int, name: str, cases: List[tuple], steps: int = 3) -> List[list]:
+def _on_gpu_misaligned_if_half(x: torch.Tensor) -> torch.Tensor:
+    """x on GPU 0: float32 aligned as allocated; 16-bit dtypes one element
+    into a larger tensor (contiguous, but odd-aligned: not the paired
+    stores' layout)."""
+    if x.element_size() == 4:
+        return x.cuda()
+    return torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")[1:].copy_(x)
+
+
+def run_ipc_quantized(rank: int, world: int, name: str, cases: List[tuple], steps: int = 3,
+                      kernels: str = "fused") -> List[list]:
     """Each case (codec, n, dtype, op) through the quantized IPC all-reduce on
-    GPU 0 and the CPU communicator's compressed all-reduce, both fresh (their
-    sequence numbers, which key stochastic rounding, start together), with
-    error feedback over several steps: the mismatches in outputs and
-    residuals per case (none expected)."""
+    GPU 0 (its kernels "fused" or "split") and the CPU communicator's
+    compressed all-reduce, both fresh (their sequence numbers, which key
+    stochastic rounding, start together), with error feedback over several
+    steps: the mismatches in outputs and residuals per case (none expected)."""
     from group_cases import paired_steps, same_accounting, through_communicator
     from harness import make_comm
 
     comm = make_comm(rank, world, name + ".cpu", timeout=60)
     ipc = pycomm.cuda_ipc.IpcAllReduce(worker_store(), rank, world, device="cuda:0", buffer_bytes=4 << 20,
-                                       prefix=name, timeout=60)
+                                       prefix=name, timeout=60, quantized_kernels=kernels)
 
     def through_ipc(b, op, codec, ef):
         work = ipc.all_reduce(b, op=op, compression=codec, error_feedback=ef, key="k", async_op=True)
@@ -360,7 +372,7 @@ def run_ipc_quantized(rank: int, world: int, name: str, cases: List[tuple], step
         return work
 
     out = [bad for bad, _ in paired_steps(rank, cases, steps, through_communicator(comm), through_ipc,
-                                          to_other=lambda x: x.cuda(), check=same_accounting(world))]
+                                          to_other=_on_gpu_misaligned_if_half, check=same_accounting(world))]
     msgs = []
     for call in (lambda: ipc.all_reduce(torch.randn(8, device="cuda"), op="max", compression=pycomm.Int8()),
                  lambda: ipc.all_reduce(torch.randn(8, device="cuda"), compression=pycomm.TopK(0.1)),

@@ -19,6 +19,8 @@ CODECS = {
     "int8_b64_stoch": lambda: pycomm.Int8(block=64, stochastic=True, seed=5),
     "int4": lambda: pycomm.Int4(),
     "int4_stoch": lambda: pycomm.Int4(block=128, stochastic=True),
+    "int8_b96": lambda: pycomm.Int8(block=96),  # not a warp kernel's block: the CUDA IPC call runs a kernel per step
+    "int4_b512": lambda: pycomm.Int4(block=512),
     "topk": lambda: pycomm.TopK(0.05, exact=True),
     "topk_sampled": lambda: pycomm.TopK(0.02, seed=3),
     "topk_half_entry": lambda: pycomm.TopK(0.25, exact=True),  # 0.25 x 10 = 2.5 entries: rounds away from zero

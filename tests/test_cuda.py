@@ -242,18 +242,25 @@ def test_ipc_schedules_equal_the_cpu_executor_bit_for_bit(gpu_pool, world):
         assert not bad, f"rank {rank}: {len(bad)} mismatches:\n" + "\n".join(bad[:20])
 
 
+@pytest.mark.parametrize("kernels", ["fused", "split"])
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_ipc_quantized_all_reduce_equals_the_cpu_communicator(gpu_pool, world):
-    """Int8/Int4 (round-to-nearest and stochastic, blocks of 64-256) through the
-    peers' buffers: outputs, worker and server residuals bit for bit the CPU
-    communicator's over 3 steps with error feedback; bad calls refused with a
-    message (max, top-k, float64, codes larger than the buffer)."""
+def test_ipc_quantized_all_reduce_equals_the_cpu_communicator(gpu_pool, world, kernels):
+    """Int8/Int4 (round-to-nearest and stochastic, blocks of 64-512, and 96,
+    which only the kernel-per-step form takes) through the peers' buffers, as
+    one fused kernel and as a kernel per step: outputs, worker and server
+    residuals bit for bit the CPU communicator's over 3 steps with error
+    feedback, at sizes that leave some thread blocks without work and some
+    with several batches, and on outputs not aligned for the paired stores
+    (offset views); bad calls refused with a message (max, top-k, float64,
+    codes larger than the buffer)."""
     from cuda_cases import run_ipc_quantized
 
-    cases = [(codec, n, dtype, op) for codec in ("int8", "int8_b64_stoch", "int4", "int4_stoch")
+    cases = [(codec, n, dtype, op)
+             for codec in ("int8", "int8_b64_stoch", "int4", "int4_stoch", "int8_b96", "int4_b512")
              for n, dtype, op in ((70001, torch.float32, "avg"), (1021, torch.bfloat16, "sum"),
-                                  (4099, torch.float16, "avg"), (1, torch.float32, "sum"))]
-    per_rank = gpu_pool.run(run_ipc_quantized, world, gpu_pool.new_name(), cases, world=world)
+                                  (4099, torch.float16, "avg"), (1, torch.float32, "sum"),
+                                  (300007, torch.bfloat16, "avg"))]
+    per_rank = gpu_pool.run(run_ipc_quantized, world, gpu_pool.new_name(), cases, world=world, kernels=kernels)
     for rank, res in enumerate(per_rank):
         *bad, msgs = res
         for case, b in zip(cases, bad):

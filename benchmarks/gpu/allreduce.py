@@ -4,7 +4,7 @@ executor, and the quantized int8 / int4 all-reduce through the same buffers)
 against gloo on the same CUDA tensors, nccl-tests style, in one run.
 
     python benchmarks/gpu/allreduce.py --world 2 [--max-bytes 268435456]
-        [--algorithms one_shot,two_shot,ring,tree,int8,int4,gloo] [--iters 20] [--runs 5]
+        [--algorithms one_shot,two_shot,ring,tree,int8,int8_split,int4,gloo] [--iters 20] [--runs 5]
 
 Time per call as nccl-tests measures it: ``--iters`` calls issued back to back
 between two CUDA events (the host's cost per call hides behind the device's
@@ -39,8 +39,9 @@ from timing import batch_median_ms, event_median_ms, slowest
 
 # The kernels a CUDA graph may capture (the others count their calls on the host).
 CAPTURABLE = ("one_shot", "two_shot")
-# The quantized calls timed (default codecs, no error feedback) and modelled (traffic).
-QUANTIZED = {"int8": pycomm.Int8, "int4": pycomm.Int4}
+# The quantized calls timed (default codecs, no error feedback) and modelled
+# (traffic): as one fused kernel, and (_split) as a kernel per step.
+QUANTIZED = {"int8": pycomm.Int8, "int4": pycomm.Int4, "int8_split": pycomm.Int8, "int4_split": pycomm.Int4}
 
 
 def traffic(core, name: str, world: int, n: int, round_bytes: int) -> int:
@@ -79,6 +80,10 @@ def worker(rank, world, port, args):
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world)
     ipc = pycomm.cuda_ipc.IpcAllReduce(store, rank, world, device="cuda:0", buffer_bytes=args.max_bytes)
+    split = None
+    if any(name.endswith("_split") for name in args.algorithms.split(",")):
+        split = pycomm.cuda_ipc.IpcAllReduce(store, rank, world, device="cuda:0", buffer_bytes=args.max_bytes,
+                                             prefix="pycomm.ipc.split", quantized_kernels="split")
     factor = 2 * (world - 1) / world
     want = world * (world + 1) / 2
     if rank == 0:
@@ -94,7 +99,7 @@ def worker(rank, world, port, args):
               f"{copy_rate / 1e9:.0f} GB/s read + written)")
         print("# %copy: the bytes the call's kernels read and write on the shared GPU, per second, against "
               "the copy's")
-        print(f"{'size':>11} {'count':>10} {'algorithm':>9} | {'time us':>9} {'graph us':>9} {'1-call us':>9} "
+        print(f"{'size':>11} {'count':>10} {'algorithm':>10} | {'time us':>9} {'graph us':>9} {'1-call us':>9} "
               f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'%copy':>7} {'#wrong':>6}")
     core = pycomm.load_core()
     size = 4096
@@ -108,8 +113,8 @@ def worker(rank, world, port, args):
             elif name in QUANTIZED:
                 codec = QUANTIZED[name]()
 
-                def call(codec=codec):
-                    ipc.all_reduce(x, compression=codec)
+                def call(codec=codec, group=split if name.endswith("_split") else ipc):
+                    group.all_reduce(x, compression=codec)
             else:
                 def call(name=name):
                     ipc.all_reduce(x, algorithm=name)
@@ -125,14 +130,14 @@ def worker(rank, world, port, args):
             x.fill_(rank + 1)
             call()
             torch.cuda.synchronize()
-            tol = 0.01 * want if name in ("int8", "int4") else 0.0
+            tol = 0.01 * want if name in QUANTIZED else 0.0
             wrong = int(((x - want).abs() > tol).sum())
             if rank == 0:
                 algbw = size / t / 1e9
                 moved = traffic(core, name, world, n, ipc.round_bytes)
                 share = f"{moved / t / copy_rate:7.0%}" if moved else f"{'-':>7}"
                 graph = f"{tg * 1e6:9.1f}" if tg else f"{'-':>9}"
-                print(f"{size:>11} {n:>10} {name:>9} | {t * 1e6:9.1f} {graph} {t1 * 1e6:9.1f} {algbw:10.2f} "
+                print(f"{size:>11} {n:>10} {name:>10} | {t * 1e6:9.1f} {graph} {t1 * 1e6:9.1f} {algbw:10.2f} "
                       f"{algbw * factor:10.2f} {share} {wrong:>6}", flush=True)
         size *= 4
     dist.destroy_process_group()
@@ -144,7 +149,7 @@ def main():
     p.add_argument("--max-bytes", type=int, default=256 << 20)
     p.add_argument("--iters", type=int, default=20, help="calls per timed batch (gloo: a quarter)")
     p.add_argument("--runs", type=int, default=5, help="timed batches; the median is reported")
-    p.add_argument("--algorithms", default="one_shot,two_shot,ring,tree,int8,int4,gloo")
+    p.add_argument("--algorithms", default="one_shot,two_shot,ring,tree,int8,int8_split,int4,gloo")
     args = p.parse_args()
     port = 29500 + os.getpid() % 1000
     mp.spawn(worker, args=(args.world, port, args), nprocs=args.world)

@@ -1,20 +1,196 @@
+// The quantized all-reduce over a CUDA IPC group (ipc_quantized.h): one
+// fused kernel where the codec's block is one the warp kernels take (64 to
+// 512 elements), else a kernel per step with barriers between them.
+//
+// Why fused. Split into steps, a call is 2 world + 1 kernels and 3 barrier
+// kernels; under MPS with 2 ranks on one H200 it took 78 us at 4 KB (the
+// one-shot 13 us), and that fixed cost was most of the gap to the plain
+// two-shot at 64 MB. The fused kernel makes the steps phases of one launch,
+// separated by block barriers (block b of every rank meets block b of every
+// other rank), which suffice because every phase maps quantization blocks to
+// warps the same way (for_warp_blocks_batched over the same shard, grid and
+// block shape on every rank): block b of each rank writes exactly the codes
+// and scales that block b of each rank reads next.
+//
+// Why 256 threads with 3 blocks resident per SM. Every rank's blocks of a
+// launch must be resident at once (they wait for each other): ranks sharing
+// a GPU launch 144 blocks in all, which 3 per SM fit on any GPU of 48 SMs or
+// more, as for the group's own kernels; that bounds a thread to 85
+// registers, so a warp keeps kU quantization blocks' loads in flight instead
+// of taking more threads.
 #include "ipc_quantized.h"
 
 #include <algorithm>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "../kernels/cuda/common.cuh"
+#include "../kernels/cuda/quant_warp.cuh"
+#include "../kernels/dtype_dispatch.h"
 #include "../kernels/kernels_cuda.h"
 #include "../kernels/quant.h"
+#include "../transport/cuda_ipc_detail.cuh"
 #include "quantized_allreduce.h"
 
 namespace pycomm {
 
 namespace {
 
+using namespace kernels::quant_detail;
+using kernels::quant_num_blocks;
+
 // Payload bytes per shard slot, aligned like the communicator's slots.
 size_t slot_bytes(size_t shard, int bits, int block) {
   return Carver::align(kernels::quant_payload_bytes(shard, bits, block));
+}
+
+constexpr int kFusedThreads = 256;
+
+struct FusedArgs {
+  ipc_detail::IpcPeers peers;
+  uint8_t* buf[kIpcMaxRanks];  // every rank's staging buffer (ours at [rank])
+  size_t n, shard, slot;
+  int bits;
+  bool stochastic;
+  uint64_t key_quantize;             // mix64 of the call's quantize seed
+  float* worker_residual;            // n floats, or null
+  // Step 3's sum: this rank's slot of every rank's buffer (rank order),
+  // post_scale, the server residual; its rounding key.
+  SumValue<float, 16> sum;
+  float* server_residual;  // shard floats (sum.r, writable), or null
+  uint64_t key_requantize;
+};
+
+// Shard q's elements: [*lo, *lo + returned count).
+__device__ __forceinline__ size_t shard_span(const FusedArgs& a, int q, size_t* lo) {
+  *lo = min(a.n, q * a.shard);
+  return min(a.n, *lo + a.shard) - *lo;
+}
+
+template <int E, typename T, bool kPairs>
+__global__ void __launch_bounds__(kFusedThreads, 3) ipc_quantized_kernel(FusedArgs a, const T* in, T* out) {
+  constexpr int kBlock = 32 * E;
+  // Blocks per batch: 16 values a lane for blocks of 128 to 512 (4, 2 and 1
+  // blocks; at 128, 3 registers spill to local memory), 4 blocks of 64 (8
+  // spilled 15).
+  constexpr int kU = E >= 16 ? 1 : (E >= 4 ? 16 / E : 4);
+  const int lane = threadIdx.x % 32, world = a.peers.world, rank = a.peers.rank;
+  uint8_t* own = a.buf[rank];
+  // 1. Quantize every shard of (input + worker residual) into slot q of this
+  //    rank's buffer, for rank q; the residual keeps what rounding lost. The
+  //    buffer is free: the launch before on this stream ended with every
+  //    peer's reads of it done.
+  for (int q = 0; q < world; ++q) {
+    size_t lo;
+    const size_t len = shard_span(a, q, &lo);
+    uint8_t* payload = own + q * a.slot;
+    float* scales = reinterpret_cast<float*>(payload);
+    uint8_t* codes = payload + quant_num_blocks(len, kBlock) * 4;
+    float* res = a.worker_residual ? a.worker_residual + lo : nullptr;
+    const InputValue<T> value{in + lo, res};
+    float v[kU][E];
+    for_warp_blocks_batched<kBlock, kU>(
+        len, [&](int u, size_t blk, size_t base, int m) { value.lane_values(blk, base, lane, m, v[u]); },
+        [&](int u, size_t blk, size_t base, int m) {
+          quantize_values<E>(v[u], blk, base, m, lane, a.bits, a.stochastic, a.key_quantize, lo, scales, codes, res);
+        });
+    zero_payload_tail(payload, len, a.bits, kBlock);
+  }
+  // 2. Every rank's slots are written (this block's quantization blocks).
+  const uint32_t epoch = ipc_detail::next_epoch(a.peers);
+  if (!ipc_detail::block_barrier(a.peers, 0, epoch)) return;
+  // 3. Reduce this rank's shard from every rank's slot for it, in rank order
+  //    (the communicator's order), average if asked, and requantize it with
+  //    the server residual, into this rank's last slot.
+  {
+    size_t lo;
+    const size_t len = shard_span(a, rank, &lo);
+    uint8_t* payload = own + world * a.slot;
+    float* scales = reinterpret_cast<float*>(payload);
+    uint8_t* codes = payload + quant_num_blocks(len, kBlock) * 4;
+    float v[kU][E];
+    for_warp_blocks_batched<kBlock, kU>(
+        len, [&](int u, size_t blk, size_t base, int m) { a.sum.lane_values(blk, base, lane, m, v[u]); },
+        [&](int u, size_t blk, size_t base, int m) {
+          quantize_values<E>(v[u], blk, base, m, lane, a.bits, a.stochastic, a.key_requantize, rank * a.shard,
+                             scales, codes, a.server_residual);
+        });
+    zero_payload_tail(payload, len, a.bits, kBlock);
+  }
+  // 4. Every rank's reduced shard is written (and this block's part of every
+  //    slot of step 1 read).
+  if (!ipc_detail::block_barrier(a.peers, 1, epoch)) return;
+  // 5. Every rank decodes the same bytes: the same result everywhere.
+  for (int q = 0; q < world; ++q) {
+    size_t lo;
+    const size_t len = shard_span(a, q, &lo);
+    const uint8_t* payload = a.buf[q] + world * a.slot;
+    const uint8_t* codes = payload + quant_num_blocks(len, kBlock) * 4;
+    LaneCodes<E> lc[kU];
+    const float none[E] = {};
+    for_warp_blocks_batched<kBlock, kU>(
+        len,
+        [&](int u, size_t blk, size_t base, int m) {
+          load_codes<E, kPairs>(payload, codes, blk, base, m, lane, a.bits, lc[u]);
+        },
+        [&](int u, size_t, size_t base, int m) {
+          store_decoded<E, kPairs>(lc[u], base, m, lane, a.bits, out + lo, false, none);
+        });
+  }
+  // 6. Nobody writes its buffer again (the next launch) before every rank
+  //    has read this block's part of it.
+  ipc_detail::block_barrier(a.peers, 2, epoch);
+}
+
+// The fused kernel, where the codec's block is a warp kernel's; false
+// otherwise (the caller runs the steps as separate kernels).
+bool launch_fused(CudaIpcAllReduce& group, const IpcQuantCall& c, size_t shard, size_t slot, cudaStream_t stream) {
+  const CudaIpcAllReduce::KernelView view = group.kernel_view();
+  FusedArgs a{};
+  for (int q = 0; q < view.world; ++q) {
+    a.peers.sig[q] = static_cast<ipc_detail::IpcSignal*>(view.sig[q]);
+    a.buf[q] = static_cast<uint8_t*>(view.buf[q]);
+    a.sum.s.p[q] = a.buf[q] + view.rank * slot;
+  }
+  a.peers.wait = ipc_detail::WaitCtx{view.status, view.timeout_ns};
+  a.peers.rank = view.rank;
+  a.peers.world = view.world;
+  a.n = c.n;
+  a.shard = shard;
+  a.slot = slot;
+  a.bits = c.bits;
+  a.stochastic = c.stochastic;
+  a.key_quantize = kernels::mix64(c.seed_quantize);
+  a.worker_residual = c.worker_residual;
+  a.sum.s.n = view.world;
+  a.sum.dense = nullptr;
+  a.sum.post_scale = c.avg ? 1.0f / static_cast<float>(view.world) : 1.0f;
+  a.sum.r = c.server_residual;
+  a.server_residual = c.server_residual;
+  a.sum.nblocks = kernels::quant_num_blocks(std::min(c.n - std::min(c.n, view.rank * shard), shard), c.block);
+  a.sum.bits = c.bits;
+  a.sum.block = c.block;
+  a.sum.cancel = nullptr;  // the barrier before step 3 is the check
+  a.key_requantize = kernels::mix64(c.seed_requantize);
+  // Enough warps for the largest shard's blocks, at most the group's blocks
+  // per launch: the same on every rank (n, world, codec, group).
+  const size_t warps = kFusedThreads / 32;
+  const size_t need = (kernels::quant_num_blocks(shard, c.block) + warps - 1) / warps;
+  const unsigned grid = static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(view.blocks, need)));
+  return with_warp_block(c.block, [&](auto e) {
+    constexpr int E = decltype(e)::value;
+    kernels::with_float_type(c.dtype, "the quantized CUDA IPC all-reduce", [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      auto* o = static_cast<T*>(c.output);
+      const auto* i = static_cast<const T*>(c.input);
+      if (pairs_fit<T>(c.output, a.buf[0] + view.world * slot, c.bits))
+        ipc_quantized_kernel<E, T, true><<<grid, kFusedThreads, 0, stream>>>(a, i, o);
+      else
+        ipc_quantized_kernel<E, T, false><<<grid, kFusedThreads, 0, stream>>>(a, i, o);
+    });
+    kernels::cuda_detail::check(cudaGetLastError(), "quantized all-reduce launch");
+  });
 }
 
 }  // namespace
@@ -40,6 +216,7 @@ void ipc_quantized_all_reduce(CudaIpcAllReduce& group, const IpcQuantCall& c, cu
                     std::to_string(group.buffer_bytes()) +
                     " (make the group with a larger buffer_bytes)");
   if (c.n == 0) return;
+  if (c.fused && launch_fused(group, c, shard, slot, stream)) return;
   const size_t es = dtype_size(c.dtype);
   auto span = [&](int q, size_t* lo) {
     *lo = std::min(c.n, q * shard);

@@ -6,12 +6,15 @@
 // a transport:
 //   quantize every shard into this rank's buffer -> barrier -> each rank
 //   dequantizes, reduces and requantizes its shard from every rank's buffer
-//   -> barrier -> every rank dequantizes every reduced shard -> barrier.
+//   -> barrier -> every rank dequantizes every reduced shard -> barrier,
+// as one kernel (the usual blocks) or a kernel per step.
 // The same CUDA kernels as the group path, which decode bit for bit like the
 // CPU ones: equal, on the same inputs and sequence numbers, to the CPU
 // communicator's compressed all-reduce. For GPU boxes without NVLink: each
 // byte over PCIe is a quarter (int8) or an eighth (int4) of float32's.
-// Torch-free: device pointers, an explicit stream. NOT YET RUN ON A GPU.
+// Torch-free: device pointers, an explicit stream. The kernel-per-step form
+// ran on an H200 (bit for bit the CPU communicator's); the fused kernel is
+// compiled and not yet run on a GPU.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -36,6 +39,10 @@ struct IpcQuantCall {
   uint64_t seed_quantize = 0, seed_requantize = 0;
   float* worker_residual = nullptr;  // n floats, or null
   float* server_residual = nullptr;  // shard floats, or null
+  // One fused kernel where the codec's block is 64, 128, 256 or 512
+  // elements (ipc_quantized.cu says why); false: a kernel per step, as
+  // for other blocks. The same bits either way.
+  bool fused = true;
 };
 
 // Staging bytes one call needs per rank: world + 1 payload slots.

@@ -450,13 +450,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "quantized_all_reduce",
           [](CudaIpcAllReduce& c, const at::Tensor& in, const at::Tensor& out, bool avg, int bits, int block,
              bool stochastic, uint64_t seed_quantize, uint64_t seed_requantize, std::optional<at::Tensor> worker,
-             std::optional<at::Tensor> server) {
+             std::optional<at::Tensor> server, bool fused) {
             ipc_quantized_all_reduce(c, in, out, avg, bits, block, stochastic, seed_quantize, seed_requantize,
-                                     worker.value_or(at::Tensor()), server.value_or(at::Tensor()));
+                                     worker.value_or(at::Tensor()), server.value_or(at::Tensor()), fused);
           },
           py::arg("input"), py::arg("output"), py::arg("avg"), py::arg("bits"), py::arg("block"),
           py::arg("stochastic"), py::arg("seed_quantize"), py::arg("seed_requantize"), py::arg("worker_residual"),
-          py::arg("server_residual"), py::call_guard<py::gil_scoped_release>())
+          py::arg("server_residual"), py::arg("fused") = true, py::call_guard<py::gil_scoped_release>())
       .def("quantized_bytes",
            [](const CudaIpcAllReduce& c, size_t n, int bits, int block) {
              return ipc_quantized_bytes(n, c.world(), bits, block);

@@ -26,8 +26,9 @@ void ipc_all_reduce_sync(CudaIpcAllReduce& group, const at::Tensor& in, const at
 
 // The quantized all-reduce (compression/ipc_quantized.h) on the current
 // CUDA stream; residuals are float32 tensors on the device, or undefined.
+// fused: IpcQuantCall::fused.
 void ipc_quantized_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, bool avg, int bits,
                               int block, bool stochastic, uint64_t seed_quantize, uint64_t seed_requantize,
-                              const at::Tensor& worker_residual, const at::Tensor& server_residual);
+                              const at::Tensor& worker_residual, const at::Tensor& server_residual, bool fused);
 
 }  // namespace pycomm

@@ -72,7 +72,7 @@ void ipc_all_reduce_sync(CudaIpcAllReduce& group, const at::Tensor& in, const at
 
 void ipc_quantized_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, bool avg, int bits,
                               int block, bool stochastic, uint64_t seed_quantize, uint64_t seed_requantize,
-                              const at::Tensor& worker_residual, const at::Tensor& server_residual) {
+                              const at::Tensor& worker_residual, const at::Tensor& server_residual, bool fused) {
   TORCH_CHECK(in.is_cuda() && out.is_cuda(), "pycomm: the quantized CUDA IPC all-reduce takes CUDA tensors");
   check_memory(in, out);
   TORCH_CHECK(in.device() == out.device(), "pycomm: input and output must be on one device");
@@ -104,6 +104,7 @@ void ipc_quantized_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, con
   c.seed_requantize = seed_requantize;
   c.worker_residual = residual(worker_residual, "worker", in.numel());
   c.server_residual = residual(server_residual, "server", static_cast<int64_t>(shard));
+  c.fused = fused;
   const c10::cuda::CUDAGuard guard(in.device());
   ipc_quantized_all_reduce(group, c, c10::cuda::getCurrentCUDAStream().stream());
 }

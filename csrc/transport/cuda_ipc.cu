@@ -29,13 +29,10 @@ using ipc_detail::kThreads;
 using ipc_detail::st_release;
 using ipc_detail::WaitCtx;
 
-struct IpcArgs {
+// The peers' signal blocks, the wait, rank and world (IpcPeers), and:
+struct IpcArgs : ipc_detail::IpcPeers {
   const void* buf[kIpcMaxRanks];  // every rank's staging buffer (ours at [rank])
   void* own;
-  IpcSignal* sig[kIpcMaxRanks];
-  WaitCtx wait;
-  int rank;
-  int world;
   bool two_shot;
   bool avg;
 };
@@ -44,32 +41,8 @@ using kernels::cuda_detail::check;
 using kernels::cuda_detail::Pack;
 using kernels::cuda_detail::reduce_elem;
 
-// Block b of every rank meets block b of every other rank. Only the same
-// block index ever exchanges data across ranks (the element-to-thread
-// mapping is identical on every rank), so this is all the ordering needed.
-// False: a peer did not come within the timeout (or the host aborted); the
-// block leaves the kernel and the failure is in the status.
-__device__ bool barrier(const IpcArgs& a, int phase, uint32_t epoch) {
-  __syncthreads();
-  uint32_t* slots[kIpcMaxRanks];
-  for (int q = 0; q < a.world; ++q) {
-    if (threadIdx.x == q) st_release(&a.sig[q]->flag[phase][blockIdx.x][a.rank], epoch);
-    slots[q] = &a.sig[a.rank]->flag[phase][blockIdx.x][q];
-  }
-  return ipc_detail::block_wait_each(a.wait, slots, a.world, epoch, kIpcWaitBarrier);
-}
-
-// This block's flag value for the launch: its launch count, advanced. Only
-// this block of this rank touches the word, one launch after another.
-__device__ uint32_t next_epoch(const IpcArgs& a) {
-  __shared__ uint32_t epoch;
-  if (threadIdx.x == 0) {
-    uint32_t* count = &a.sig[a.rank]->launches[blockIdx.x];
-    epoch = *count + 1;
-    *count = epoch;
-  }
-  __syncthreads();
-  return epoch;
+__device__ __forceinline__ bool barrier(const IpcArgs& a, int phase, uint32_t epoch) {
+  return ipc_detail::block_barrier(a, phase, epoch);
 }
 
 // The CPU transports' bits: sum in the accumulator type, store, and for avg
@@ -184,7 +157,7 @@ __global__ void __launch_bounds__(kThreads, 3) ipc_all_reduce_kernel(IpcArgs a, 
     }
     for (size_t i = nvec * kPer + tid; i < count; i += stride) static_cast<T*>(a.own)[i] = in[i];
   }
-  const uint32_t epoch = next_epoch(a);
+  const uint32_t epoch = ipc_detail::next_epoch(a);
   if (!barrier(a, 0, epoch)) return;
   if (!a.two_shot) {
     // 2. One-shot: reduce everything from every buffer.
@@ -447,6 +420,21 @@ void CudaIpcAllReduce::barrier(cudaStream_t stream) {
   for (int q = 0; q < world_; ++q) t.sig[q] = static_cast<IpcSignal*>(peer_signals_[q]);
   barrier_kernel<<<1, 32, 0, stream>>>(t, rank_, world_, ++barriers_, WaitCtx{status_dev_, timeout_ns_}, gave_up_);
   check(cudaGetLastError(), "barrier launch");
+}
+
+CudaIpcAllReduce::KernelView CudaIpcAllReduce::kernel_view() const {
+  if (!opened_) throw CommError("pycomm: CUDA IPC group used before open()");
+  KernelView v{};
+  for (int q = 0; q < world_; ++q) {
+    v.buf[q] = peer_buffers_[q];
+    v.sig[q] = peer_signals_[q];
+  }
+  v.status = status_dev_;
+  v.timeout_ns = timeout_ns_;
+  v.rank = rank_;
+  v.world = world_;
+  v.blocks = blocks_;
+  return v;
 }
 
 void CudaIpcAllReduce::all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, IpcAlgo algo,

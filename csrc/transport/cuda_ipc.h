@@ -151,6 +151,23 @@ class CudaIpcAllReduce {
   // all-reduce of 64 MB took 205 ms reading the status, 98k reads).
   const uint32_t* failure_word() const { return gave_up_; }
 
+  // What a kernel composed over the group (the fused quantized all-reduce,
+  // compression/) needs to meet its peers as the group's own kernels do:
+  // every rank's staging buffer and signal block (ours at [rank]; the
+  // blocks are cuda_ipc_detail.cuh's IpcSignal), the status its waits
+  // report to, their timeout, and the blocks per launch. Such a kernel uses
+  // the one-shot and two-shot kernels' flag rows and launch counts, block b
+  // meeting block b (ipc_detail::block_barrier), and leaves every peer's
+  // reads of this rank's buffer done when it ends, as they do.
+  struct KernelView {
+    void* buf[kIpcMaxRanks];
+    void* sig[kIpcMaxRanks];
+    IpcStatus* status;
+    uint64_t timeout_ns;
+    int rank, world, blocks;
+  };
+  KernelView kernel_view() const;
+
   // Makes `waiter`'s later work wait for `producer`'s work so far, with an
   // event of the group's recorded and waited for at once (so one event
   // serves every call: a wait takes the event's state when it is enqueued,

@@ -1,7 +1,8 @@
 // What the CUDA IPC kernels share (cuda_ipc.cu: one-shot and two-shot;
-// cuda_schedule.cu: the executor of schedules): the signal block every rank
-// maps, the flag protocol, and the bounded wait that gives up on a dead or
-// hung peer instead of spinning until the process is killed.
+// cuda_schedule.cu: the executor of schedules; compression/ipc_quantized.cu:
+// the fused quantized all-reduce): the signal block every rank maps, the
+// flag protocol, and the bounded wait that gives up on a dead or hung peer
+// instead of spinning until the process is killed.
 //
 // Memory ordering. A block publishes with __syncthreads() (its threads'
 // writes are ordered before the barrier at block scope), then one thread per
@@ -15,7 +16,7 @@
 // makes the same launches in the same order), compared modulo 2^32. The
 // one-shot and two-shot kernels keep theirs in device memory (`launches`),
 // one per block, so a launch's arguments never change and a CUDA graph can
-// replay it; the executor of schedules and barrier() still count on the
+// replay it (the fused quantized kernel shares them); the executor of schedules and barrier() still count on the
 // host.
 #pragma once
 
@@ -131,6 +132,45 @@ __device__ inline bool block_wait_each(const WaitCtx& w, uint32_t* const* slots,
     failed = 1;
   __syncthreads();
   return failed == 0;
+}
+
+// A launch's view of its peers: their signal blocks (ours at [rank]) and
+// how to give up waiting for them.
+struct IpcPeers {
+  IpcSignal* sig[kIpcMaxRanks];
+  WaitCtx wait;
+  int rank;
+  int world;
+};
+
+// Block b of every rank meets block b of every other rank, on the flag row
+// of `phase`. A kernel whose same block index on every rank touches the same
+// data (the element-to-thread mapping is identical on every rank) needs no
+// other ordering. False: a peer did not come within the timeout (or the
+// host aborted); the block leaves the kernel and the failure is in the
+// status.
+__device__ inline bool block_barrier(const IpcPeers& p, int phase, uint32_t epoch) {
+  __syncthreads();
+  uint32_t* slots[kIpcMaxRanks];
+  for (int q = 0; q < p.world; ++q) {
+    if (threadIdx.x == q) st_release(&p.sig[q]->flag[phase][blockIdx.x][p.rank], epoch);
+    slots[q] = &p.sig[p.rank]->flag[phase][blockIdx.x][q];
+  }
+  return block_wait_each(p.wait, slots, p.world, epoch, kIpcWaitBarrier);
+}
+
+// This block's flag value for the launch: its launch count, advanced. Only
+// this block of this rank touches the word, one launch after another, and
+// block b of every rank makes the same launches: the counts agree.
+__device__ inline uint32_t next_epoch(const IpcPeers& p) {
+  __shared__ uint32_t epoch;
+  if (threadIdx.x == 0) {
+    uint32_t* count = &p.sig[p.rank]->launches[blockIdx.x];
+    epoch = *count + 1;
+    *count = epoch;
+  }
+  __syncthreads();
+  return epoch;
 }
 
 // The kernels' element types and reductions, in one place for every IPC

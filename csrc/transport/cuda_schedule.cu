@@ -1,9 +1,9 @@
 // The device executor of schedules: ring, tree and direct all-reduce over
-// the CUDA IPC group's buffers, one kernel per call. NOT YET RUN ON A GPU:
-// written and compiled without one; its program (algorithms/program.h) runs
-// on the CPU in CI (transport/program_sim.cpp), bit for bit against the
-// shared-memory executor, and tests/test_cuda.py checks this kernel against
-// that program's CPU run.
+// the CUDA IPC group's buffers, one kernel per call. Its program
+// (algorithms/program.h) runs on the CPU in CI (transport/program_sim.cpp),
+// bit for bit against the shared-memory executor, and tests/test_cuda.py
+// checks this kernel against that program's CPU run (it passed at 2 to 4
+// ranks on an H200, benchmarks/RESULTS.md "GPU").
 //
 // Each rank runs its flattened plan; the staging buffer is its mailbox (two
 // halves of kNumPhases regions of K chunk slots). A send copies a chunk into
