@@ -53,13 +53,14 @@ struct FusedArgs {
   size_t n, shard, slot;
   int bits;
   bool stochastic;
-  uint64_t key_quantize;             // mix64 of the call's quantize seed
-  float* worker_residual;            // n floats, or null
+  uint64_t key_quantize;   // mix64 of the call's quantize seed
+  float* worker_residual;  // n floats, or null
   // Step 3's sum: this rank's slot of every rank's buffer (rank order),
   // post_scale, the server residual; its rounding key.
   SumValue<float, 16> sum;
   float* server_residual;  // shard floats (sum.r, writable), or null
   uint64_t key_requantize;
+  bool pairs;  // the output takes step 5's paired stores (pairs_fit)
 };
 
 // Shard q's elements: [*lo, *lo + returned count).
@@ -68,12 +69,35 @@ __device__ __forceinline__ size_t shard_span(const FusedArgs& a, int q, size_t* 
   return min(a.n, *lo + a.shard) - *lo;
 }
 
-template <int E, typename T, bool kPairs>
+// Step 5 of the fused kernel: every rank's reduced shard decoded into out.
+template <int E, int kU, bool kPairs, typename T>
+__device__ __forceinline__ void decode_shards(const FusedArgs& a, T* out, int lane) {
+  constexpr int kBlock = 32 * E;
+  const int world = a.peers.world;
+  for (int q = 0; q < world; ++q) {
+    size_t lo;
+    const size_t len = shard_span(a, q, &lo);
+    const uint8_t* payload = a.buf[q] + world * a.slot;
+    const uint8_t* codes = payload + quant_num_blocks(len, kBlock) * 4;
+    LaneCodes<E> lc[kU];
+    const float none[E] = {};
+    for_warp_blocks_batched<kBlock, kU>(
+        len,
+        [&](int u, size_t blk, size_t base, int m) {
+          load_codes<E, kPairs>(payload, codes, blk, base, m, lane, a.bits, lc[u]);
+        },
+        [&](int u, size_t, size_t base, int m) {
+          store_decoded<E, kPairs>(lc[u], base, m, lane, a.bits, out + lo, false, none);
+        });
+  }
+}
+
+template <int E, typename T>
 __global__ void __launch_bounds__(kFusedThreads, 3) ipc_quantized_kernel(FusedArgs a, const T* in, T* out) {
   constexpr int kBlock = 32 * E;
   // Blocks per batch: 16 values a lane for blocks of 128 to 512 (4, 2 and 1
   // blocks; at 128, 3 registers spill to local memory), 4 blocks of 64 (8
-  // spilled 15).
+  // spilled 15 registers). Under __launch_bounds__' 80 registers.
   constexpr int kU = E >= 16 ? 1 : (E >= 4 ? 16 / E : 4);
   const int lane = threadIdx.x % 32, world = a.peers.world, rank = a.peers.rank;
   uint8_t* own = a.buf[rank];
@@ -122,22 +146,10 @@ __global__ void __launch_bounds__(kFusedThreads, 3) ipc_quantized_kernel(FusedAr
   //    slot of step 1 read).
   if (!ipc_detail::block_barrier(a.peers, 1, epoch)) return;
   // 5. Every rank decodes the same bytes: the same result everywhere.
-  for (int q = 0; q < world; ++q) {
-    size_t lo;
-    const size_t len = shard_span(a, q, &lo);
-    const uint8_t* payload = a.buf[q] + world * a.slot;
-    const uint8_t* codes = payload + quant_num_blocks(len, kBlock) * 4;
-    LaneCodes<E> lc[kU];
-    const float none[E] = {};
-    for_warp_blocks_batched<kBlock, kU>(
-        len,
-        [&](int u, size_t blk, size_t base, int m) {
-          load_codes<E, kPairs>(payload, codes, blk, base, m, lane, a.bits, lc[u]);
-        },
-        [&](int u, size_t, size_t base, int m) {
-          store_decoded<E, kPairs>(lc[u], base, m, lane, a.bits, out + lo, false, none);
-        });
-  }
+  if (a.pairs)
+    decode_shards<E, kU, true>(a, out, lane);
+  else
+    decode_shards<E, kU, false>(a, out, lane);
   // 6. Nobody writes its buffer again (the next launch) before every rank
   //    has read this block's part of it.
   ipc_detail::block_barrier(a.peers, 2, epoch);
@@ -184,10 +196,8 @@ bool launch_fused(CudaIpcAllReduce& group, const IpcQuantCall& c, size_t shard, 
       using T = std::remove_pointer_t<decltype(tag)>;
       auto* o = static_cast<T*>(c.output);
       const auto* i = static_cast<const T*>(c.input);
-      if (pairs_fit<T>(c.output, a.buf[0] + view.world * slot, c.bits))
-        ipc_quantized_kernel<E, T, true><<<grid, kFusedThreads, 0, stream>>>(a, i, o);
-      else
-        ipc_quantized_kernel<E, T, false><<<grid, kFusedThreads, 0, stream>>>(a, i, o);
+      a.pairs = pairs_fit<T>(c.output, a.buf[0] + view.world * slot, c.bits);
+      ipc_quantized_kernel<E, T><<<grid, kFusedThreads, 0, stream>>>(a, i, o);
     });
     kernels::cuda_detail::check(cudaGetLastError(), "quantized all-reduce launch");
   });
