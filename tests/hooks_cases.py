@@ -180,6 +180,50 @@ def compose(rank: int, world: int, hook: str, option: str, iters: int = 3, path:
             "routes": state.routes()}
 
 
+def stateless(rank: int, world: int, hook: str, iters: int = 3) -> Dict[str, object]:
+    """DDP on the default group with ``hook`` ("allreduce" or "bf16")
+    registered with ``state=None``, against DDP without a hook on the same
+    data: the relative error of the summed gradients, and this rank's."""
+    fn = {"allreduce": hooks.allreduce_hook, "bf16": hooks.bf16_hook}[hook]
+    ref = DDP(make_model("mlp"), bucket_cap_mb=0.002)
+    ours = DDP(make_model("mlp"), bucket_cap_mb=0.002)
+    ours.register_comm_hook(None, fn)
+    gen = torch.Generator().manual_seed(3000 + rank)
+    sums = [0, 0]
+    for _ in range(iters):
+        x, y = make_batch("mlp", gen)
+        for i, m in enumerate((ref, ours)):
+            m.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            sums[i] = sums[i] + _grads(m.module)
+    return {"rel_err": ((sums[1] - sums[0]).norm() / sums[0].norm()).item(), "grads": _grads(ours.module)}
+
+
+def joined(rank: int, world: int, hook: str) -> Dict[str, object]:
+    """Uneven inputs under ``ddp.join()``: rank r trains 3 + 2r batches; the
+    ranks that ran out send zeros through the hook (as DDP does for its own
+    all-reduce). DDP with ``hook`` and DDP without one, side by side: this
+    rank's final parameters and their relative distance."""
+    g, comm = _group(world)
+    if rank >= world:
+        return {}
+    ours = DDP(make_model("mlp"), process_group=g, bucket_cap_mb=0.002)
+    ref = DDP(make_model("mlp"), process_group=g, bucket_cap_mb=0.002)
+    if hook == "stale":
+        ours.register_comm_hook(hooks.StaleState(communicator=comm, staleness=1), hooks.stale_hook)
+    else:
+        ours.register_comm_hook(_state(hook, comm, "auto", g), HOOKS[hook])
+    gen = torch.Generator().manual_seed(4000 + rank)
+    batches = [make_batch("mlp", gen) for _ in range(3 + 2 * rank)]
+    for m in (ours, ref):
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        with m.join():
+            for batch in batches:
+                train_step(m, opt, batch)
+    p, r = (torch.cat([q.detach().reshape(-1) for q in m.parameters()]) for m in (ours, ref))
+    return {"params": p, "rel": ((p - r).norm() / r.norm()).item()}
+
+
 def without_error_feedback(rank: int, world: int, path: str = "auto") -> Dict[str, object]:
     """int4 in blocks of 64 with ``error_feedback=False`` over several buckets:
     the same batch gives the same averaged gradients whatever came before

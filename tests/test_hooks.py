@@ -358,14 +358,47 @@ def test_residuals_follow_parameters_into_rebuilt_buckets(solo):
     assert state.iteration == 2
 
 
+@pytest.mark.parametrize("hook", ["allreduce", "bf16", "int8", "topk", "powersgd", "stale", "local_sgd"])
+def test_every_hook_under_join_with_uneven_inputs(pool, hook):
+    """``with ddp.join():`` and a different number of batches per rank (3, 5,
+    7, 9): no hang, every rank ends with the same parameters, and they stay near
+    DDP's own join (exactly it for the plain hook, up to float32 rounding)."""
+    world = 4
+    res = pool.run(hooks_cases.joined, world, hook)[:world]
+    bound = 1e-6 if hook == "allreduce" else 0.05
+    for rank in range(world):
+        assert res[rank]["rel"] <= bound, (rank, res[rank]["rel"])
+        assert torch.equal(res[rank]["params"], res[0]["params"]), f"rank {rank}'s parameters differ"
+
+
+@pytest.mark.parametrize("hook", ["allreduce", "bf16"])
+def test_plain_hooks_take_no_state_as_torch_s_default_hooks_do(pool, hook):
+    """``register_comm_hook(None, hooks.allreduce_hook)`` (or ``bf16_hook``), as
+    torch's default hooks are registered: the default communicator over the
+    default group, as close to DDP without a hook as with a state, every rank
+    the same bits."""
+    world = 4
+    res = pool.run(hooks_cases.stateless, world, hook)
+    for rank in range(world):
+        assert res[rank]["rel_err"] <= BOUNDS[hook], (rank, res[rank]["rel_err"])
+        assert res[rank]["rel_err"] > 0 or hook == "allreduce", "bf16 on the wire changed nothing"
+        assert torch.equal(res[rank]["grads"], res[0]["grads"]), f"rank {rank}'s averaged gradients differ"
+
+
 def test_bad_states_say_what_to_do(solo):
     bucket = FakeBucket(0, [torch.nn.Parameter(torch.randn(10))], True)
     with pytest.raises(TypeError, match="CompressionState"):
         hooks.int8_hook(hooks.AllReduceState(communicator=solo), bucket)
     with pytest.raises(TypeError, match="int4_hook needs a pycomm.Int4"):
         hooks.int4_hook(hooks.CompressionState(codec=pycomm.Int8(), communicator=solo), bucket)
-    with pytest.raises(TypeError, match="AllReduceState"):
-        hooks.allreduce_hook(object(), bucket)
+    # A process group as the state (torch's default hooks take one): every
+    # hook names the state it needs.
+    for hook, want in ((hooks.allreduce_hook, "AllReduceState"), (hooks.bf16_hook, "AllReduceState"),
+                       (hooks.int8_hook, "CompressionState"), (hooks.int4_hook, "CompressionState"),
+                       (hooks.topk_hook, "CompressionState"), (hooks.powersgd_hook, "PowerSGDState"),
+                       (hooks.stale_hook, "StaleState"), (hooks.local_sgd_hook, "LocalSGDState")):
+        with pytest.raises(TypeError, match=want):
+            hook(object(), bucket)
     with pytest.raises(ValueError, match="wire_dtype"):
         hooks.AllReduceState(communicator=solo, wire_dtype=torch.int8)
     with pytest.raises(TypeError, match="not a codec"):

@@ -109,6 +109,38 @@ def _average(state: HookState, bucket: dist.GradBucket, wire_dtype: Optional[tor
     return work.get_future().then(done)
 
 
+def _without_state(bucket: dist.GradBucket, wire_dtype: Optional[torch.dtype]) -> torch.futures.Future[torch.Tensor]:
+    """A hook called with ``state=None``, as torch's default hooks take it:
+    the default communicator (CPU buckets) or the default group's own
+    all-reduce (CUDA buckets), optionally sent as ``wire_dtype``; no
+    statistics."""
+    buf = bucket.buffer()
+    if buf.is_sparse and not buf.is_cuda:  # pycomm's communicator takes dense tensors
+        return completed(sparse_average(_default.get_default(), buf))
+    cast = wire_dtype is not None and wire_dtype != buf.dtype and buf.is_floating_point() and not buf.is_sparse
+    wire = buf.to(wire_dtype) if cast else buf
+
+    def done(fut: torch.futures.Future) -> torch.Tensor:
+        value = fut.value()
+        result = value[0] if isinstance(value, list) else value
+        if cast:
+            buf.copy_(result)
+            return buf
+        return result
+
+    if buf.is_cuda:  # as torch's allreduce_hook: the default group's own all-reduce
+        wire.div_(dist.get_world_size())
+        return dist.all_reduce(wire, async_op=True).get_future().then(done)
+    return _default.get_default().all_reduce(wire, op="avg", async_op=True).get_future().then(done)
+
+
+def _check_state(state: object, hook: str) -> None:
+    if not isinstance(state, HookState):
+        raise TypeError(f"pycomm.hooks.{hook}: state must be a pycomm.hooks.AllReduceState (or another pycomm hook "
+                        f"state) or None, got {type(state).__name__} (for a process group, pass "
+                        "AllReduceState(process_group))")
+
+
 def allreduce_hook(state: Optional[AllReduceState], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average each gradient bucket over ranks with pycomm's tuned all-reduce.
 
@@ -120,24 +152,22 @@ def allreduce_hook(state: Optional[AllReduceState], bucket: dist.GradBucket) -> 
         ddp.register_comm_hook(hooks.AllReduceState(), hooks.allreduce_hook)
     """
     if state is None:
-        buf = bucket.buffer()
-        if buf.is_sparse and not buf.is_cuda:  # pycomm's communicator takes dense tensors
-            return completed(sparse_average(_default.get_default(), buf))
-        if buf.is_cuda:  # as torch's allreduce_hook: the default group's own all-reduce
-            buf.div_(dist.get_world_size())
-            return dist.all_reduce(buf, async_op=True).get_future().then(lambda fut: fut.value()[0])
-        work = _default.get_default().all_reduce(buf, op="avg", async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
-    if not isinstance(state, HookState):
-        raise TypeError(f"pycomm.hooks.allreduce_hook: state must be a pycomm.hooks.AllReduceState or None, got "
-                        f"{type(state).__name__} (for a process group, pass AllReduceState(process_group))")
+        return _without_state(bucket, None)
+    _check_state(state, "allreduce_hook")
     return _average(state, bucket, getattr(state, "wire_dtype", None), "pycomm::allreduce_hook")
 
 
 def bf16_hook(state: Optional[HookState], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """:func:`allreduce_hook` with bfloat16 on the wire, whatever the state says
     (pycomm's counterpart of PyTorch's ``bf16_compress_hook``; sums accumulate
-    in float32)."""
+    in float32). ``state=None``: the default communicator, as for
+    :func:`allreduce_hook`.
+
+    Example::
+
+        ddp.register_comm_hook(None, hooks.bf16_hook)
+    """
     if state is None:
-        raise TypeError("pycomm.hooks.bf16_hook: pass a pycomm.hooks.AllReduceState (or any pycomm hook state)")
+        return _without_state(bucket, torch.bfloat16)
+    _check_state(state, "bf16_hook")
     return _average(state, bucket, torch.bfloat16, "pycomm::bf16_hook")
