@@ -37,11 +37,12 @@ def torch_parity(rank: int, world: int, matrix_rank: int, batch: bool, path: str
     # threads wait for all-reduces only they could run (it hangs; seen here).
     kw = dict(process_group=g, bucket_cap_mb=25)
     theirs, ours = DDP(make_model("mlp").to(dtype), **kw), DDP(make_model("mlp").to(dtype), **kw)
-    theirs.register_comm_hook(torch_powersgd.PowerSGDState(
-        process_group=g, matrix_approximation_rank=matrix_rank, start_powerSGD_iter=2, random_seed=0,
-        batch_tensors_with_same_shape=batch), torch_powersgd.powerSGD_hook)
+    settings = dict(matrix_approximation_rank=matrix_rank, start_powerSGD_iter=2, random_seed=0,
+                    batch_tensors_with_same_shape=batch)
+    theirs.register_comm_hook(torch_powersgd.PowerSGDState(process_group=g, **settings), torch_powersgd.powerSGD_hook)
     where = dict(communicator=comm) if path == "auto" else dict(process_group=g, path=path)
-    state = hooks.PowerSGDState(rank=matrix_rank, start_iter=2, seed=0, batch_same_shape=batch, **where)
+    # pycomm's state from the same keywords, torch's names.
+    state = hooks.PowerSGDState(**settings, **where)
     ours.register_comm_hook(state, hooks.powersgd_hook)
     gen = torch.Generator().manual_seed(4000 + rank)
     rel: List[float] = []

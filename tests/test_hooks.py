@@ -405,6 +405,15 @@ def test_bad_states_say_what_to_do(solo):
         hooks.CompressionState(codec="int8", communicator=solo)
     with pytest.raises(ValueError, match="start_iter"):
         hooks.CompressionState(communicator=solo, start_iter=-1)
+    with pytest.raises(TypeError, match="one setting"):
+        hooks.PowerSGDState(rank=2, matrix_approximation_rank=4, communicator=solo)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'matrix_rank'"):
+        hooks.PowerSGDState(matrix_rank=4, communicator=solo)
+    st = hooks.PowerSGDState(matrix_approximation_rank=3, start_powerSGD_iter=5, use_error_feedback=False,
+                             orthogonalization_epsilon=1e-8, random_seed=7, batch_tensors_with_same_shape=False,
+                             compression_stats_logging_frequency=100, communicator=solo)
+    assert (st.rank, st.start_iter, st.error_feedback, st.epsilon, st.seed, st.batch_same_shape) == (
+        3, 5, False, 1e-8, 7, False)
     with pytest.raises(ValueError, match="period"):
         hooks.LocalSGD(torch.optim.SGD([torch.nn.Parameter(torch.randn(3))], lr=0.1), 0, communicator=solo)
     with pytest.raises(ValueError, match="not both"):

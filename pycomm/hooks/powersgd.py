@@ -120,6 +120,18 @@ class _Layout:
         self.key = tuple(tuple(g.shape) for g in grads)
 
 
+# torch's PowerSGDState keywords -> this state's (None: accepted, ignored).
+_TORCH_NAMES: Dict[str, Optional[str]] = {
+    "matrix_approximation_rank": "rank",
+    "start_powerSGD_iter": "start_iter",
+    "use_error_feedback": "error_feedback",
+    "orthogonalization_epsilon": "epsilon",
+    "random_seed": "seed",
+    "batch_tensors_with_same_shape": "batch_same_shape",
+    "compression_stats_logging_frequency": None,
+}
+
+
 class PowerSGDState(HookState):
     """State of :func:`powersgd_hook`.
 
@@ -144,19 +156,42 @@ class PowerSGDState(HookState):
         wire: ``None`` (P and Q as they are) or :class:`pycomm.Int8` /
             :class:`pycomm.Int4`: P and Q travel as blockwise codes.
         process_group, communicator, path: see :class:`HookState`.
+        **torch_names: torch's ``PowerSGDState`` keywords, for code written
+            for it: ``matrix_approximation_rank``, ``start_powerSGD_iter``,
+            ``use_error_feedback``, ``orthogonalization_epsilon``,
+            ``random_seed``, ``batch_tensors_with_same_shape`` (the
+            arguments above), and ``compression_stats_logging_frequency``
+            (ignored: :meth:`stats` is always kept).
 
     Example::
 
         state = hooks.PowerSGDState(rank=4, start_iter=10, wire=pycomm.Int8())
         ddp.register_comm_hook(state, hooks.powersgd_hook)
         state.stats()["compression_ratio"]
+        # or, as written for torch's hook:
+        hooks.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=10)
     """
 
     def __init__(self, process_group: Group = None, rank: int = 1, *, start_iter: int = 10,
                  min_compression_rate: float = 2.0, error_feedback: bool = True, warm_start: bool = True,
                  epsilon: float = 0.0, seed: int = 0, batch_same_shape: bool = True,
                  wire: Optional[_compression.Codec] = None,
-                 communicator: Optional["_communicator.Communicator"] = None, path: Optional[str] = None) -> None:
+                 communicator: Optional["_communicator.Communicator"] = None, path: Optional[str] = None,
+                 **torch_names: Any) -> None:
+        given = dict(rank=rank, start_iter=start_iter, error_feedback=error_feedback, epsilon=epsilon, seed=seed,
+                     batch_same_shape=batch_same_shape)
+        defaults = dict(rank=1, start_iter=10, error_feedback=True, epsilon=0.0, seed=0, batch_same_shape=True)
+        for name, value in torch_names.items():
+            ours = _TORCH_NAMES.get(name, "")
+            if ours == "":
+                raise TypeError(f"pycomm.hooks.PowerSGDState got an unexpected keyword argument {name!r}")
+            if ours is None:
+                continue
+            if given[ours] != defaults[ours]:
+                raise TypeError(f"pycomm.hooks.PowerSGDState: {name} and {ours} name one setting; pass one")
+            given[ours] = value
+        rank, start_iter, error_feedback = given["rank"], given["start_iter"], given["error_feedback"]
+        epsilon, seed, batch_same_shape = given["epsilon"], given["seed"], given["batch_same_shape"]
         if type(rank) is not int or rank < 1:
             raise ValueError(f"pycomm.hooks.PowerSGDState: rank must be an int >= 1, got {rank!r}")
         if (error_feedback or warm_start) and int(start_iter) < 2:
