@@ -160,14 +160,11 @@ __global__ void __launch_bounds__(kFusedThreads, 3) ipc_quantized_kernel(FusedAr
 bool launch_fused(CudaIpcAllReduce& group, const IpcQuantCall& c, size_t shard, size_t slot, cudaStream_t stream) {
   const CudaIpcAllReduce::KernelView view = group.kernel_view();
   FusedArgs a{};
+  a.peers = ipc_detail::peers_of(view);
   for (int q = 0; q < view.world; ++q) {
-    a.peers.sig[q] = static_cast<ipc_detail::IpcSignal*>(view.sig[q]);
     a.buf[q] = static_cast<uint8_t*>(view.buf[q]);
     a.sum.s.p[q] = a.buf[q] + view.rank * slot;
   }
-  a.peers.wait = ipc_detail::WaitCtx{view.status, view.timeout_ns};
-  a.peers.rank = view.rank;
-  a.peers.world = view.world;
   a.n = c.n;
   a.shard = shard;
   a.slot = slot;

@@ -456,15 +456,11 @@ void CudaIpcAllReduce::all_reduce(const void* in, void* out, size_t count, DType
   }
   const size_t es = dtype_size(dtype);
   const size_t per_launch = buffer_bytes_ / es;
+  const KernelView view = kernel_view();
   IpcArgs a{};
-  for (int q = 0; q < world_; ++q) {
-    a.buf[q] = peer_buffers_[q];
-    a.sig[q] = static_cast<IpcSignal*>(peer_signals_[q]);
-  }
+  static_cast<ipc_detail::IpcPeers&>(a) = ipc_detail::peers_of(view);
+  for (int q = 0; q < world_; ++q) a.buf[q] = view.buf[q];
   a.own = buffer_;
-  a.wait = WaitCtx{status_dev_, timeout_ns_};
-  a.rank = rank_;
-  a.world = world_;
   a.avg = op == RedOp::kAvg;
   for (size_t off = 0; off < count; off += per_launch) {
     const size_t n = std::min(per_launch, count - off);

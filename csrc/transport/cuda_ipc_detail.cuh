@@ -143,6 +143,16 @@ struct IpcPeers {
   int world;
 };
 
+// The peers as a group's KernelView gives them.
+inline IpcPeers peers_of(const CudaIpcAllReduce::KernelView& v) {
+  IpcPeers p{};
+  for (int q = 0; q < v.world; ++q) p.sig[q] = static_cast<IpcSignal*>(v.sig[q]);
+  p.wait = WaitCtx{v.status, v.timeout_ns};
+  p.rank = v.rank;
+  p.world = v.world;
+  return p;
+}
+
 // Block b of every rank meets block b of every other rank, on the flag row
 // of `phase`. A kernel whose same block index on every rank touches the same
 // data (the element-to-thread mapping is identical on every rank) needs no

@@ -43,7 +43,8 @@ using kernels::cuda_detail::Pack;
 using kernels::cuda_detail::reduce_elem;
 using kernels::cuda_detail::reduce_pack;
 
-struct ScheduleArgs {
+// The peers' signal blocks, the wait, rank and world (IpcPeers), and:
+struct ScheduleArgs : ipc_detail::IpcPeers {
   const ProgOp* ops;
   int nops;
   uint32_t steps;  // per round
@@ -51,10 +52,7 @@ struct ScheduleArgs {
   const char* in;
   char* out;
   char* mailbox[kIpcMaxRanks];  // every rank's buffer (ours at [rank])
-  IpcSignal* sig[kIpcMaxRanks];
-  WaitCtx wait;
   uint32_t steps_done, rounds_done;
-  int rank, world;
   bool avg;
   bool packs;  // every pointer 16-byte aligned: 16-byte loads and stores
 };
@@ -240,15 +238,11 @@ void CudaIpcAllReduce::run_schedule(const void* in, void* out, size_t count, DTy
   a.steps = static_cast<uint32_t>(prog.num_steps);
   a.in = static_cast<const char*>(in);
   a.out = static_cast<char*>(out);
-  for (int q = 0; q < world_; ++q) {
-    a.mailbox[q] = static_cast<char*>(peer_buffers_[q]);
-    a.sig[q] = static_cast<IpcSignal*>(peer_signals_[q]);
-  }
-  a.wait = WaitCtx{status_dev_, timeout_ns_};
+  const KernelView view = kernel_view();
+  static_cast<ipc_detail::IpcPeers&>(a) = ipc_detail::peers_of(view);
+  for (int q = 0; q < world_; ++q) a.mailbox[q] = static_cast<char*>(view.buf[q]);
   a.steps_done = steps_done_;
   a.rounds_done = rounds_done_;
-  a.rank = rank_;
-  a.world = world_;
   a.avg = op == RedOp::kAvg;
   a.packs = ((reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(out)) & 15u) == 0;
   // 3. The grid: from what every rank agrees on (the chunk size), so that
