@@ -19,6 +19,8 @@ one host); peer-to-peer and shared memory off, the socket transport only.
    relative error of the summed gradients, and every rank's gradients the same.
 Rank 0 prints one line per check; the exit code is 0 when everything held.
 ``--cpu``: steps 2 and 3 on CPU tensors over Gloo (no GPU: checks the script).
+``--timing``: step 1 only, timed from 4 KB to 64 MB (benchmarks/gpu/run.sh's
+mps stage runs it under CUDA MPS, beside the IPC kernels' sweep).
 """
 import hashlib
 import os
@@ -59,14 +61,20 @@ def nccl_runs(rank, world):
     return right
 
 
-def nccl_timing(rank, world):
+def nccl_timing(rank, world, sizes=(4 << 10, 64 << 10, 1 << 20)):
     from timing import batch_median_ms, slowest  # beside this script
 
-    say(rank, f"{'size':>9} | {'NCCL us':>9} {'busbw GB/s':>10}")
-    for size in (4 << 10, 64 << 10, 1 << 20):
+    mps = "MPS" if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else "no MPS"
+    say(rank, f"# NCCL all-reduce, float32 sum, {mps}; busbw as nccl-tests counts it; #wrong: rank r adds r + 1")
+    say(rank, f"{'size':>11} | {'NCCL us':>9} {'busbw GB/s':>10} {'#wrong':>6}")
+    want = world * (world + 1) / 2
+    for size in sizes:
         x = torch.ones(size // 4, device="cuda")
         t = slowest(batch_median_ms(lambda: dist.all_reduce(x), 10, 3, before=dist.barrier) / 1e3)
-        say(rank, f"{size:>9} | {t * 1e6:9.1f} {size / t / 1e9 * 2 * (world - 1) / world:10.3f}")
+        x.fill_(rank + 1)
+        dist.all_reduce(x)
+        wrong = int((x != want).sum())
+        say(rank, f"{size:>11} | {t * 1e6:9.1f} {size / t / 1e9 * 2 * (world - 1) / world:10.3f} {wrong:>6}")
 
 
 DEV = "cpu" if "--cpu" in sys.argv else "cuda"
@@ -155,6 +163,10 @@ def main():
                   f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
         if not nccl_runs(rank, world):
             raise SystemExit(3)
+        if "--timing" in sys.argv:
+            nccl_timing(rank, world, sizes=[4 << (2 * k + 10) for k in range(8)])  # 4 KB to 64 MB
+            dist.destroy_process_group()
+            return
         nccl_timing(rank, world)
     ok = group_path_bits(rank, world)
     ok = every_hook(rank, world) and ok

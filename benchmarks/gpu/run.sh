@@ -20,7 +20,9 @@
 #   allreduce  IPC all-reduce (one-shot, two-shot, ring, tree) against gloo,
 #              2 and 4 processes sharing the GPU
 #   mps        the same with CUDA MPS (processes' kernels run at the same
-#              time); the daemon is stopped again afterwards
+#              time), then NCCL's all-reduce under MPS, each rank a testbed
+#              host (MPS_NCCL_WORLDS, default 2 4; none if set empty); the
+#              daemon is stopped again afterwards
 #   nccl       NCCL with ranks sharing the GPU, each in a network namespace of
 #              its own with its own NCCL_HOSTID (benchmarks/gpu/nccl_one_gpu.py
 #              at NCCL_WORLDS ranks, default 2 4, none if set empty: NCCL's answer, the group
@@ -147,6 +149,13 @@ mps() {
     return 1
   fi
   allreduce _mps
+  # NCCL under MPS too, each rank a testbed host (issue 42: "against NCCL
+  # where it runs"): its socket transport, not the GPU's memory.
+  local hosts
+  for hosts in ${MPS_NCCL_WORLDS-2 4}; do
+    timeout "$(cap 90)" "$PY" benchmarks/multihost/testbed.py --hosts "$hosts" --timeout 70 -- \
+      benchmarks/gpu/nccl_one_gpu.py --timing 2>&1 | tee "$LOG/nccl_mps_$hosts.log" | grep -v "^W1\|^\*\*\*"
+  done
   echo quit | nvidia-cuda-mps-control
   cat "$CUDA_MPS_LOG_DIRECTORY"/control.log >> "$LOG/mps.log" 2>/dev/null
 }
