@@ -16,8 +16,8 @@
 // makes the same launches in the same order), compared modulo 2^32. The
 // one-shot and two-shot kernels keep theirs in device memory (`launches`),
 // one per block, so a launch's arguments never change and a CUDA graph can
-// replay it (the fused quantized kernel shares them); the executor of schedules and barrier() still count on the
-// host.
+// replay it (the fused quantized kernel shares them); the executor of
+// schedules and barrier() still count on the host.
 #pragma once
 
 #include <cuda_runtime.h>
