@@ -89,6 +89,11 @@ class IpcAllReduce:
         prefix: Store key prefix, unique per group.
         timeout: seconds to wait for every rank's handles, and the most a
             kernel waits for a peer before it gives up.
+        double_buffer: one-shot and two-shot calls stage into one half of
+            the buffer or the other, alternately, and end without a barrier
+            (the next call's start barrier covers it): one barrier fewer per
+            one-shot call, half the buffer per launch; a call of another kind
+            waits for the peers first. Every rank must pass the same.
         quantized_kernels: how compressed calls run: ``"fused"`` (default)
             as one kernel whose steps meet their peers' inside it, where the
             codec's block is 64, 128, 256 or 512 elements; ``"split"`` as a
@@ -100,7 +105,7 @@ class IpcAllReduce:
     def __init__(self, store: "torch.distributed.Store", rank: int, world_size: int,
                  device: Optional[torch.device] = None, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
                  round_bytes: Optional[int] = None, prefix: str = "pycomm.ipc", timeout: float = 300.0,
-                 quantized_kernels: str = "fused") -> None:
+                 quantized_kernels: str = "fused", double_buffer: bool = False) -> None:
         if quantized_kernels not in ("fused", "split"):
             raise CommError(f"pycomm: quantized_kernels must be 'fused' or 'split', got {quantized_kernels!r}")
         self._fused = quantized_kernels == "fused"
@@ -109,7 +114,8 @@ class IpcAllReduce:
             raise CommError("pycomm: this build has no CUDA support (build with a CUDA torch and nvcc on the PATH)")
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         with torch.cuda.device(self.device):
-            self._c = core.CudaIpcAllReduce(rank, world_size, buffer_bytes, round_bytes or 0, timeout)
+            self._c = core.CudaIpcAllReduce(rank, world_size, buffer_bytes, round_bytes or 0, timeout,
+                                            bool(double_buffer))
         self.rank, self.world_size = rank, world_size
         self._seq = 1  # the communicator's first sequence number (stochastic rounding keys)
         store.set(f"{prefix}/{rank}", self._c.handles())

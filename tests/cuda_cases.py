@@ -26,9 +26,9 @@ IPC_CASES = [
 ]
 
 
-def run_ipc(rank: int, world: int, name: str, cases: List[tuple]) -> List[torch.Tensor]:
+def run_ipc(rank: int, world: int, name: str, cases: List[tuple], double_buffer: bool = False) -> List[torch.Tensor]:
     ipc = pycomm.cuda_ipc.IpcAllReduce(worker_store(), rank, world, device="cuda:0", buffer_bytes=1 << 20,
-                                       prefix=name)
+                                       prefix=name, double_buffer=double_buffer)
     # Ranks sharing GPU 0 split 144 blocks per launch (36 to 72 each).
     assert ipc.blocks == (36 if world == 1 else min(72, max(36, 144 // world))), ipc.blocks
     outs = []
@@ -58,14 +58,14 @@ GRAPH_CASES = [
 ]
 
 
-def run_ipc_graph(rank: int, world: int, name: str, replays: int = 12) -> dict:
+def run_ipc_graph(rank: int, world: int, name: str, replays: int = 12, double_buffer: bool = False) -> dict:
     """One-shot, two-shot and auto calls captured in one CUDA graph and
     replayed on fresh inputs, with eager calls between the replays (they
     share the launch counters): every replay's results are the CPU
     reduction's bits. The schedules and the compressed call refuse capture
     with a message, and the group still works after a refusal."""
     ipc = pycomm.cuda_ipc.IpcAllReduce(worker_store(), rank, world, device="cuda:0", buffer_bytes=1 << 20,
-                                       prefix=name, timeout=60)
+                                       prefix=name, timeout=60, double_buffer=double_buffer)
     ops = torch.ops.pycomm
     static = [torch.empty(n, dtype=dtype, device="cuda") for dtype, _, n, _ in GRAPH_CASES]
     for t, (dtype, _, n, _) in zip(static, GRAPH_CASES):
@@ -108,6 +108,72 @@ def run_ipc_graph(rank: int, world: int, name: str, replays: int = 12) -> dict:
         bad.append("the group does not work after a refused capture")
     ipc.check()
     return {"bad": bad, "refusals": refusals}
+
+
+# What run_ipc_mixed draws from: the kinds of call, and sizes (float32
+# elements) from one thread block to more than half the 1 MiB buffer (a
+# double-buffered group's launch: several launches per call).
+MIXED_KINDS = ("one_shot", "two_shot", "auto", "ring", "tree", "int8", "replay")
+MIXED_SIZES = (1, 17, 4099, 65537, 140001, 300001)
+
+
+def run_ipc_mixed(rank: int, world: int, name: str, double_buffer: bool, kernels: str, steps: int = 80) -> List[str]:
+    """One group, a long random sequence of calls of every kind back to
+    back (the same on every rank): one-shot, two-shot, auto, ring, tree, the
+    quantized call, and replays of a CUDA graph of one-shot and two-shot
+    calls, at sizes whose grids differ from call to call. Each call's
+    result is checked, so a call that refilled a buffer a peer was still
+    reading (the end barrier a double-buffered group leaves out, the
+    barrier a call of another kind owes it) shows as a wrong value. Inputs
+    are small integers: every order of summation is exact. Returns the
+    mismatches."""
+    ipc = pycomm.cuda_ipc.IpcAllReduce(worker_store(), rank, world, device="cuda:0", buffer_bytes=1 << 20,
+                                       prefix=name, timeout=60, double_buffer=double_buffer,
+                                       quantized_kernels=kernels)
+
+    def ints(seed: int, q: int, n: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed * 131 + q)
+        return torch.randint(-100, 101, (n,), generator=g).float()
+
+    def want(seed: int, n: int) -> torch.Tensor:
+        return sum(ints(seed, q, n) for q in range(world))
+
+    static = [torch.empty(n, device="cuda") for n in (4099, 140001)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ipc.all_reduce(static[0], algorithm="one_shot")
+        ipc.all_reduce(static[1], algorithm="two_shot")
+    pick = torch.Generator().manual_seed(7)  # the same sequence on every rank
+    bad = []
+    for step in range(steps):
+        kind = MIXED_KINDS[int(torch.randint(len(MIXED_KINDS), (1,), generator=pick))]
+        n = MIXED_SIZES[int(torch.randint(len(MIXED_SIZES), (1,), generator=pick))]
+        seed = 1000 + step
+        if kind == "replay":
+            for k, t in enumerate(static):
+                t.copy_(ints(seed + k, rank, t.numel()))
+            graph.replay()
+            for k, t in enumerate(static):
+                got, exp = t.cpu(), want(seed + k, t.numel())
+                if not torch.equal(got, exp):
+                    bad.append(f"step {step} replay {k}: {(got != exp).sum().item()} of {t.numel()} wrong")
+            continue
+        x = ints(seed, rank, n).cuda()
+        if kind == "int8":
+            ipc.all_reduce(x, compression=pycomm.Int8())
+            got, exp = x.cpu(), want(seed, n)
+            # Rounding: half a step of each rank's codes (blocks up to 100:
+            # 100 / 127 a step) and half a step of the reduced shard's (sums
+            # up to world x 100); anything else is a wrong value.
+            if (got - exp).abs().max().item() > world * 100 / 127 + 1e-3:
+                bad.append(f"step {step} int8 n={n}: off by {(got - exp).abs().max().item()}")
+            continue
+        ipc.all_reduce(x, algorithm=kind)
+        got, exp = x.cpu(), want(seed, n)
+        if not torch.equal(got, exp):
+            bad.append(f"step {step} {kind} n={n}: {(got != exp).sum().item()} wrong")
+    ipc.check()
+    return bad
 
 
 def run_ipc_async(rank: int, world: int, name: str) -> dict:

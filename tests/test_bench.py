@@ -263,6 +263,7 @@ def test_gpu_allreduce_traffic_model():
     for w in (2, 3, 4):
         for n in (1 << 20, 1000003):
             assert mod.traffic(core, "two_shot", w, n, 0) == w * 4 * (5 * n + n // w)
+            assert mod.traffic(core, "two_shot_db", w, n, 0) == mod.traffic(core, "two_shot", w, n, 0)
             for name, bits, block in (("int8", 8, pycomm.Int8().block), ("int4", 4, pycomm.Int4().block),
                                       ("int8_split", 8, pycomm.Int8().block)):  # the same bytes, a kernel per step
                 shard = -(-(-(-n // w)) // block) * block

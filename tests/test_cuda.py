@@ -182,15 +182,16 @@ def gpu_pool():
     pool.close()
 
 
+@pytest.mark.parametrize("double_buffer", [False, True], ids=["single", "double"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_ipc_all_reduce_on_one_gpu_matches_the_cpu_reduction(gpu_pool, world):
+def test_ipc_all_reduce_on_one_gpu_matches_the_cpu_reduction(gpu_pool, world, double_buffer):
     """Every rank on GPU 0 (NCCL refuses this): the result is the CPU kernel's reduction of every rank's input
     in rank order, bit for bit, on every rank, for one-shot and two-shot, tails, several launches per call, a
-    misaligned output and a misaligned tensor reduced in place."""
+    misaligned output and a misaligned tensor reduced in place; in a single- and a double-buffered group."""
     from collective_cases import make_input
     from cuda_cases import IPC_CASES, run_ipc
 
-    per_rank = gpu_pool.run(run_ipc, world, gpu_pool.new_name(), IPC_CASES, world=world)
+    per_rank = gpu_pool.run(run_ipc, world, gpu_pool.new_name(), IPC_CASES, double_buffer, world=world)
     for i, (dtype, op, n, algo) in enumerate(IPC_CASES):
         exp = OPS.reduce([make_input(i, q, n, dtype) for q in range(world)], op)
         for r in range(world):
@@ -198,21 +199,38 @@ def test_ipc_all_reduce_on_one_gpu_matches_the_cpu_reduction(gpu_pool, world):
                 assert same_bits(per_rank[r][k], exp), (dtype, op, n, algo, r, k)
 
 
+@pytest.mark.parametrize("double_buffer", [False, True], ids=["single", "double"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_ipc_all_reduce_replays_from_a_cuda_graph(gpu_pool, world):
+def test_ipc_all_reduce_replays_from_a_cuda_graph(gpu_pool, world, double_buffer):
     """One-shot, two-shot and auto captured in one graph, replayed on fresh
     inputs with eager calls in between: the CPU reduction's bits every time.
     Ring, tree (async) and the compressed call refuse capture with a message,
     and the group works after it."""
     from cuda_cases import run_ipc_graph
 
-    per_rank = gpu_pool.run(run_ipc_graph, world, gpu_pool.new_name(), world=world)
+    per_rank = gpu_pool.run(run_ipc_graph, world, gpu_pool.new_name(), double_buffer=double_buffer, world=world)
     for rank, res in enumerate(per_rank):
         assert not res["bad"], f"rank {rank}:\n" + "\n".join(res["bad"])
         ring, tree, int8 = res["refusals"]
         assert "schedules" in ring and "CUDA graph" in ring, ring
         assert "schedules" in tree and "CUDA graph" in tree, tree
         assert "quantized" in int8 and "CUDA graph" in int8, int8
+
+
+@pytest.mark.parametrize("kernels", ["fused", "split"])
+@pytest.mark.parametrize("double_buffer", [False, True], ids=["single", "double"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_ipc_calls_of_every_kind_back_to_back_never_overwrite_what_a_peer_reads(gpu_pool, world, double_buffer,
+                                                                              kernels):
+    """80 calls drawn at random (the same on every rank): one-shot, two-shot,
+    auto, ring, tree, int8 and CUDA graph replays, sizes from 1 element to
+    several launches, each result checked: the barriers between calls (and
+    the one a double-buffered group leaves out) hold whatever comes next."""
+    from cuda_cases import run_ipc_mixed
+
+    per_rank = gpu_pool.run(run_ipc_mixed, world, gpu_pool.new_name(), double_buffer, kernels, world=world)
+    for rank, bad in enumerate(per_rank):
+        assert not bad, f"rank {rank}: " + "; ".join(bad[:10])
 
 
 def test_ipc_all_reduce_is_stream_ordered_and_async(gpu_pool):

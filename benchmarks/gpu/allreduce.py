@@ -4,7 +4,8 @@ executor, and the quantized int8 / int4 all-reduce through the same buffers)
 against gloo on the same CUDA tensors, nccl-tests style, in one run.
 
     python benchmarks/gpu/allreduce.py --world 2 [--max-bytes 268435456]
-        [--algorithms one_shot,two_shot,ring,tree,int8,int8_split,int4,gloo] [--iters 20] [--runs 5]
+        [--algorithms one_shot,two_shot,one_shot_db,two_shot_db,ring,tree,int8,int8_split,int4,gloo]
+        [--iters 20] [--runs 5]
 
 Time per call as nccl-tests measures it: ``--iters`` calls issued back to back
 between two CUDA events (the host's cost per call hides behind the device's
@@ -37,8 +38,9 @@ import torch.multiprocessing as mp
 import pycomm
 from timing import batch_median_ms, event_median_ms, slowest
 
-# The kernels a CUDA graph may capture (the others count their calls on the host).
-CAPTURABLE = ("one_shot", "two_shot")
+# The kernels a CUDA graph may capture (the others count their calls on the host);
+# _db: in a double-buffered group (no end barrier, half the buffer a launch).
+CAPTURABLE = ("one_shot", "two_shot", "one_shot_db", "two_shot_db")
 # The quantized calls timed (default codecs, no error feedback) and modelled
 # (traffic): as one fused kernel, and (_split) as a kernel per step.
 QUANTIZED = {"int8": pycomm.Int8, "int4": pycomm.Int4, "int8_split": pycomm.Int8, "int4_split": pycomm.Int4}
@@ -60,6 +62,7 @@ def traffic(core, name: str, world: int, n: int, round_bytes: int) -> int:
     link too, int8 can be at most ~1.9x two-shot (int4 ~2.2x), and only with
     kernels as near the copy rate as two-shot's."""
     es = 4
+    name = name[:-len("_db")] if name.endswith("_db") else name  # the same bytes, double-buffered
     if name == "one_shot":
         return world * (world + 3) * n * es
     if name == "two_shot":
@@ -80,10 +83,14 @@ def worker(rank, world, port, args):
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world)
     ipc = pycomm.cuda_ipc.IpcAllReduce(store, rank, world, device="cuda:0", buffer_bytes=args.max_bytes)
-    split = None
-    if any(name.endswith("_split") for name in args.algorithms.split(",")):
+    names = args.algorithms.split(",")
+    split = double = None
+    if any(name.endswith("_split") for name in names):
         split = pycomm.cuda_ipc.IpcAllReduce(store, rank, world, device="cuda:0", buffer_bytes=args.max_bytes,
                                              prefix="pycomm.ipc.split", quantized_kernels="split")
+    if any(name.endswith("_db") for name in names):
+        double = pycomm.cuda_ipc.IpcAllReduce(store, rank, world, device="cuda:0", buffer_bytes=args.max_bytes,
+                                              prefix="pycomm.ipc.db", double_buffer=True)
     factor = 2 * (world - 1) / world
     want = world * (world + 1) / 2
     if rank == 0:
@@ -115,6 +122,9 @@ def worker(rank, world, port, args):
 
                 def call(codec=codec, group=split if name.endswith("_split") else ipc):
                     group.all_reduce(x, compression=codec)
+            elif name.endswith("_db"):
+                def call(name=name):
+                    double.all_reduce(x, algorithm=name[:-len("_db")])
             else:
                 def call(name=name):
                     ipc.all_reduce(x, algorithm=name)
@@ -149,7 +159,8 @@ def main():
     p.add_argument("--max-bytes", type=int, default=256 << 20)
     p.add_argument("--iters", type=int, default=20, help="calls per timed batch (gloo: a quarter)")
     p.add_argument("--runs", type=int, default=5, help="timed batches; the median is reported")
-    p.add_argument("--algorithms", default="one_shot,two_shot,ring,tree,int8,int8_split,int4,gloo")
+    p.add_argument("--algorithms",
+                   default="one_shot,two_shot,one_shot_db,two_shot_db,ring,tree,int8,int8_split,int4,gloo")
     args = p.parse_args()
     port = 29500 + os.getpid() % 1000
     mp.spawn(worker, args=(args.world, port, args), nprocs=args.world)

@@ -223,6 +223,8 @@ void ipc_quantized_all_reduce(CudaIpcAllReduce& group, const IpcQuantCall& c, cu
                     std::to_string(group.buffer_bytes()) +
                     " (make the group with a larger buffer_bytes)");
   if (c.n == 0) return;
+  // Both forms write this rank's buffer before they meet the peers.
+  group.settle(stream);
   if (c.fused && launch_fused(group, c, shard, slot, stream)) return;
   const size_t es = dtype_size(c.dtype);
   auto span = [&](int q, size_t* lo) {

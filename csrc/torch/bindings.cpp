@@ -426,9 +426,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
 #ifdef PYCOMM_WITH_CUDA
   py::class_<CudaIpcAllReduce, std::shared_ptr<CudaIpcAllReduce>>(m, "CudaIpcAllReduce")
-      .def(py::init<int, int, size_t, size_t, double>(), py::arg("rank"), py::arg("world"), py::arg("buffer_bytes"),
-           py::arg("round_bytes") = 0, py::arg("timeout") = 300.0,
+      .def(py::init<int, int, size_t, size_t, double, bool>(), py::arg("rank"), py::arg("world"),
+           py::arg("buffer_bytes"), py::arg("round_bytes") = 0, py::arg("timeout") = 300.0,
+           py::arg("double_buffer") = false,
            "Allocates the staging buffer and signal block on the current CUDA device.")
+      .def_property_readonly("double_buffer", [](const CudaIpcAllReduce& c) { return c.double_buffer(); })
       .def("handles", [](const CudaIpcAllReduce& c) { return py::bytes(c.handles()); })
       .def("open", &CudaIpcAllReduce::open, py::arg("handles"), py::call_guard<py::gil_scoped_release>())
       .def(

@@ -33,6 +33,9 @@ using ipc_detail::WaitCtx;
 struct IpcArgs : ipc_detail::IpcPeers {
   const void* buf[kIpcMaxRanks];  // every rank's staging buffer (ours at [rank])
   void* own;
+  // Double-buffered (all_blocks): packs of 16 bytes in half the buffer; a
+  // launch uses the half its epoch's parity names, and has no end barrier.
+  size_t half_packs;
   bool two_shot;
   bool avg;
 };
@@ -67,15 +70,15 @@ template <typename T>
 constexpr bool kTwoPacks = Pack<T>::kPer <= 4;
 
 // Pack i, and with kTwoPacks<T> pack i + stride when `two`, reduced over the
-// ranks' buffers in rank order (the CPU kernel's order, hence its bits),
-// finished.
+// ranks' buffers (from pack `shift` of each: the launch's half) in rank order
+// (the CPU kernel's order, hence its bits), finished.
 template <typename T, RedOp kOp>
-__device__ __forceinline__ void reduce_packs(const IpcArgs& a, size_t i, size_t stride, bool two, Pack<T>* v,
-                                             Pack<T>* v2) {
+__device__ __forceinline__ void reduce_packs(const IpcArgs& a, size_t shift, size_t i, size_t stride, bool two,
+                                             Pack<T>* v, Pack<T>* v2) {
   using namespace kernels;
   constexpr int kPer = Pack<T>::kPer;
   constexpr int kN = kTwoPacks<T> ? 2 : 1;
-  const size_t at[2] = {i, two ? i + stride : i};
+  const size_t at[2] = {shift + i, shift + (two ? i + stride : i)};
   typename Acc<T>::type acc[kN][kPer];
   for (int q = 0; q < a.world; ++q) {
     Pack<T> x[kN];
@@ -128,7 +131,10 @@ __device__ __forceinline__ void store_pack(T* out, size_t i, const Pack<T>& v, b
   }
 }
 
-template <typename T, RedOp kOp>
+// kDouble: the group is double-buffered (a separate instantiation, so that
+// the other keeps its registers: these kernels spill at __launch_bounds__'
+// 40 registers already).
+template <typename T, RedOp kOp, bool kDouble>
 __global__ void __launch_bounds__(kThreads, 3) ipc_all_reduce_kernel(IpcArgs a, const T* in, T* out, size_t count) {
   using namespace kernels;
   constexpr int kPer = Pack<T>::kPer;
@@ -146,8 +152,16 @@ __global__ void __launch_bounds__(kThreads, 3) ipc_all_reduce_kernel(IpcArgs a, 
   //    kernel did this, one more operation per call; the buffer is free, as
   //    before: the previous launch's last barrier on this stream waited for
   //    every peer's reads of it, in every block.)
+  //    Double-buffered, into the half of the launch's parity (every block
+  //    has the same epoch then): peers may still read the other half.
+  uint32_t epoch = 0;
+  size_t shift = 0;  // in packs
+  if constexpr (kDouble) {
+    epoch = ipc_detail::next_epoch<true>(a);
+    shift = a.half_packs * (epoch & 1u);
+  }
   {
-    Pack<T>* own = static_cast<Pack<T>*>(a.own);
+    Pack<T>* own = static_cast<Pack<T>*>(a.own) + shift;
     const bool in_aligned = (reinterpret_cast<uintptr_t>(in) & 15u) == 0;
     if (!a.two_shot) {
       stage_packs(in, own, tid, nvec, stride, step, in_aligned);
@@ -155,16 +169,16 @@ __global__ void __launch_bounds__(kThreads, 3) ipc_all_reduce_kernel(IpcArgs a, 
       for (int r = 0; r < a.world; ++r)
         stage_packs(in, own, r * part + tid, min(nvec, (r + 1) * part), stride, step, in_aligned);
     }
-    for (size_t i = nvec * kPer + tid; i < count; i += stride) static_cast<T*>(a.own)[i] = in[i];
+    for (size_t i = nvec * kPer + tid; i < count; i += stride) static_cast<T*>(a.own)[shift * kPer + i] = in[i];
   }
-  const uint32_t epoch = ipc_detail::next_epoch(a);
+  if constexpr (!kDouble) epoch = ipc_detail::next_epoch<false>(a);
   if (!barrier(a, 0, epoch)) return;
   if (!a.two_shot) {
     // 2. One-shot: reduce everything from every buffer.
     for (size_t i = tid; i < nvec; i += step) {
       const bool two = kTwoPacks<T> && i + stride < nvec;
       Pack<T> v, v2;
-      reduce_packs<T, kOp>(a, i, stride, two, &v, &v2);
+      reduce_packs<T, kOp>(a, shift, i, stride, two, &v, &v2);
       store_pack(out, i, v, aligned);
       if (two) store_pack(out, i + stride, v2, aligned);
     }
@@ -172,11 +186,11 @@ __global__ void __launch_bounds__(kThreads, 3) ipc_all_reduce_kernel(IpcArgs a, 
     // 2. Two-shot, reduce-scatter: this rank reduces its part into its own
     //    buffer, in place (only this rank reads its part in this phase).
     const size_t end = min(nvec, (a.rank + 1) * part);
-    Pack<T>* own = static_cast<Pack<T>*>(a.own);
+    Pack<T>* own = static_cast<Pack<T>*>(a.own) + shift;
     for (size_t i = a.rank * part + tid; i < end; i += step) {
       const bool two = kTwoPacks<T> && i + stride < end;
       Pack<T> v, v2;
-      reduce_packs<T, kOp>(a, i, stride, two, &v, &v2);
+      reduce_packs<T, kOp>(a, shift, i, stride, two, &v, &v2);
       own[i] = v;
       if (two) own[i + stride] = v2;
     }
@@ -184,7 +198,7 @@ __global__ void __launch_bounds__(kThreads, 3) ipc_all_reduce_kernel(IpcArgs a, 
     if (!barrier(a, 1, epoch)) return;
     // 4. All-gather: part q from rank q's buffer.
     for (int q = 0; q < a.world; ++q) {
-      const Pack<T>* src = static_cast<const Pack<T>*>(a.buf[q]);
+      const Pack<T>* src = static_cast<const Pack<T>*>(a.buf[q]) + shift;
       const size_t end = min(nvec, (q + 1) * part);
       for (size_t i = q * part + tid; i < end; i += step) {
         const bool two = kTwoPacks<T> && i + stride < end;
@@ -197,10 +211,13 @@ __global__ void __launch_bounds__(kThreads, 3) ipc_all_reduce_kernel(IpcArgs a, 
   // 5. The tail after the last whole pack, element by element, from every
   //    buffer (reads only: safe in either algorithm).
   for (size_t i = nvec * kPer + tid; i < count; i += stride)
-    out[i] = finish<T>(reduce_elem<T, kOp>(a.buf, a.world, i), a.avg, a.world);
-  // 6. Nobody refills its buffer (the next launch's copy) before every rank
-  //    has read it.
-  if (!barrier(a, 2, epoch)) return;
+    out[i] = finish<T>(reduce_elem<T, kOp>(a.buf, a.world, shift * kPer + i), a.avg, a.world);
+  // 6. Nobody refills its buffer (the next launch's staging) before every
+  //    rank has read it. Double-buffered, the next launch stages into the
+  //    other half, and its start barrier tells that every peer finished
+  //    this launch (a rank starts a launch once its last one is done) before
+  //    the launch after it refills this half.
+  if constexpr (!kDouble) barrier(a, 2, epoch);
 }
 
 // barrier(): thread q pushes this rank's arrival to rank q, then waits for
@@ -259,8 +276,9 @@ IpcAlgo CudaIpcAllReduce::choose(size_t bytes, int world) {
   return bytes <= one_shot_max ? IpcAlgo::kOneShot : IpcAlgo::kTwoShot;
 }
 
-CudaIpcAllReduce::CudaIpcAllReduce(int rank, int world, size_t buffer_bytes, size_t round_bytes, double timeout_s)
-    : rank_(rank), world_(world), buffer_bytes_(buffer_bytes / 16 * 16) {
+CudaIpcAllReduce::CudaIpcAllReduce(int rank, int world, size_t buffer_bytes, size_t round_bytes, double timeout_s,
+                                   bool double_buffer)
+    : rank_(rank), world_(world), buffer_bytes_(buffer_bytes / 16 * 16), double_buffer_(double_buffer) {
   if (world < 1 || world > kIpcMaxRanks || rank < 0 || rank >= world)
     throw CommError("pycomm: a CUDA IPC group holds 1.." + std::to_string(kIpcMaxRanks) + " ranks; got rank " +
                     std::to_string(rank) + " of " + std::to_string(world));
@@ -434,7 +452,14 @@ CudaIpcAllReduce::KernelView CudaIpcAllReduce::kernel_view() const {
   v.rank = rank_;
   v.world = world_;
   v.blocks = blocks_;
+  v.double_buffer = double_buffer_;
   return v;
+}
+
+void CudaIpcAllReduce::settle(cudaStream_t stream) {
+  if (!double_buffer_ || !(reads_pending_ || captured_)) return;
+  barrier(stream);
+  reads_pending_ = false;
 }
 
 void CudaIpcAllReduce::all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, IpcAlgo algo,
@@ -451,16 +476,19 @@ void CudaIpcAllReduce::all_reduce(const void* in, void* out, size_t count, DType
         "algorithm=\"auto\", \"one_shot\" or \"two_shot\", or run the schedule outside the captured region");
   if (count == 0) return;
   if (schedule) {
+    settle(stream);
     run_schedule(in, out, count, dtype, op, static_cast<int>(algo), stream);
     return;
   }
   const size_t es = dtype_size(dtype);
-  const size_t per_launch = buffer_bytes_ / es;
+  const size_t half_packs = buffer_bytes_ / 2 / 16;
+  const size_t per_launch = (double_buffer_ ? half_packs * 16 : buffer_bytes_) / es;
   const KernelView view = kernel_view();
   IpcArgs a{};
   static_cast<ipc_detail::IpcPeers&>(a) = ipc_detail::peers_of(view);
   for (int q = 0; q < world_; ++q) a.buf[q] = view.buf[q];
   a.own = buffer_;
+  a.half_packs = half_packs;
   a.avg = op == RedOp::kAvg;
   for (size_t off = 0; off < count; off += per_launch) {
     const size_t n = std::min(per_launch, count - off);
@@ -478,11 +506,19 @@ void CudaIpcAllReduce::all_reduce(const void* in, void* out, size_t count, DType
     ipc_detail::with_ipc_dtype(dtype, [&](auto* tag) {
       using T = std::remove_pointer_t<decltype(tag)>;
       ipc_detail::with_ipc_op(op, [&](auto k) {
-        ipc_all_reduce_kernel<T, decltype(k)::value><<<grid, kThreads, 0, stream>>>(a, static_cast<const T*>(i),
-                                                                                      static_cast<T*>(o), n);
+        if (double_buffer_)
+          ipc_all_reduce_kernel<T, decltype(k)::value, true>
+              <<<grid, kThreads, 0, stream>>>(a, static_cast<const T*>(i), static_cast<T*>(o), n);
+        else
+          ipc_all_reduce_kernel<T, decltype(k)::value, false>
+              <<<grid, kThreads, 0, stream>>>(a, static_cast<const T*>(i), static_cast<T*>(o), n);
       });
     });
     check(cudaGetLastError(), "all-reduce launch");
+  }
+  if (double_buffer_) {
+    reads_pending_ = true;
+    if (capturing(stream)) captured_ = true;
   }
 }
 

@@ -102,7 +102,17 @@ class CudaIpcAllReduce {
   // `round_bytes` (0: the most the buffer holds, a quarter of it: two
   // halves of two phases), as a CPU communicator with that round size does.
   // A wait on a peer gives up after `timeout_s`.
-  CudaIpcAllReduce(int rank, int world, size_t buffer_bytes, size_t round_bytes = 0, double timeout_s = 300.0);
+  //
+  // `double_buffer`: the one-shot and two-shot kernels stage into one half
+  // of the buffer or the other by the parity of the group's launch count,
+  // and end without a barrier (one of one-shot's two): the next launch's
+  // start barrier already tells that every peer finished the launch before
+  // it, hence its reads of the half the launch after writes. Calls then
+  // carry half the buffer each, and a call of another kind (schedules, the
+  // quantized all-reduce) first waits for the peers' reads with a barrier
+  // (settle()). Every rank makes the same choice.
+  CudaIpcAllReduce(int rank, int world, size_t buffer_bytes, size_t round_bytes = 0, double timeout_s = 300.0,
+                   bool double_buffer = false);
   ~CudaIpcAllReduce();
   CudaIpcAllReduce(const CudaIpcAllReduce&) = delete;
   CudaIpcAllReduce& operator=(const CudaIpcAllReduce&) = delete;
@@ -165,8 +175,16 @@ class CudaIpcAllReduce {
     IpcStatus* status;
     uint64_t timeout_ns;
     int rank, world, blocks;
+    bool double_buffer;
   };
   KernelView kernel_view() const;
+  // For code that writes this rank's buffer before it meets its peers (the
+  // schedules, the quantized all-reduce): in a double-buffered group, a
+  // barrier on `stream` when a one-shot or two-shot launch may have left
+  // peers reading it (always, once one was captured in a CUDA graph: its
+  // replays are not seen here). Not while capturing.
+  void settle(cudaStream_t stream);
+  bool double_buffer() const { return double_buffer_; }
 
   // Makes `waiter`'s later work wait for `producer`'s work so far, with an
   // event of the group's recorded and waited for at once (so one event
@@ -211,6 +229,10 @@ class CudaIpcAllReduce {
   // far (the same on every rank).
   uint32_t steps_done_ = 0, rounds_done_ = 0;
   uint32_t barriers_ = 0;  // barrier() calls so far
+  // Double-buffered: whether peers may still read this rank's buffer (a
+  // one-shot or two-shot launch since the last barrier), and whether such a
+  // launch was ever captured.
+  bool double_buffer_ = false, reads_pending_ = false, captured_ = false;
 
   // Failure handling: the host-mapped status, the wait bound, the watchdog.
   void throw_if_failed() const;

@@ -135,12 +135,14 @@ __device__ inline bool block_wait_each(const WaitCtx& w, uint32_t* const* slots,
 }
 
 // A launch's view of its peers: their signal blocks (ours at [rank]) and
-// how to give up waiting for them.
+// how to give up waiting for them. all_blocks: the group is double-buffered
+// (CudaIpcAllReduce), and every launch advances every block's count.
 struct IpcPeers {
   IpcSignal* sig[kIpcMaxRanks];
   WaitCtx wait;
   int rank;
   int world;
+  bool all_blocks;
 };
 
 // The peers as a group's KernelView gives them.
@@ -150,6 +152,7 @@ inline IpcPeers peers_of(const CudaIpcAllReduce::KernelView& v) {
   p.wait = WaitCtx{v.status, v.timeout_ns};
   p.rank = v.rank;
   p.world = v.world;
+  p.all_blocks = v.double_buffer;
   return p;
 }
 
@@ -171,16 +174,30 @@ __device__ inline bool block_barrier(const IpcPeers& p, int phase, uint32_t epoc
 
 // This block's flag value for the launch: its launch count, advanced. Only
 // this block of this rank touches the word, one launch after another, and
-// block b of every rank makes the same launches: the counts agree.
+// block b of every rank makes the same launches: the counts agree. With
+// all_blocks, block b also advances the counts of the blocks this launch
+// does not have (b + grid, b + 2 grid, ...), so every count is the group's
+// launch count, the same in every block: a double-buffered group takes the
+// half of its buffer by its parity.
+// (kAllBlocks: p.all_blocks known at compile time; the IPC kernels keep
+// every register they can.)
+template <bool kAllBlocks>
 __device__ inline uint32_t next_epoch(const IpcPeers& p) {
   __shared__ uint32_t epoch;
   if (threadIdx.x == 0) {
     uint32_t* count = &p.sig[p.rank]->launches[blockIdx.x];
     epoch = *count + 1;
     *count = epoch;
+    if constexpr (kAllBlocks) {
+      for (unsigned j = blockIdx.x + gridDim.x; j < kIpcMaxBlocks; j += gridDim.x) count[j - blockIdx.x] = epoch;
+    }
   }
   __syncthreads();
   return epoch;
+}
+
+__device__ inline uint32_t next_epoch(const IpcPeers& p) {
+  return p.all_blocks ? next_epoch<true>(p) : next_epoch<false>(p);
 }
 
 // The kernels' element types and reductions, in one place for every IPC
