@@ -82,15 +82,16 @@ def worker(rank, world, port, args):
     torch.cuda.set_device(0)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=rank, world_size=world)
-    ipc = pycomm.cuda_ipc.IpcAllReduce(store, rank, world, device="cuda:0", buffer_bytes=args.max_bytes)
+    ipc = pycomm.cuda_ipc.IpcAllReduce(store, rank, world, device="cuda:0", buffer_bytes=args.max_bytes,
+                                       timeout=30)
     names = args.algorithms.split(",")
     split = double = None
     if any(name.endswith("_split") for name in names):
         split = pycomm.cuda_ipc.IpcAllReduce(store, rank, world, device="cuda:0", buffer_bytes=args.max_bytes,
-                                             prefix="pycomm.ipc.split", quantized_kernels="split")
+                                             prefix="pycomm.ipc.split", quantized_kernels="split", timeout=30)
     if any(name.endswith("_db") for name in names):
         double = pycomm.cuda_ipc.IpcAllReduce(store, rank, world, device="cuda:0", buffer_bytes=args.max_bytes,
-                                              prefix="pycomm.ipc.db", double_buffer=True)
+                                              prefix="pycomm.ipc.db", double_buffer=True, timeout=30)
     factor = 2 * (world - 1) / world
     want = world * (world + 1) / 2
     if rank == 0:

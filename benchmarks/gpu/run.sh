@@ -17,8 +17,10 @@
 #              kernels' share of a step and their overlap with the backward
 #              on another stream (benchmarks/gpu/overlap_trace.py; the trace
 #              lands with the logs)
-#   allreduce  IPC all-reduce (one-shot, two-shot, ring, tree) against gloo,
-#              2 and 4 processes sharing the GPU
+#   allreduce  IPC all-reduce (one-shot, two-shot, ring, tree, quantized;
+#              double-buffered one-shot and two-shot) against gloo, 2 and 4
+#              processes sharing the GPU (ALLREDUCE_RAN, ALLREDUCE_NEW: the
+#              two runs' algorithms)
 #   mps        the same with CUDA MPS (processes' kernels run at the same
 #              time), then NCCL's all-reduce under MPS, each rank a testbed
 #              host (MPS_NCCL_WORLDS, default 2 4; none if set empty); the
@@ -132,10 +134,18 @@ overlap() {
 }
 
 allreduce() {
-  local tag=${1:-}
+  local tag=${1:-} w
+  # Two runs per world: the kernels that ran on a GPU before, then those
+  # compiled since and not yet run (the fused quantized kernel, the
+  # double-buffered group), so that a failure among the new ones (a sweep
+  # stops at its first) leaves the others' rows whole.
+  local ran=${ALLREDUCE_RAN:-one_shot,two_shot,ring,tree,int8_split,gloo}
+  local new=${ALLREDUCE_NEW:-int8,int4,one_shot_db,two_shot_db}
   for w in 2 4; do
-    timeout "$(cap "$STEP_TIMEOUT")" "$PY" benchmarks/gpu/allreduce.py --world "$w" --max-bytes $((256 << 20)) 2>&1 \
-      | tee "$LOG/allreduce_${w}${tag}.log"
+    timeout "$(cap "$STEP_TIMEOUT")" "$PY" benchmarks/gpu/allreduce.py --world "$w" --max-bytes $((256 << 20)) \
+      --algorithms "$ran" 2>&1 | tee "$LOG/allreduce_${w}${tag}.log"
+    timeout "$(cap "$STEP_TIMEOUT")" "$PY" benchmarks/gpu/allreduce.py --world "$w" --max-bytes $((256 << 20)) \
+      --algorithms "$new" 2>&1 | tee "$LOG/allreduce_${w}${tag}_new.log"
   done
 }
 
