@@ -44,3 +44,19 @@ def test_env_algorithm_is_a_preference(pool):
 def test_all_reduce_coalesced_per_dtype(pool):
     for rank, res in enumerate(pool.run(coalesced, WORLD, pool.new_name())):
         assert res == {"plain": True, "int8": True}, f"rank {rank}: {res}"
+
+
+def test_cuda_ipc_group_settings_are_checked_before_any_gpu_work():
+    """pycomm.cuda_ipc.IpcAllReduce refuses an unknown quantized_kernels value
+    with the values it takes, on any build; on a build without CUDA a valid
+    group says so instead of failing later."""
+    import torch.distributed as dist
+
+    import pycomm
+
+    store = dist.HashStore()
+    with pytest.raises(pycomm.CommError, match="'fused' or 'split'"):
+        pycomm.cuda_ipc.IpcAllReduce(store, 0, 1, quantized_kernels="fast")
+    if not pycomm.load_core().has_cuda:
+        with pytest.raises(pycomm.CommError, match="no CUDA support"):
+            pycomm.cuda_ipc.IpcAllReduce(store, 0, 1, quantized_kernels="split", double_buffer=True)
