@@ -63,10 +63,15 @@ struct FusedArgs {
   bool pairs;  // the output takes step 5's paired stores (pairs_fit)
 };
 
-// Shard q's elements: [*lo, *lo + returned count).
+// Shard q of n elements in shards of `shard`: [*lo, *lo + returned count)
+// (the last shards may be short or empty). Host and device.
+PYCOMM_HOST_DEVICE size_t shard_span(size_t n, size_t shard, int q, size_t* lo) {
+  *lo = n < q * shard ? n : q * shard;
+  return (n < *lo + shard ? n : *lo + shard) - *lo;
+}
+
 __device__ __forceinline__ size_t shard_span(const FusedArgs& a, int q, size_t* lo) {
-  *lo = min(a.n, q * a.shard);
-  return min(a.n, *lo + a.shard) - *lo;
+  return shard_span(a.n, a.shard, q, lo);
 }
 
 // Step 5 of the fused kernel: every rank's reduced shard decoded into out.
@@ -177,7 +182,8 @@ bool launch_fused(CudaIpcAllReduce& group, const IpcQuantCall& c, size_t shard, 
   a.sum.post_scale = c.avg ? 1.0f / static_cast<float>(view.world) : 1.0f;
   a.sum.r = c.server_residual;
   a.server_residual = c.server_residual;
-  a.sum.nblocks = kernels::quant_num_blocks(std::min(c.n - std::min(c.n, view.rank * shard), shard), c.block);
+  size_t mine_lo;
+  a.sum.nblocks = kernels::quant_num_blocks(shard_span(c.n, shard, view.rank, &mine_lo), c.block);
   a.sum.bits = c.bits;
   a.sum.block = c.block;
   a.sum.cancel = nullptr;  // the barrier before step 3 is the check
@@ -227,10 +233,7 @@ void ipc_quantized_all_reduce(CudaIpcAllReduce& group, const IpcQuantCall& c, cu
   group.settle(stream);
   if (c.fused && launch_fused(group, c, shard, slot, stream)) return;
   const size_t es = dtype_size(c.dtype);
-  auto span = [&](int q, size_t* lo) {
-    *lo = std::min(c.n, q * shard);
-    return std::min(c.n, *lo + shard) - *lo;
-  };
+  auto span = [&](int q, size_t* lo) { return shard_span(c.n, shard, q, lo); };
   auto* own = static_cast<uint8_t*>(group.peer_buffer(rank));
   auto buffer = [&](int q) { return static_cast<uint8_t*>(group.peer_buffer(q)); };
 
