@@ -281,28 +281,39 @@ __global__ void range_count_kernel(const T* x, size_t n, const SelectState* st, 
   if (threadIdx.x == 0) counts[blockIdx.x] = total;
 }
 
+// The counts of ranges kPer t .. kPer t + kPer - 1 of thread t, those
+// below `limit` (0 from it on), into c; returns their sum. One thread would
+// wait for 1024 loads from L2 one after another.
+constexpr int kRangesPerThread = kTieRanges / kThreads;
+static_assert(kTieRanges % kThreads == 0, "tie ranges split evenly over the threads");
+
+__device__ __forceinline__ uint32_t thread_range_counts(const uint32_t* counts, int limit,
+                                                        uint32_t (&c)[kRangesPerThread]) {
+  uint32_t sum = 0;
+#pragma unroll
+  for (int j = 0; j < kRangesPerThread; ++j) {
+    const int r = threadIdx.x * kRangesPerThread + j;
+    c[j] = r < limit ? counts[r] : 0u;
+    sum += c[j];
+  }
+  return sum;
+}
+
 template <typename T>
 __global__ void tie_cutoff_kernel(const T* x, size_t n, SelectState* st, int ranges, const uint32_t* counts) {
   if (st->done) return;
   const uint32_t need = st->k_left;
   // 1. The range that holds the need-th tie, and the ties before it: thread
-  //    t adds the counts of ranges kPer t .. kPer t + kPer - 1, a block-wide
+  //    t adds the counts of its ranges (thread_range_counts), a block-wide
   //    prefix sum gives it the ties before them, and the thread whose ranges
-  //    reach `need` names the range (one thread would wait for 1024 loads
-  //    from L2 one after another).
-  constexpr int kPer = kTieRanges / kThreads;
-  static_assert(kTieRanges % kThreads == 0, "tie ranges split evenly over the threads");
+  //    reach `need` names the range.
+  constexpr int kPer = kRangesPerThread;
   using Scan = cub::BlockScan<uint32_t, kThreads>;
   __shared__ typename Scan::TempStorage scan;
   __shared__ int range;
   __shared__ uint32_t seen0;
-  uint32_t c[kPer], mine = 0;
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    const int r = threadIdx.x * kPer + j;
-    c[j] = r < ranges ? counts[r] : 0u;
-    mine += c[j];
-  }
+  uint32_t c[kPer];
+  const uint32_t mine = thread_range_counts(counts, ranges, c);
   uint32_t before, all;
   Scan(scan).ExclusiveSum(mine, before, all);
   if (threadIdx.x == 0) {
@@ -354,17 +365,11 @@ __global__ void kept_write_kernel(const T* x, size_t n, const SelectState* st, i
                                   int32_t* idx, int* kept) {
   // 1. The first slot of this block's range: the kept keys of the ranges
   //    before it (and, in the last block, of all: the count kept).
-  constexpr int kPer = kTieRanges / kThreads;
   using Reduce = cub::BlockReduce<uint32_t, kThreads>;
   __shared__ typename Reduce::TempStorage reduce;
   __shared__ uint32_t first;
-  uint32_t mine = 0;
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    const int r = threadIdx.x * kPer + j;
-    mine += r < static_cast<int>(blockIdx.x) ? counts[r] : 0u;
-  }
-  const uint32_t before = Reduce(reduce).Sum(mine);
+  uint32_t c[kRangesPerThread];
+  const uint32_t before = Reduce(reduce).Sum(thread_range_counts(counts, static_cast<int>(blockIdx.x), c));
   if (threadIdx.x == 0) {
     first = before;
     if (blockIdx.x == gridDim.x - 1) *kept = static_cast<int>(before + counts[blockIdx.x]);
