@@ -595,8 +595,6 @@ def sparse_embedding(rank: int, world: int, hook: str, path: str = "auto", devic
     average of every rank's) at every step, including PowerSGD's steps (its
     sparse bucket is the last one: the one before must still finish) and the
     stale hook's (sparse buckets are not delayed)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     g, comm = _group(world)
     if rank >= world:
         return {}

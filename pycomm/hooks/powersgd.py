@@ -25,6 +25,7 @@ Example::
     ddp.register_comm_hook(state, hooks.powersgd_hook)
 """
 
+import inspect
 import logging
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -120,6 +121,12 @@ class _Layout:
         self.key = tuple(tuple(g.shape) for g in grads)
 
 
+def _signature_defaults(fn) -> Dict[str, Any]:
+    """``fn``'s parameters' defaults, by name."""
+    return {name: p.default for name, p in inspect.signature(fn).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+
+
 # torch's PowerSGDState keywords -> this state's (None: accepted, ignored).
 _TORCH_NAMES: Dict[str, Optional[str]] = {
     "matrix_approximation_rank": "rank",
@@ -180,7 +187,7 @@ class PowerSGDState(HookState):
                  **torch_names: Any) -> None:
         given = dict(rank=rank, start_iter=start_iter, error_feedback=error_feedback, epsilon=epsilon, seed=seed,
                      batch_same_shape=batch_same_shape)
-        defaults = dict(rank=1, start_iter=10, error_feedback=True, epsilon=0.0, seed=0, batch_same_shape=True)
+        defaults = _signature_defaults(PowerSGDState.__init__)
         for name, value in torch_names.items():
             ours = _TORCH_NAMES.get(name, "")
             if ours == "":
