@@ -258,6 +258,42 @@ def test_dequant_reduce_requant_is_fused_reference(bits):
     assert torch.equal(hop.payload, C.quantize(dense.float() + C.dequantize(srcs[0]), bits=bits, block=block).payload)
 
 
+@pytest.mark.parametrize("offset", [1, 2, 3, 4])
+def test_payloads_at_any_byte_offset(offset):
+    """A payload is a uint8 tensor, so a view of a larger buffer may start at
+    any byte; the kernels read and write its float scales in place (a GPU
+    faults on a misaligned float), so such payloads go through an aligned
+    copy: every op reads and writes the same bytes as at offset 0, and the
+    bytes of a buffer past the payload stay untouched."""
+    ops = torch.ops.pycomm
+    n, bits, block = 1001, 8, 64
+    x = rand_blocks(n, block, seed=50)
+    want = ops.quantize(x, bits, block, False, 0, None, 0)
+    size = want.numel()
+
+    def view(fill):  # a payload `offset` bytes into a buffer with 5 guard bytes after it
+        buf = torch.full((offset + size + 5,), fill, dtype=torch.uint8)
+        return buf, buf[offset:offset + size + 5]
+
+    buf, p = view(0xA5)
+    ops.quantize_into(x, p, bits, block, False, 0, None, 0)
+    assert torch.equal(p[:size], want) and bool((buf[offset + size:] == 0xA5).all())
+    assert bool((buf[:offset] == 0xA5).all())
+    out = torch.empty(n)
+    ops.dequantize_into(out, p, bits, block)
+    assert torch.equal(out, ops.dequantize(want, n, bits, block, torch.float32))
+    acc = torch.randn(n, generator=gen(51))
+    ref = acc.clone()
+    ops.dequantize_accumulate(acc, p, bits, block)
+    ops.dequantize_accumulate(ref, want, bits, block)
+    assert torch.equal(acc, ref)
+    other = ops.quantize(rand_blocks(n, block, seed=52), bits, block, False, 0, None, 0)
+    red_ref = ops.dequant_reduce_requant([want, other], None, n, bits, block, 0.5, False, 0, None, 0)
+    buf2, into = view(0x5A)
+    ops.dequant_reduce_requant_into(into, [p, other], None, n, bits, block, 0.5, False, 0, None, 0)
+    assert torch.equal(into[:size], red_ref) and bool((buf2[offset + size:] == 0x5A).all())
+
+
 def l2_mass(x, idx):
     return x.double()[idx.long()].pow(2).sum().item()
 

@@ -44,9 +44,12 @@ def test_quantize_and_error_feedback_match_cpu(dtype, bits, block, stochastic):
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 @pytest.mark.parametrize("bits,block", [(8, 256), (4, 256), (8, 64), (4, 512)])
 def test_dequantize_matches_cpu_at_any_alignment(dtype, bits, block):
-    """Outputs and payloads that start one element or byte off their
-    allocation take the one-element-per-step kernel, the others the kernel
-    of two elements per step; odd counts cut a block's last pair."""
+    """Outputs that start one element off their allocation take the
+    one-element-per-step kernel, the others the kernel of two elements per
+    step; odd counts cut a block's last pair. Payloads one byte off go
+    through an aligned copy (a misaligned scale read faulted on an H200 and
+    poisoned the process's CUDA context). Quantizing into such a payload
+    writes the CPU's bytes and nothing past them."""
     for n in (1, block - 1, 100003):
         p_cpu = OPS.quantize(rand_blocks(n, block, n, dtype), bits, block, False, 0, None)
         for p_off in (0, 1):
@@ -62,6 +65,11 @@ def test_dequantize_matches_cpu_at_any_alignment(dtype, bits, block):
                 OPS.dequantize_into(want, p_cpu, bits, block)
                 OPS.dequantize_into(got, p_gpu, bits, block)
                 assert same_bits(want, got), (n, p_off, o_off)
+            x = rand_blocks(n, block, 8, dtype)
+            into = torch.full((p_cpu.numel() + p_off + 3,), 7, dtype=torch.uint8, device="cuda")
+            OPS.quantize_into(x.cuda(), into[p_off:p_off + p_cpu.numel()], bits, block, False, 0, None, 0)
+            assert same_bits(into[p_off:p_off + p_cpu.numel()], OPS.quantize(x, bits, block, False, 0, None, 0))
+            assert bool((into[p_off + p_cpu.numel():] == 7).all()), (n, p_off, "past the payload")
 
 
 # 9 sources at blocks of 64 and 5 at 256 take the fused kernel's groups of

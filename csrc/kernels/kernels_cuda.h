@@ -21,6 +21,8 @@ void reduce_cuda(DType dtype, RedOp op, void* out0, void* out1, const void* cons
 void copy_cuda(void* out0, void* out1, const void* src, size_t bytes, cudaStream_t stream);
 void divide_cuda(DType dtype, void* data, size_t count, double divisor, cudaStream_t stream);
 
+// Payloads (read or written) start at a 4-byte boundary: their float scales
+// are accessed in place (the torch glue stages any other through a copy).
 void quantize_cuda(const QuantSpec& spec, DType dtype, const void* x, float* residual, size_t n, uint8_t* payload,
                    uint64_t index_base, cudaStream_t stream);
 // `cancel` (optional): a word in device memory (every thread block reads it

@@ -7,6 +7,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,34 @@ void check_payload(const at::Tensor& p, const c10::Device& device, int64_t numel
   TORCH_CHECK(static_cast<size_t>(p.numel()) >= want, "pycomm.", op, ": a payload of ", numel, " elements at ",
               bits, " bits, block ", block, " needs ", want, " bytes, got ", p.numel());
 }
+
+// The kernels read and write a payload's float scales in place, so a
+// payload must start at a 4-byte boundary; a uint8 view at any other offset
+// goes through an aligned copy (on a GPU a misaligned float access faults
+// and poisons the whole context). Payload sizes are multiples of 8
+// (quant_payload_bytes): payloads cut from one buffer at their sizes stay
+// aligned and are never copied.
+bool payload_aligned(const at::Tensor& p) {
+  return reinterpret_cast<uintptr_t>(p.data_ptr()) % alignof(float) == 0;
+}
+
+// A payload the kernels only read.
+at::Tensor readable_payload(const at::Tensor& p) { return payload_aligned(p) ? p : p.clone(); }
+
+// A payload the kernels write: `p` itself, or an aligned scratch of its
+// size whose first `bytes` finish() copies back into `p`.
+struct WritablePayload {
+  at::Tensor target, scratch;
+  size_t bytes;
+  WritablePayload(const at::Tensor& p, size_t used)
+      : target(p), scratch(payload_aligned(p) ? p : at::empty_like(p)), bytes(used) {}
+  uint8_t* data() { return scratch.data_ptr<uint8_t>(); }
+  void finish() {
+    if (scratch.is_same(target)) return;
+    const auto used = static_cast<int64_t>(bytes);
+    target.narrow(0, 0, used).copy_(scratch.narrow(0, 0, used));
+  }
+};
 
 float* residual_ptr(const c10::optional<at::Tensor>& r, const c10::Device& device, int64_t numel, const char* op) {
   if (!r.has_value() || !r->defined()) return nullptr;
@@ -116,7 +145,9 @@ void quantize_into(const at::Tensor& x, const at::Tensor& payload, int64_t bits,
   float* r = residual_ptr(residual, x.device(), x.numel(), op);
   check_payload(payload, x.device(), x.numel(), bits, block, op);
   kernels::QuantSpec s{static_cast<int>(bits), static_cast<int>(block), stochastic, static_cast<uint64_t>(seed)};
-  guarded([&] { k.quantize(s, dt, x.data_ptr(), r, x.numel(), payload.data_ptr<uint8_t>(), index_base); });
+  WritablePayload w(payload, kernels::quant_payload_bytes(x.numel(), bits, block));
+  guarded([&] { k.quantize(s, dt, x.data_ptr(), r, x.numel(), w.data(), index_base); });
+  w.finish();
 }
 
 at::Tensor quantize(const at::Tensor& x, int64_t bits, int64_t block, bool stochastic, int64_t seed,
@@ -137,9 +168,8 @@ void dequantize_to(const at::Tensor& out, const at::Tensor& payload, int64_t bit
   const DeviceKernels& k = kernels_for(out, op);
   const DType dt = float_dtype(out, op, accumulate ? "acc" : "out");
   check_payload(payload, out.device(), out.numel(), bits, block, op);
-  guarded([&] {
-    k.dequantize(bits, block, payload.data_ptr<uint8_t>(), out.numel(), dt, out.data_ptr(), accumulate);
-  });
+  const at::Tensor p = readable_payload(payload);
+  guarded([&] { k.dequantize(bits, block, p.data_ptr<uint8_t>(), out.numel(), dt, out.data_ptr(), accumulate); });
 }
 
 at::Tensor dequantize(const at::Tensor& payload, int64_t numel, int64_t bits, int64_t block, at::ScalarType dtype) {
@@ -166,10 +196,12 @@ void dequant_reduce_requant_into(const at::Tensor& out, at::TensorList payloads,
   check_index_base(index_base, op);
   TORCH_CHECK(!payloads.empty(), "pycomm.", op, ": needs at least one payload");
   const c10::Device device = payloads[0].device();
+  std::vector<at::Tensor> held;  // aligned copies, alive until the launch
   std::vector<const uint8_t*> srcs;
   for (const auto& p : payloads) {
     check_payload(p, device, numel, bits, block, op);
-    srcs.push_back(p.data_ptr<uint8_t>());
+    held.push_back(readable_payload(p));
+    srcs.push_back(held.back().data_ptr<uint8_t>());
   }
   const c10::DeviceGuard guard(device);
   const DeviceKernels& k = kernels_for(payloads[0], op);
@@ -188,11 +220,13 @@ void dequant_reduce_requant_into(const at::Tensor& out, at::TensorList payloads,
   }
   a.post_scale = static_cast<float>(post_scale);
   check_payload(out, device, numel, bits, block, op);
-  a.out_payload = out.data_ptr<uint8_t>();
+  WritablePayload w(out, kernels::quant_payload_bytes(numel, bits, block));
+  a.out_payload = w.data();
   a.requant = kernels::QuantSpec{a.bits, a.block, stochastic, static_cast<uint64_t>(seed)};
   a.residual = residual_ptr(residual, device, numel, op);
   a.index_base = static_cast<uint64_t>(index_base);
   guarded([&] { k.dequant_reduce(a); });
+  w.finish();
 }
 
 at::Tensor dequant_reduce_requant(at::TensorList payloads, const c10::optional<at::Tensor>& dense, int64_t numel,
