@@ -102,13 +102,38 @@ build() {
 tests() {
   "$PY" -c "import pycomm, pycomm._C as c; assert c.has_cuda, 'built without CUDA'; print('pycomm built with CUDA')" \
     || return 1
-  timeout "$(cap "${TESTS_TIMEOUT:-420}")" "$PY" -m pytest -q -m cuda -p no:cacheprovider $PER_TEST -rf --durations=15 \
-    ${CUDA_TESTS:-tests/test_cuda.py tests/test_docs.py} \
+  # A sticky CUDA error skips the in-process CUDA tests after it (conftest.py
+  # lists them in $rerun): up to 3 more passes, each in a fresh process.
+  local rerun="$LOG/cuda_rerun.txt" pass=1 ids
+  : > "$rerun"
+  PYCOMM_CUDA_RERUN=$rerun timeout "$(cap "${TESTS_TIMEOUT:-420}")" "$PY" -m pytest -q -m cuda -p no:cacheprovider \
+    $PER_TEST -rfs --durations=15 ${CUDA_TESTS:-tests/test_cuda.py tests/test_docs.py} \
     2>&1 | tee "$LOG/tests.log" | tail -30
+  while [ -s "$rerun" ] && [ "$pass" -lt 4 ]; do
+    pass=$((pass + 1))
+    mapfile -t ids < "$rerun"
+    : > "$rerun"
+    echo "=== tests, pass $pass: ${#ids[@]} skipped after a sticky CUDA error, in a fresh process" \
+      | tee -a "$LOG/tests.log"
+    PYCOMM_CUDA_RERUN=$rerun timeout "$(cap 240)" "$PY" -m pytest -q -m cuda -p no:cacheprovider $PER_TEST -rfs \
+      "${ids[@]}" 2>&1 | tee -a "$LOG/tests.log" | tail -15
+  done
+}
+
+# The SM clock and why it is held back, before and after a timing stage: the
+# kernels bound by instruction issue (quantize, dequantize) follow the SM
+# clock, the copy they are measured against does not (on 2026-11-27 they
+# ran 15-20 % under the lease before at the same copy rate).
+clocks() {
+  nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv,noheader | sed "s/^/# clocks $1: sm, max sm, mem, power, temperature, throttle: /" \
+    | tee -a "$LOG/clocks.txt"
 }
 
 kernels() {
+  clocks "before kernels"
   timeout "$(cap "$STEP_TIMEOUT")" "$PY" benchmarks/gpu/kernels.py 2>&1 | tee "$LOG/kernels.log"
+  clocks "after kernels"
 }
 
 profile() {
@@ -116,9 +141,12 @@ profile() {
   # launch count: in one shared count the first kernels of kernels.py (the
   # quantize kernel's warm-up and repeats) used it all up.
   local sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats"
-  local kernels=("InputValue<float>" "SumValue<float>" "dequantize_(pair|warp)_kernel<8, float>"
-                 "dequantize_(pair|warp)_kernel<8, .*BFloat16" "reduce_kernel<float"
-                 "histogram_kernel" "range_count_kernel|kept_write_kernel|gather_kernel|choose_kernel")
+  # Demangled names spell template arguments as "(int)8" and "(bool)1", and
+  # SumValue has a second argument: patterns match a prefix (on 2026-11-27
+  # all but the first matched nothing).
+  local kernels=("InputValue<float>" "SumValue<float" "dequantize_warp_kernel<(\\(int\\))?8, float"
+                 "dequantize_warp_kernel<(\\(int\\))?8, .*BFloat16" "reduce_kernel<float"
+                 "histogram_kernel" "range_count_kernel|kept_write_kernel|gather_kernel|tie_cutoff_kernel")
   : > "$LOG/ncu.txt"
   for k in "${kernels[@]}"; do
     timeout "$(cap 60)" ncu --clock-control none --kernel-name-base demangled --kernel-name "regex:$k" \
