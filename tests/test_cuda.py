@@ -72,6 +72,41 @@ def test_dequantize_matches_cpu_at_any_alignment(dtype, bits, block):
             assert bool((into[p_off + p_cpu.numel():] == 7).all()), (n, p_off, "past the payload")
 
 
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("bits,block", [(8, 256), (4, 128), (8, 512), (4, 64), (8, 40)])
+def test_nan_and_inf_blocks_match_cpu(dtype, bits, block):
+    """Blocks holding NaN or Inf (flagged: their codes carry them exactly)
+    take their own branch in the warp kernels, decided once per block; every
+    other block the finite one. Payloads, residuals and decoded values as the
+    CPU kernels', whole and cut blocks alike."""
+    n = 7 * block + block // 2
+    x = rand_blocks(n, block, 21, dtype)
+    g = torch.Generator().manual_seed(22)
+    for value in (float("nan"), float("inf"), float("-inf")):
+        x[torch.randint(0, n, (5,), generator=g)] = value
+    x[6 * block + 3] = float("nan")  # the last whole block
+    x[n - 1] = float("inf")  # the cut block
+    r = torch.randn(n, generator=g) * 0.01
+    r_gpu = r.cuda()
+    p_cpu = OPS.quantize(x, bits, block, False, 0, r)
+    p_gpu = OPS.quantize(x.cuda(), bits, block, False, 0, r_gpu)
+    assert same_bits(p_cpu, p_gpu) and same_bits(r, r_gpu)
+    for out_dtype in FLOATS:
+        assert same_bits(OPS.dequantize(p_cpu, n, bits, block, out_dtype),
+                         OPS.dequantize(p_gpu, n, bits, block, out_dtype))
+    acc = rand_blocks(n, block, 23, dtype)
+    acc_gpu = acc.cuda()
+    OPS.dequantize_accumulate(acc, p_cpu, bits, block)
+    OPS.dequantize_accumulate(acc_gpu, p_gpu, bits, block)
+    assert same_bits(acc, acc_gpu)
+    other = OPS.quantize(rand_blocks(n, block, 24), bits, block, False, 0, None)
+    s = torch.zeros(n)
+    s_gpu = s.cuda()
+    cpu = OPS.dequant_reduce_requant([p_cpu, other], None, n, bits, block, 0.5, False, 0, s)
+    gpu = OPS.dequant_reduce_requant([p_gpu, other.cuda()], None, n, bits, block, 0.5, False, 0, s_gpu)
+    assert same_bits(cpu, gpu) and same_bits(s, s_gpu)
+
+
 # 9 sources at blocks of 64 and 5 at 256 take the fused kernel's groups of
 # sources whole and cut; 1 source, no dense addend and no residual its
 # shortest form.

@@ -60,7 +60,10 @@ struct FusedArgs {
   SumValue<float, 16> sum;
   float* server_residual;  // shard floats (sum.r, writable), or null
   uint64_t key_requantize;
-  bool pairs;  // the output takes step 5's paired stores (pairs_fit)
+  // Step 5 stores two elements a lane and step (pairs_fit), or one where
+  // this rank's output starts an element into its allocation. Per rank:
+  // every rank must take the same kernel, whatever its output.
+  bool pairs;
 };
 
 // Shard q of n elements in shards of `shard`: [*lo, *lo + returned count)
@@ -75,7 +78,7 @@ __device__ __forceinline__ size_t shard_span(const FusedArgs& a, int q, size_t* 
 }
 
 // Step 5 of the fused kernel: every rank's reduced shard decoded into out.
-template <int E, int kU, bool kPairs, typename T>
+template <int E, int kBits, int kU, bool kPairs, typename T>
 __device__ __forceinline__ void decode_shards(const FusedArgs& a, T* out, int lane) {
   constexpr int kBlock = 32 * E;
   const int world = a.peers.world;
@@ -89,15 +92,21 @@ __device__ __forceinline__ void decode_shards(const FusedArgs& a, T* out, int la
     for_warp_blocks_batched<kBlock, kU>(
         len,
         [&](int u, size_t blk, size_t base, int m) {
-          load_codes<E, kPairs>(payload, codes, blk, base, m, lane, a.bits, lc[u]);
+          with_block_full<E, kBits>(m, [&](auto kind) {
+            load_codes<E, kPairs, decltype(kind)>(payload, codes, blk, base, m, lane, lc[u]);
+          });
         },
         [&](int u, size_t, size_t base, int m) {
-          store_decoded<E, kPairs>(lc[u], base, m, lane, a.bits, out + lo, false, none);
+          with_block_full<E, kBits>(m, [&](auto kind) {
+            store_decoded<E, kPairs, decltype(kind)>(lc[u], base, m, lane, out + lo, false, none);
+          });
         });
   }
 }
 
-template <int E, typename T>
+// One instantiation per codec (kBits): with the bits a runtime value every
+// phase held both codecs' code, and at 80 registers blocks of 512 spilled.
+template <int E, int kBits, typename T>
 __global__ void __launch_bounds__(kFusedThreads, 3) ipc_quantized_kernel(FusedArgs a, const T* in, T* out) {
   constexpr int kBlock = 32 * E;
   // Blocks per batch: 16 values a lane for blocks of 128 to 512 (4, 2 and 1
@@ -120,11 +129,19 @@ __global__ void __launch_bounds__(kFusedThreads, 3) ipc_quantized_kernel(FusedAr
     const InputValue<T> value{in + lo, res};
     float v[kU][E];
     for_warp_blocks_batched<kBlock, kU>(
-        len, [&](int u, size_t blk, size_t base, int m) { value.lane_values(blk, base, lane, m, v[u]); },
+        len,
         [&](int u, size_t blk, size_t base, int m) {
-          quantize_values<E>(v[u], blk, base, m, lane, a.bits, a.stochastic, a.key_quantize, lo, scales, codes, res);
+          with_block_full<E, kBits>(m, [&](auto kind) {
+            value.template lane_values<E, decltype(kind)>(blk, base, lane, m, v[u]);
+          });
+        },
+        [&](int u, size_t blk, size_t base, int m) {
+          with_block_full<E, kBits>(m, [&](auto kind) {
+            quantize_values<E, decltype(kind)>(v[u], blk, base, m, lane, a.stochastic, a.key_quantize, lo, scales,
+                                               codes, res);
+          });
         });
-    zero_payload_tail(payload, len, a.bits, kBlock);
+    zero_payload_tail(payload, len, kBits, kBlock);
   }
   // 2. Every rank's slots are written (this block's quantization blocks).
   const uint32_t epoch = ipc_detail::next_epoch(a.peers);
@@ -140,21 +157,28 @@ __global__ void __launch_bounds__(kFusedThreads, 3) ipc_quantized_kernel(FusedAr
     uint8_t* codes = payload + quant_num_blocks(len, kBlock) * 4;
     float v[kU][E];
     for_warp_blocks_batched<kBlock, kU>(
-        len, [&](int u, size_t blk, size_t base, int m) { a.sum.lane_values(blk, base, lane, m, v[u]); },
+        len,
         [&](int u, size_t blk, size_t base, int m) {
-          quantize_values<E>(v[u], blk, base, m, lane, a.bits, a.stochastic, a.key_requantize, rank * a.shard,
-                             scales, codes, a.server_residual);
+          with_block_full<E, kBits>(m, [&](auto kind) {
+            a.sum.template lane_values<E, decltype(kind)>(blk, base, lane, m, v[u]);
+          });
+        },
+        [&](int u, size_t blk, size_t base, int m) {
+          with_block_full<E, kBits>(m, [&](auto kind) {
+            quantize_values<E, decltype(kind)>(v[u], blk, base, m, lane, a.stochastic, a.key_requantize,
+                                               rank * a.shard, scales, codes, a.server_residual);
+          });
         });
-    zero_payload_tail(payload, len, a.bits, kBlock);
+    zero_payload_tail(payload, len, kBits, kBlock);
   }
   // 4. Every rank's reduced shard is written (and this block's part of every
   //    slot of step 1 read).
   if (!ipc_detail::block_barrier(a.peers, 1, epoch)) return;
   // 5. Every rank decodes the same bytes: the same result everywhere.
   if (a.pairs)
-    decode_shards<E, kU, true>(a, out, lane);
+    decode_shards<E, kBits, kU, true>(a, out, lane);
   else
-    decode_shards<E, kU, false>(a, out, lane);
+    decode_shards<E, kBits, kU, false>(a, out, lane);
   // 6. Nobody writes its buffer again (the next launch) before every rank
   //    has read this block's part of it.
   ipc_detail::block_barrier(a.peers, 2, epoch);
@@ -200,7 +224,10 @@ bool launch_fused(CudaIpcAllReduce& group, const IpcQuantCall& c, size_t shard, 
       auto* o = static_cast<T*>(c.output);
       const auto* i = static_cast<const T*>(c.input);
       a.pairs = pairs_fit<T>(c.output, a.buf[0] + view.world * slot, c.bits);
-      ipc_quantized_kernel<E, T><<<grid, kFusedThreads, 0, stream>>>(a, i, o);
+      if (c.bits == 8)
+        ipc_quantized_kernel<E, 8, T><<<grid, kFusedThreads, 0, stream>>>(a, i, o);
+      else
+        ipc_quantized_kernel<E, 4, T><<<grid, kFusedThreads, 0, stream>>>(a, i, o);
     });
     kernels::cuda_detail::check(cudaGetLastError(), "quantized all-reduce launch");
   });

@@ -96,17 +96,27 @@ PYCOMM_HOST_DEVICE float floor_f(float v) { return floorf(v); }
 
 // Code of one value. `u` in [0, 1) for stochastic rounding (floor(v + u) is
 // unbiased: E[code] = v), or negative for round-to-nearest-even.
-PYCOMM_HOST_DEVICE int quant_code(float x, const BlockQuant& b, float u) {
-  if (!is_finite_f(x)) {
-    if (x != x) return -b.qmax - 1;
-    return x > 0.f ? b.qmax : -b.qmax;
-  }
+// quant_code of a finite x. In a block that is not flagged every value is
+// finite, so the GPU's warp kernels call this for the whole block once they
+// know it (the test per element was a branch per element).
+PYCOMM_HOST_DEVICE int quant_code_finite(float x, const BlockQuant& b, float u) {
   const float v = x * b.inv;
   float q = u < 0.f ? round_half_even(v) : floor_f(v + u);
   const float lim = static_cast<float>(b.qrange);
   q = q > lim ? lim : (q < -lim ? -lim : q);
   return static_cast<int>(q);
 }
+
+PYCOMM_HOST_DEVICE int quant_code(float x, const BlockQuant& b, float u) {
+  if (!is_finite_f(x)) {
+    if (x != x) return -b.qmax - 1;
+    return x > 0.f ? b.qmax : -b.qmax;
+  }
+  return quant_code_finite(x, b, u);
+}
+
+// dequant_code in a block that is not flagged (scale_flagged false).
+PYCOMM_HOST_DEVICE float dequant_code_unflagged(int q, float stored) { return static_cast<float>(q) * stored; }
 
 // Value of one code given the block's stored scale.
 PYCOMM_HOST_DEVICE float dequant_code(int q, float stored, int bits) {
@@ -117,7 +127,7 @@ PYCOMM_HOST_DEVICE float dequant_code(int q, float stored, int bits) {
     if (q == -qmax - 1) return bits_to_float(0x7fc00000u);
     return static_cast<float>(q) * -stored;
   }
-  return static_cast<float>(q) * stored;
+  return dequant_code_unflagged(q, stored);
 }
 
 // int4 nibble <-> code.

@@ -45,10 +45,23 @@ PYCOMM_HOST_DEVICE float to_float(BFloat16 v) {
 // Round to nearest even; NaN stays a (quiet) NaN rather than rounding up
 // into the infinity pattern.
 PYCOMM_HOST_DEVICE BFloat16 from_float_bf16(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  // One conversion instruction on the GPU, where the bit arithmetic below
+  // compiles to about ten: bf16 outputs cost more instructions than float32
+  // ones, and the kernels that write them are bound by instruction issue
+  // (H200: dequantize into bf16 at 42 % of the copy bandwidth, into float32
+  // 70 %). IEEE round to nearest even gives the same bits for every value
+  // but NaN, which comes out as the hardware's canonical NaN (as from the
+  // reductions: a NaN's payload is the hardware's).
+  uint16_t r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return BFloat16{r};
+#else
   uint32_t u = float_to_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return BFloat16{static_cast<uint16_t>((u >> 16) | 0x40u)};
   u += 0x7fffu + ((u >> 16) & 1u);
   return BFloat16{static_cast<uint16_t>(u >> 16)};
+#endif
 }
 
 #if defined(__CUDACC__)

@@ -58,9 +58,12 @@ __global__ void quantize_warp_kernel(V value, size_t n, int bits, bool stochasti
   uint8_t* codes = payload + quant_num_blocks(n, kBlock) * 4;
   const int lane = threadIdx.x % 32;
   for_warp_blocks<kBlock>(n, [&](size_t blk, size_t base, int m) {
-    float v[E];
-    value.lane_values(blk, base, lane, m, v);
-    quantize_values<E>(v, blk, base, m, lane, bits, stochastic, key, index_base, scales, codes, residual);
+    with_block_kind<E>(bits, m, [&](auto kind) {
+      using Kind = decltype(kind);
+      float v[E];
+      value.template lane_values<E, Kind>(blk, base, lane, m, v);
+      quantize_values<E, Kind>(v, blk, base, m, lane, stochastic, key, index_base, scales, codes, residual);
+    });
   });
   zero_payload_tail(payload, n, bits, kBlock);
 }
@@ -87,13 +90,16 @@ __global__ void store_sum_warp_kernel(SumValue<D> sum, size_t n, O* out) {
   if (cancelled(sum.cancel)) return;
   const int lane = threadIdx.x % 32;
   for_warp_blocks<kBlock>(n, [&](size_t blk, size_t base, int m) {
-    float v[E];
-    sum.lane_values(blk, base, lane, m, v);
+    with_block_kind<E>(sum.bits, m, [&](auto kind) {
+      using Kind = decltype(kind);
+      float v[E];
+      sum.template lane_values<E, Kind>(blk, base, lane, m, v);
 #pragma unroll
-    for (int k = 0; k < E; ++k) {
-      const int j = lane + 32 * k;
-      if (j < m) out[base + j] = store_acc<O>(v[k]);
-    }
+      for (int k = 0; k < E; ++k) {
+        const int j = lane + 32 * k;
+        if (in_block<Kind>(j, m)) out[base + j] = store_acc<O>(v[k]);
+      }
+    });
   });
 }
 

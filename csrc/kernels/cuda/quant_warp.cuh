@@ -30,10 +30,50 @@ struct Sources {
 };
 
 // The code of element i (global; j within its block) of a payload's codes.
+template <int kBits>
+__device__ __forceinline__ int code_of(const uint8_t* codes, size_t i, int j) {
+  if constexpr (kBits == 8) {
+    return reinterpret_cast<const int8_t*>(codes)[i];
+  } else {
+    const uint8_t byte = codes[i / 2];
+    return code_of_nibble((j & 1) ? static_cast<uint8_t>(byte >> 4) : byte);
+  }
+}
+
 __device__ __forceinline__ int code_at(const uint8_t* codes, int bits, size_t i, int j) {
-  if (bits == 8) return reinterpret_cast<const int8_t*>(codes)[i];
-  const uint8_t byte = codes[i / 2];
-  return code_of_nibble((j & 1) ? static_cast<uint8_t>(byte >> 4) : byte);
+  return bits == 8 ? code_of<8>(codes, i, j) : code_of<4>(codes, i, j);
+}
+
+// What the warp kernels know of a quantization block before they touch its
+// elements: the codec's bits (8 or 4) and whether the block is whole
+// (m == 32 E, every block but a tensor's last), as compile-time constants.
+// Tested element by element, the bits and the bound (j < m) compiled to a
+// branch and a reconvergence point per element, in kernels bound by
+// instruction issue; tested per block they are one warp-uniform branch.
+template <int kBits_, bool kFull_>
+struct BlockKind {
+  static constexpr int kBits = kBits_;
+  static constexpr bool kFull = kFull_;
+};
+
+// f(BlockKind<kBits, m == 32 E>{}), for a kernel built for one codec.
+template <int E, int kBits, typename F>
+__device__ __forceinline__ void with_block_full(int m, F&& f) {
+  if (m == 32 * E) f(BlockKind<kBits, true>{});
+  else f(BlockKind<kBits, false>{});
+}
+
+// f(BlockKind<bits, m == 32 E>{}).
+template <int E, typename F>
+__device__ __forceinline__ void with_block_kind(int bits, int m, F&& f) {
+  if (bits == 8) with_block_full<E, 8>(m, f);
+  else with_block_full<E, 4>(m, f);
+}
+
+// Whether element j of a block of m elements exists.
+template <typename Kind>
+__device__ __forceinline__ bool in_block(int j, int m) {
+  return Kind::kFull || j < m;
 }
 
 __device__ __forceinline__ float dequant_at(const uint8_t* payload, size_t nblocks, int bits, int block, size_t blk,
@@ -53,12 +93,12 @@ struct InputValue {
   const T* x;
   const float* r;
   __device__ float operator()(size_t /*blk*/, size_t /*j*/, size_t i) const { return load_f(x, i) + (r ? r[i] : 0.f); }
-  template <int E>
+  template <int E, typename Kind>
   __device__ __forceinline__ void lane_values(size_t blk, size_t base, int lane, int m, float (&v)[E]) const {
 #pragma unroll
     for (int k = 0; k < E; ++k) {
       const int j = lane + 32 * k;
-      v[k] = j < m ? (*this)(blk, j, base + j) : 0.f;
+      v[k] = in_block<Kind>(j, m) ? (*this)(blk, j, base + j) : 0.f;
     }
   }
   const uint32_t* cancel = nullptr;
@@ -90,7 +130,7 @@ struct SumValue {
   // the sources are a loop of runtime length: one load in flight per lane,
   // and the kernel waited on latency at a quarter of the copy bandwidth
   // (4 sources, H200). The additions keep operator()'s order, hence its bits.
-  template <int E>
+  template <int E, typename Kind>
   __device__ __forceinline__ void lane_values(size_t blk, size_t base, int lane, int m, float (&v)[E]) const {
     // kMaxCodes / 2 to kMaxCodes codes of a lane in registers per group (1 to
     // 8 sources): at blocks of 256 and 32 codes, 4 sources' loads in one
@@ -103,8 +143,8 @@ struct SumValue {
 #pragma unroll
     for (int k = 0; k < E; ++k) {
       const int j = lane + 32 * k;
-      v[k] = dense && j < m ? load_f(dense, base + j) : 0.f;
-      res[k] = r && j < m ? r[base + j] : 0.f;
+      v[k] = dense && in_block<Kind>(j, m) ? load_f(dense, base + j) : 0.f;
+      res[k] = r && in_block<Kind>(j, m) ? r[base + j] : 0.f;
     }
     for (int s0 = 0; s0 < s.n; s0 += kGroup) {
       int c[kGroup][E];
@@ -117,17 +157,28 @@ struct SumValue {
 #pragma unroll
           for (int k = 0; k < E; ++k) {
             const int j = lane + 32 * k;
-            c[q][k] = j < m ? code_at(p + nblocks * 4, bits, base + j, j) : 0;
+            c[q][k] = in_block<Kind>(j, m) ? code_of<Kind::kBits>(p + nblocks * 4, base + j, j) : 0;
           }
         }
       }
 #pragma unroll
       for (int q = 0; q < kGroup; ++q) {
         if (s0 + q < s.n) {
+          const bool first = s0 + q == 0 && !dense;
+          // The flag tested once per source and block (dequant_code's
+          // branches per element otherwise), with dequant_code's bits.
+          if (!scale_flagged(stored[q])) {
 #pragma unroll
-          for (int k = 0; k < E; ++k) {
-            const float d = dequant_code(c[q][k], stored[q], bits);
-            v[k] = (s0 + q == 0 && !dense) ? d : v[k] + d;
+            for (int k = 0; k < E; ++k) {
+              const float d = dequant_code_unflagged(c[q][k], stored[q]);
+              v[k] = first ? d : v[k] + d;
+            }
+          } else {
+#pragma unroll
+            for (int k = 0; k < E; ++k) {
+              const float d = dequant_code(c[q][k], stored[q], Kind::kBits);
+              v[k] = first ? d : v[k] + d;
+            }
           }
         }
       }
@@ -137,7 +188,7 @@ struct SumValue {
       float a = v[k];
       if (post_scale != 1.f) a *= post_scale;
       if (r) a += res[k];
-      v[k] = lane + 32 * k < m ? a : 0.f;
+      v[k] = in_block<Kind>(lane + 32 * k, m) ? a : 0.f;
     }
   }
 };
@@ -205,10 +256,11 @@ __device__ __forceinline__ void zero_payload_tail(uint8_t* payload, size_t n, in
 // first element at base, m elements; lane l holds elements l, l + 32, ...,
 // l + 32 (E - 1): lane_values' layout). Scales and codes are the payload's
 // (scales at [blk]); the residual, when given, is indexed like the values.
-template <int E>
+template <int E, typename Kind>
 __device__ __forceinline__ void quantize_values(const float (&v)[E], size_t blk, size_t base, int m, int lane,
-                                                int bits, bool stochastic, uint64_t key, uint64_t index_base,
-                                                float* scales, uint8_t* codes, float* residual) {
+                                                bool stochastic, uint64_t key, uint64_t index_base, float* scales,
+                                                uint8_t* codes, float* residual) {
+  constexpr int bits = Kind::kBits;
   // 1. The largest magnitude (elements past the end count as 0, which no
   //    absmax notices); finite values only if the block holds NaN/Inf.
   uint32_t amax = 0;
@@ -228,24 +280,47 @@ __device__ __forceinline__ void quantize_values(const float (&v)[E], size_t blk,
   const BlockQuant b = make_block_quant(bits_to_float(amax), flagged, bits);
   const float stored = stored_scale(b);
   if (lane == 0) scales[blk] = stored;
-  // 2. Codes and residuals. Int4: an even lane's element and the next
-  //    lane's share a byte (blocks hold an even number of elements, so a
-  //    pair never straddles two); past the end the code is 0, as on the CPU.
-#pragma unroll
-  for (int k = 0; k < E; ++k) {
-    const int j = lane + 32 * k;
-    const size_t i = base + j;
-    int c = 0;
-    if (j < m) {
-      const float u = stochastic ? uniform01(key, index_base + i) : -1.f;
-      c = quant_code(v[k], b, u);
-      if (residual) residual[i] = quant_residual(v[k], dequant_code(c, stored, bits));
-    }
-    if (bits == 8) {
-      if (j < m) reinterpret_cast<int8_t*>(codes)[i] = static_cast<int8_t>(c);
+  // 2. Codes and residuals; past the end the code is 0, as on the CPU. A
+  //    block without NaN/Inf (nearly all) holds finite values only, and
+  //    takes quant_code's and quant_residual's finite branches without
+  //    testing each value. Int4: an even lane's element and the next lane's
+  //    share a byte (blocks hold an even number of elements, so a pair never
+  //    straddles two). Each code is stored as soon as it is known, which
+  //    keeps a lane's codes out of registers.
+  auto store = [&](int j, size_t i, int c) {
+    if constexpr (bits == 8) {
+      if (in_block<Kind>(j, m)) reinterpret_cast<int8_t*>(codes)[i] = static_cast<int8_t>(c);
     } else {
       const int next = __shfl_down_sync(0xffffffffu, c, 1);
-      if ((lane & 1) == 0 && j < m) codes[i / 2] = static_cast<uint8_t>(nibble_of(c) | (nibble_of(next) << 4));
+      if ((lane & 1) == 0 && in_block<Kind>(j, m))
+        codes[i / 2] = static_cast<uint8_t>(nibble_of(c) | (nibble_of(next) << 4));
+    }
+  };
+  if (!flagged) {
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+      const int j = lane + 32 * k;
+      const size_t i = base + j;
+      int c = 0;
+      if (in_block<Kind>(j, m)) {
+        const float u = stochastic ? uniform01(key, index_base + i) : -1.f;
+        c = quant_code_finite(v[k], b, u);
+        if (residual) residual[i] = v[k] - dequant_code_unflagged(c, stored);
+      }
+      store(j, i, c);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+      const int j = lane + 32 * k;
+      const size_t i = base + j;
+      int c = 0;
+      if (in_block<Kind>(j, m)) {
+        const float u = stochastic ? uniform01(key, index_base + i) : -1.f;
+        c = quant_code(v[k], b, u);
+        if (residual) residual[i] = quant_residual(v[k], dequant_code(c, stored, bits));
+      }
+      store(j, i, c);
     }
   }
 }
@@ -281,9 +356,9 @@ struct LaneCodes {
   float stored;
 };
 
-template <int E, bool kPairs>
+template <int E, bool kPairs, typename Kind>
 __device__ __forceinline__ void load_codes(const uint8_t* payload, const uint8_t* codes, size_t blk, size_t base,
-                                           int m, int lane, int bits, LaneCodes<E>& lc) {
+                                           int m, int lane, LaneCodes<E>& lc) {
   lc.stored = reinterpret_cast<const float*>(payload)[blk];
 #pragma unroll
   for (int k = 0; k < E; k += kPairs ? 2 : 1) {
@@ -291,8 +366,8 @@ __device__ __forceinline__ void load_codes(const uint8_t* payload, const uint8_t
     lc.c[k] = 0;
     if constexpr (kPairs) {
       lc.c[k + 1] = 0;
-      if (j + 1 < m) {
-        if (bits == 8) {
+      if (in_block<Kind>(j + 1, m)) {
+        if constexpr (Kind::kBits == 8) {
           const char2 two = *reinterpret_cast<const char2*>(codes + base + j);
           lc.c[k] = static_cast<int8_t>(two.x);  // whatever char's signedness
           lc.c[k + 1] = static_cast<int8_t>(two.y);
@@ -304,12 +379,13 @@ __device__ __forceinline__ void load_codes(const uint8_t* payload, const uint8_t
         continue;
       }
     }
-    if (j < m) lc.c[k] = code_at(codes, bits, base + j, j);  // only a block's last pair may be cut (n odd)
+    // Only a block's last pair may be cut (n odd).
+    if (in_block<Kind>(j, m)) lc.c[k] = code_of<Kind::kBits>(codes, base + j, j);
   }
 }
 
 // The outputs a lane accumulates into, before it stores any.
-template <int E, bool kPairs, typename T>
+template <int E, bool kPairs, typename Kind, typename T>
 __device__ __forceinline__ void load_outputs(const T* out, size_t base, int m, int lane, float (&prev)[E]) {
 #pragma unroll
   for (int k = 0; k < E; k += kPairs ? 2 : 1) {
@@ -317,37 +393,45 @@ __device__ __forceinline__ void load_outputs(const T* out, size_t base, int m, i
     prev[k] = 0.f;
     if constexpr (kPairs) {
       prev[k + 1] = 0.f;
-      if (j + 1 < m) {
+      if (in_block<Kind>(j + 1, m)) {
         const TwoOf<T> t = *reinterpret_cast<const TwoOf<T>*>(out + base + j);
         prev[k] = load_acc(t.a);
         prev[k + 1] = load_acc(t.b);
         continue;
       }
     }
-    if (j < m) prev[k] = load_acc(out[base + j]);
+    if (in_block<Kind>(j, m)) prev[k] = load_acc(out[base + j]);
   }
 }
 
-// out = the decoded values (+ prev, accumulating).
-template <int E, bool kPairs, typename T>
-__device__ __forceinline__ void store_decoded(const LaneCodes<E>& lc, size_t base, int m, int lane, int bits, T* out,
+// out = the decoded values (+ prev, accumulating: a select per element,
+// where a compile-time flag doubled every dequantize kernel's code).
+template <int E, bool kPairs, typename Kind, typename T>
+__device__ __forceinline__ void store_decoded(const LaneCodes<E>& lc, size_t base, int m, int lane, T* out,
                                               bool accumulate, const float (&prev)[E]) {
+  // The block's flag tested once, not per element (dequant_code's bits).
+  float d[E];
+  if (!scale_flagged(lc.stored)) {
+#pragma unroll
+    for (int k = 0; k < E; ++k) d[k] = dequant_code_unflagged(lc.c[k], lc.stored);
+  } else {
+#pragma unroll
+    for (int k = 0; k < E; ++k) d[k] = dequant_code(lc.c[k], lc.stored, Kind::kBits);
+  }
 #pragma unroll
   for (int k = 0; k < E; k += kPairs ? 2 : 1) {
     const int j = lane_elem<kPairs>(lane, k);
-    const float d0 = dequant_code(lc.c[k], lc.stored, bits);
-    const float v0 = accumulate ? prev[k] + d0 : d0;
+    const float v0 = accumulate ? prev[k] + d[k] : d[k];
     if constexpr (kPairs) {
-      if (j + 1 < m) {
-        const float d1 = dequant_code(lc.c[k + 1], lc.stored, bits);
+      if (in_block<Kind>(j + 1, m)) {
         TwoOf<T> t;
         t.a = store_acc<T>(v0);
-        t.b = store_acc<T>(accumulate ? prev[k + 1] + d1 : d1);
+        t.b = store_acc<T>(accumulate ? prev[k + 1] + d[k + 1] : d[k + 1]);
         *reinterpret_cast<TwoOf<T>*>(out + base + j) = t;
         continue;
       }
     }
-    if (j < m) out[base + j] = store_acc<T>(v0);
+    if (in_block<Kind>(j, m)) out[base + j] = store_acc<T>(v0);
   }
 }
 
@@ -355,11 +439,14 @@ __device__ __forceinline__ void store_decoded(const LaneCodes<E>& lc, size_t bas
 template <int E, bool kPairs, typename T>
 __device__ __forceinline__ void dequantize_block(const uint8_t* payload, const uint8_t* codes, size_t blk, size_t base,
                                                  int m, int lane, int bits, T* out, bool accumulate) {
-  LaneCodes<E> lc;
-  load_codes<E, kPairs>(payload, codes, blk, base, m, lane, bits, lc);
-  float prev[E];
-  if (accumulate) load_outputs<E, kPairs>(out, base, m, lane, prev);
-  store_decoded<E, kPairs>(lc, base, m, lane, bits, out, accumulate, prev);
+  with_block_kind<E>(bits, m, [&](auto kind) {
+    using Kind = decltype(kind);
+    LaneCodes<E> lc;
+    load_codes<E, kPairs, Kind>(payload, codes, blk, base, m, lane, lc);
+    float prev[E];
+    if (accumulate) load_outputs<E, kPairs, Kind>(out, base, m, lane, prev);
+    store_decoded<E, kPairs, Kind>(lc, base, m, lane, out, accumulate, prev);
+  });
 }
 
 // Whether the kPairs layout may write `out` (aligned to two elements)
