@@ -154,8 +154,12 @@ class IpcAllReduce:
             raise CommError(f"pycomm: tensor is on {tensor.device}, this IPC group on {self.device}")
         out = tensor if out is None else out
         if compression is not None:
-            return self._enqueue(self._quantized_call(tensor, out, op, compression, error_feedback, key),
-                                 tensor, out, async_op, compression)
+            args = self._quantized_args(tensor, out, op, compression, error_feedback, key)
+            if not async_op:
+                # In one crossing into C++, as the plain calls below.
+                self._c.quantized_all_reduce_sync(*args, self._fused, *self._side)
+                return out
+            return self._enqueue(self._quantized_launch(args), tensor, out, async_op, compression)
         op_id = reduce_op_id(op)
         # The IPC kernels reduce with sum, avg, max and min (what gradients need).
         if op_id is None or op_id not in _ipc_ops():
@@ -170,8 +174,9 @@ class IpcAllReduce:
             return out
         return self._enqueue(lambda: self._c.all_reduce(tensor, out, op_id, algo), tensor, out, async_op)
 
-    def _quantized_call(self, tensor, out, op, codec, error_feedback, key) -> Callable[[], None]:
-        """Checks a compressed call and returns its launch."""
+    def _quantized_args(self, tensor, out, op, codec, error_feedback, key) -> tuple:
+        """Checks a compressed call and returns its arguments (the extension's
+        quantized_all_reduce's, up to ``fused``)."""
         op_id = reduce_op_id(op)
         if op_id not in (REDUCE_OPS["sum"], REDUCE_OPS["avg"]):
             raise CommError(f"pycomm: a compressed CUDA IPC all-reduce sums or averages; op={op!r} is not supported")
@@ -198,12 +203,13 @@ class IpcAllReduce:
         # The communicator's sequence numbers: a quantized call takes two.
         seq, self._seq = self._seq, self._seq + 2
         seeds = [load_core().rounding_seed(int(codec.seed) & _MASK64, seq, self.rank, which) for which in (0, 1)]
-        stochastic = bool(codec.stochastic)
+        return tensor, out, avg, bits, block, bool(codec.stochastic), seeds[0], seeds[1], worker, server
 
+    def _quantized_launch(self, args: tuple) -> Callable[[], None]:
+        """The launch of a compressed call on this group's stream (async_op)."""
         def launch() -> None:
-            self._c.quantized_all_reduce(tensor, out, avg, bits, block, stochastic, seeds[0], seeds[1],
-                                         worker, server, self._fused)
-            for r in (worker, server):
+            self._c.quantized_all_reduce(*args, self._fused)
+            for r in args[-2:]:  # the residuals
                 if r is not None:
                     r.record_stream(self._stream)
         return launch

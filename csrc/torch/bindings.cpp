@@ -459,6 +459,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("input"), py::arg("output"), py::arg("avg"), py::arg("bits"), py::arg("block"),
           py::arg("stochastic"), py::arg("seed_quantize"), py::arg("seed_requantize"), py::arg("worker_residual"),
           py::arg("server_residual"), py::arg("fused") = true, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "quantized_all_reduce_sync",
+          [](CudaIpcAllReduce& c, const at::Tensor& in, const at::Tensor& out, bool avg, int bits, int block,
+             bool stochastic, uint64_t seed_quantize, uint64_t seed_requantize, std::optional<at::Tensor> worker,
+             std::optional<at::Tensor> server, bool fused, int64_t side_id, int64_t side_device, int64_t side_type) {
+            ipc_quantized_all_reduce_sync(c, in, out, avg, bits, block, stochastic, seed_quantize, seed_requantize,
+                                          worker.value_or(at::Tensor()), server.value_or(at::Tensor()), fused,
+                                          side_id, side_device, side_type);
+          },
+          py::arg("input"), py::arg("output"), py::arg("avg"), py::arg("bits"), py::arg("block"),
+          py::arg("stochastic"), py::arg("seed_quantize"), py::arg("seed_requantize"), py::arg("worker_residual"),
+          py::arg("server_residual"), py::arg("fused"), py::arg("side_id"), py::arg("side_device"),
+          py::arg("side_type"), py::call_guard<py::gil_scoped_release>())
       .def("quantized_bytes",
            [](const CudaIpcAllReduce& c, size_t n, int bits, int block) {
              return ipc_quantized_bytes(n, c.world(), bits, block);

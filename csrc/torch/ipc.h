@@ -31,4 +31,12 @@ void ipc_quantized_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, con
                               int block, bool stochastic, uint64_t seed_quantize, uint64_t seed_requantize,
                               const at::Tensor& worker_residual, const at::Tensor& server_residual, bool fused);
 
+// The same as a synchronous call (ipc_all_reduce_sync's steps around it),
+// in one crossing from Python.
+void ipc_quantized_all_reduce_sync(CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, bool avg,
+                                   int bits, int block, bool stochastic, uint64_t seed_quantize,
+                                   uint64_t seed_requantize, const at::Tensor& worker_residual,
+                                   const at::Tensor& server_residual, bool fused, int64_t side_id,
+                                   int64_t side_device, int64_t side_type);
+
 }  // namespace pycomm

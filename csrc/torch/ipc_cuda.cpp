@@ -37,11 +37,16 @@ void ipc_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, const at::Ten
                    c10::cuda::getCurrentCUDAStream().stream());
 }
 
+namespace {
+
 // The same steps as IpcAllReduce._enqueue and IpcWork.wait in Python, which
 // cost tens of microseconds per call (a 4 KB call took 52 us at 2 ranks on
-// an H200 under MPS); here they are a handful of CUDA calls.
-void ipc_all_reduce_sync(CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, RedOp op, int algo,
-                         int64_t side_id, int64_t side_device, int64_t side_type) {
+// an H200 under MPS); here they are a handful of CUDA calls. `launch`
+// enqueues the call's kernels on the current stream; `used`: the tensors
+// they touch (undefined ones skipped).
+template <typename Launch>
+void run_sync(CudaIpcAllReduce& group, const at::Tensor& in, std::initializer_list<const at::Tensor*> used,
+              int64_t side_id, int64_t side_device, int64_t side_type, Launch&& launch) {
   TORCH_CHECK(in.is_cuda(), "pycomm: the CUDA IPC all-reduce takes CUDA tensors");
   const c10::cuda::CUDAGuard guard(in.device());
   const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(in.device().index());
@@ -54,15 +59,15 @@ void ipc_all_reduce_sync(CudaIpcAllReduce& group, const at::Tensor& in, const at
   //    joins the group's stream back first: a capture must end joined.
   try {
     const c10::cuda::CUDAStreamGuard on_side(side);
-    ipc_all_reduce(group, in, out, op, algo);
+    launch();
   } catch (...) {
     group.order(caller.stream(), side.stream());
     throw;
   }
   // 3. The caching allocator must not hand the tensors' memory to the
   //    caller's stream before the group's stream is done with it.
-  c10::cuda::CUDACachingAllocator::recordStream(in.storage().data_ptr(), side);
-  c10::cuda::CUDACachingAllocator::recordStream(out.storage().data_ptr(), side);
+  for (const at::Tensor* t : used)
+    if (t->defined()) c10::cuda::CUDACachingAllocator::recordStream(t->storage().data_ptr(), side);
   // 4. The caller's stream waits for the result; a call already done and
   //    failed raises now (otherwise IpcAllReduce.check() tells). A capture
   //    may not query an event: replays report through check().
@@ -70,9 +75,19 @@ void ipc_all_reduce_sync(CudaIpcAllReduce& group, const at::Tensor& in, const at
   if (!CudaIpcAllReduce::capturing(caller.stream()) && group.ordered_done()) group.check_usable();
 }
 
-void ipc_quantized_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, bool avg, int bits,
-                              int block, bool stochastic, uint64_t seed_quantize, uint64_t seed_requantize,
-                              const at::Tensor& worker_residual, const at::Tensor& server_residual, bool fused) {
+}  // namespace
+
+void ipc_all_reduce_sync(CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, RedOp op, int algo,
+                         int64_t side_id, int64_t side_device, int64_t side_type) {
+  run_sync(group, in, {&in, &out}, side_id, side_device, side_type, [&] { ipc_all_reduce(group, in, out, op, algo); });
+}
+
+namespace {
+
+// The quantized call's arguments, checked.
+IpcQuantCall quantized_call(const CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, bool avg,
+                            int bits, int block, bool stochastic, uint64_t seed_quantize, uint64_t seed_requantize,
+                            const at::Tensor& worker_residual, const at::Tensor& server_residual, bool fused) {
   TORCH_CHECK(in.is_cuda() && out.is_cuda(), "pycomm: the quantized CUDA IPC all-reduce takes CUDA tensors");
   check_memory(in, out);
   TORCH_CHECK(in.device() == out.device(), "pycomm: input and output must be on one device");
@@ -105,8 +120,29 @@ void ipc_quantized_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, con
   c.worker_residual = residual(worker_residual, "worker", in.numel());
   c.server_residual = residual(server_residual, "server", static_cast<int64_t>(shard));
   c.fused = fused;
+  return c;
+}
+
+}  // namespace
+
+void ipc_quantized_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, bool avg, int bits,
+                              int block, bool stochastic, uint64_t seed_quantize, uint64_t seed_requantize,
+                              const at::Tensor& worker_residual, const at::Tensor& server_residual, bool fused) {
+  const IpcQuantCall c = quantized_call(group, in, out, avg, bits, block, stochastic, seed_quantize, seed_requantize,
+                                        worker_residual, server_residual, fused);
   const c10::cuda::CUDAGuard guard(in.device());
   ipc_quantized_all_reduce(group, c, c10::cuda::getCurrentCUDAStream().stream());
+}
+
+void ipc_quantized_all_reduce_sync(CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, bool avg,
+                                   int bits, int block, bool stochastic, uint64_t seed_quantize,
+                                   uint64_t seed_requantize, const at::Tensor& worker_residual,
+                                   const at::Tensor& server_residual, bool fused, int64_t side_id,
+                                   int64_t side_device, int64_t side_type) {
+  const IpcQuantCall c = quantized_call(group, in, out, avg, bits, block, stochastic, seed_quantize, seed_requantize,
+                                        worker_residual, server_residual, fused);
+  run_sync(group, in, {&in, &out, &worker_residual, &server_residual}, side_id, side_device, side_type,
+           [&] { ipc_quantized_all_reduce(group, c, c10::cuda::getCurrentCUDAStream().stream()); });
 }
 
 }  // namespace pycomm
