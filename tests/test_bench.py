@@ -289,6 +289,25 @@ def test_gpu_kernel_benchmark_checks_itself_on_cpu():
     assert len(kernels) == 10 and all(line.rsplit("|", 1)[1].strip() == "0" for line in kernels), r.stdout
     topk = [line for line in r.stdout.splitlines() if line.startswith("top-k")]
     assert len(topk) == 1 and topk[0].endswith("#wrong 0"), r.stdout
+    # --summarize: min / median / max over launches' logs, one row per kernel
+    # and top-k speed-up (here the same log twice, and one with a row moved).
+    log = os.path.join(root, "build", "kernels_cpu_test.log")
+    os.makedirs(os.path.dirname(log), exist_ok=True)
+    with open(log, "w") as f:
+        f.write(r.stdout)
+    first = kernels[0]
+    share = int(first.rsplit("|", 2)[1].strip().rstrip("%"))
+    moved = log + ".2"
+    with open(moved, "w") as f:
+        f.write(r.stdout.replace(first, first.replace(f"{share:6d}%", f"{share + 7:6d}%")))
+    s = subprocess.run([sys.executable, "kernels.py", "--summarize", log, log, moved], capture_output=True,
+                       text=True, env=ENV, timeout=120, cwd=os.path.join(root, "benchmarks", "gpu"))
+    assert s.returncode == 0, s.stderr
+    summary = s.stdout.splitlines()
+    assert len(summary) == 1 + 10 + 2, s.stdout
+    name = first.split("|")[0].strip()
+    row = next(line for line in summary if line.strip().startswith(name))
+    assert f"{share}% / {share}% / {share + 7}%" in row and "|        3 |" in row, row
 
 
 def test_ddp_hooks_summarize_launches(tmp_path):

@@ -9,9 +9,16 @@ nccl-tests checks every run.
 
     python benchmarks/gpu/kernels.py [--elems 67108864] [--repeats 20]
     python benchmarks/gpu/kernels.py --device cpu --elems 65536   # the script's own check
+    python benchmarks/gpu/kernels.py --summarize LOG...            # min / median / max over launches
+
+Run it in several fresh processes (a figure can move from one launch to the
+next) and summarize their logs: each kernel's share of its launch's copy,
+and top-k's speed-ups over torch.topk.
 """
 import argparse
+import re
 import statistics
+import sys
 import time
 
 import torch
@@ -113,7 +120,33 @@ def rows_for(dtype, n, args, device, hbm):
     return out
 
 
+def summarize(paths) -> str:
+    """Min / median / max over launches' logs of each row's share of the
+    copy and each top-k speed-up, with the targets."""
+    seen: dict = {}
+    row = re.compile(r"^\s*(.+?) \|\s+[\d.]+ \|\s+\d+ \|\s+(\d+)% \| (\d+)$")
+    topk = re.compile(r"^top-k 1 % of (\d+): .*\(([\d.]+)x, kept.*exact [\d.]+ ms \(([\d.]+)x\) \| #wrong (\d+)")
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                if m := row.match(line):
+                    seen.setdefault(m[1], ([], 0.80))[0].append(int(m[2]) / 100)
+                elif m := topk.match(line):
+                    seen.setdefault(f"top-k sampled x torch.topk ({m[1]})", ([], 3.0))[0].append(float(m[2]))
+                    seen.setdefault(f"top-k exact x torch.topk ({m[1]})", ([], 1.0))[0].append(float(m[3]))
+    lines = [f"{'row':>46} | launches | min / median / max | target"]
+    for name, (vals, target) in seen.items():
+        fmt = "{:.0%}" if target < 1 else "{:.2f}x"
+        spread = " / ".join(fmt.format(v) for v in (min(vals), statistics.median(vals), max(vals)))
+        met = "hit" if min(vals) >= target else ("median hit" if statistics.median(vals) >= target else "MISSED")
+        lines.append(f"{name:>46} | {len(vals):8d} | {spread:>18} | {fmt.format(target)} {met}")
+    return "\n".join(lines)
+
+
 def main():
+    if sys.argv[1:2] == ["--summarize"]:
+        print(summarize(sys.argv[2:]))
+        return
     p = argparse.ArgumentParser()
     p.add_argument("--elems", type=int, default=64 << 20)
     p.add_argument("--repeats", type=int, default=20)

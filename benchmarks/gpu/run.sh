@@ -9,7 +9,8 @@
 #   tests      the CUDA tests (tests/test_cuda.py and the docs' CUDA examples,
 #              TESTS_TIMEOUT s in all, default 420;
 #              CUDA_TESTS= to narrow them)
-#   kernels    the kernel benchmark against the device's copy bandwidth
+#   kernels    the kernel benchmark against the device's copy bandwidth, in
+#              KERNEL_LAUNCHES fresh processes (default 3), summarized
 #   profile    Nsight Compute's view of pycomm's memory-bound kernels (speed of
 #              light, memory workload, occupancy, launch) on 16M elements:
 #              what to read before changing a kernel (ncu.txt)
@@ -131,9 +132,15 @@ clocks() {
 }
 
 kernels() {
-  clocks "before kernels"
-  timeout "$(cap "$STEP_TIMEOUT")" "$PY" benchmarks/gpu/kernels.py 2>&1 | tee "$LOG/kernels.log"
+  # KERNEL_LAUNCHES fresh processes (default 3), then min / median / max.
+  local i logs=()
+  for i in $(seq "${KERNEL_LAUNCHES:-3}"); do
+    clocks "before kernels $i"
+    timeout "$(cap "$STEP_TIMEOUT")" "$PY" benchmarks/gpu/kernels.py 2>&1 | tee "$LOG/kernels_$i.log"
+    logs+=("$LOG/kernels_$i.log")
+  done
   clocks "after kernels"
+  "$PY" benchmarks/gpu/kernels.py --summarize "${logs[@]}" | tee "$LOG/kernels.log"
 }
 
 profile() {
