@@ -18,6 +18,26 @@ FLOATS = [torch.float32, torch.float16, torch.bfloat16]
 OPS = torch.ops.pycomm
 
 
+def codec_matches_cpu(x, r, r_gpu, bits, block, stochastic, acc_seed):
+    """Quantizes x (with residual r on the CPU, its copy r_gpu on the GPU) on
+    both devices and checks payloads, residuals, the decoded values in every
+    dtype and dequantize-accumulate bit for bit; returns both payloads."""
+    n = x.numel()
+    p_cpu = OPS.quantize(x, bits, block, stochastic, 7, r)
+    p_gpu = OPS.quantize(x.cuda(), bits, block, stochastic, 7, r_gpu)
+    assert same_bits(p_cpu, p_gpu), (n, "payload")
+    assert same_bits(r, r_gpu), (n, "residual")
+    for out_dtype in FLOATS:
+        assert same_bits(OPS.dequantize(p_cpu, n, bits, block, out_dtype),
+                         OPS.dequantize(p_gpu, n, bits, block, out_dtype)), (n, out_dtype)
+    acc = rand_blocks(n, block, acc_seed, x.dtype)
+    acc_gpu = acc.cuda()
+    OPS.dequantize_accumulate(acc, p_cpu, bits, block)
+    OPS.dequantize_accumulate(acc_gpu, p_gpu, bits, block)
+    assert same_bits(acc, acc_gpu), (n, "accumulate")
+    return p_cpu, p_gpu
+
+
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 # Blocks of 64-512 take the warp-per-block kernels, others (40, 1024) the block-wide ones.
 @pytest.mark.parametrize("bits,block,stochastic", [(8, 256, False), (8, 64, True), (4, 128, False), (4, 256, True),
@@ -27,18 +47,7 @@ def test_quantize_and_error_feedback_match_cpu(dtype, bits, block, stochastic):
         x = rand_blocks(n, block, 10 + i, dtype)
         r = torch.randn(n, generator=torch.Generator().manual_seed(i)) * 0.01
         r_gpu = r.cuda()
-        p_cpu = OPS.quantize(x, bits, block, stochastic, 7, r)
-        p_gpu = OPS.quantize(x.cuda(), bits, block, stochastic, 7, r_gpu)
-        assert same_bits(p_cpu, p_gpu), (n, "payload")
-        assert same_bits(r, r_gpu), (n, "residual")
-        for out_dtype in FLOATS:
-            assert same_bits(OPS.dequantize(p_cpu, n, bits, block, out_dtype),
-                             OPS.dequantize(p_gpu, n, bits, block, out_dtype))
-        acc = rand_blocks(n, block, 99, dtype)
-        acc_gpu = acc.cuda()
-        OPS.dequantize_accumulate(acc, p_cpu, bits, block)
-        OPS.dequantize_accumulate(acc_gpu, p_gpu, bits, block)
-        assert same_bits(acc, acc_gpu)
+        codec_matches_cpu(x, r, r_gpu, bits, block, stochastic, 99)
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
@@ -88,17 +97,7 @@ def test_nan_and_inf_blocks_match_cpu(dtype, bits, block):
     x[n - 1] = float("inf")  # the cut block
     r = torch.randn(n, generator=g) * 0.01
     r_gpu = r.cuda()
-    p_cpu = OPS.quantize(x, bits, block, False, 0, r)
-    p_gpu = OPS.quantize(x.cuda(), bits, block, False, 0, r_gpu)
-    assert same_bits(p_cpu, p_gpu) and same_bits(r, r_gpu)
-    for out_dtype in FLOATS:
-        assert same_bits(OPS.dequantize(p_cpu, n, bits, block, out_dtype),
-                         OPS.dequantize(p_gpu, n, bits, block, out_dtype))
-    acc = rand_blocks(n, block, 23, dtype)
-    acc_gpu = acc.cuda()
-    OPS.dequantize_accumulate(acc, p_cpu, bits, block)
-    OPS.dequantize_accumulate(acc_gpu, p_gpu, bits, block)
-    assert same_bits(acc, acc_gpu)
+    p_cpu, p_gpu = codec_matches_cpu(x, r, r_gpu, bits, block, False, 23)
     other = OPS.quantize(rand_blocks(n, block, 24), bits, block, False, 0, None)
     s = torch.zeros(n)
     s_gpu = s.cuda()

@@ -296,7 +296,7 @@ __device__ __forceinline__ void quantize_values(const float (&v)[E], size_t blk,
         codes[i / 2] = static_cast<uint8_t>(nibble_of(c) | (nibble_of(next) << 4));
     }
   };
-  if (!flagged) {
+  auto codes_of = [&](auto finite) {
 #pragma unroll
     for (int k = 0; k < E; ++k) {
       const int j = lane + 32 * k;
@@ -304,25 +304,21 @@ __device__ __forceinline__ void quantize_values(const float (&v)[E], size_t blk,
       int c = 0;
       if (in_block<Kind>(j, m)) {
         const float u = stochastic ? uniform01(key, index_base + i) : -1.f;
-        c = quant_code_finite(v[k], b, u);
-        if (residual) residual[i] = v[k] - dequant_code_unflagged(c, stored);
+        if constexpr (decltype(finite)::value) {
+          c = quant_code_finite(v[k], b, u);
+          if (residual) residual[i] = v[k] - dequant_code_unflagged(c, stored);
+        } else {
+          c = quant_code(v[k], b, u);
+          if (residual) residual[i] = quant_residual(v[k], dequant_code(c, stored, bits));
+        }
       }
       store(j, i, c);
     }
-  } else {
-#pragma unroll
-    for (int k = 0; k < E; ++k) {
-      const int j = lane + 32 * k;
-      const size_t i = base + j;
-      int c = 0;
-      if (in_block<Kind>(j, m)) {
-        const float u = stochastic ? uniform01(key, index_base + i) : -1.f;
-        c = quant_code(v[k], b, u);
-        if (residual) residual[i] = quant_residual(v[k], dequant_code(c, stored, bits));
-      }
-      store(j, i, c);
-    }
-  }
+  };
+  if (!flagged)
+    codes_of(std::true_type{});
+  else
+    codes_of(std::false_type{});
 }
 
 // Dequantizing. Either a lane takes elements lane, lane + 32, ... of a
