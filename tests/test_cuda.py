@@ -148,6 +148,29 @@ def test_topk_matches_cpu(dtype):
     assert (x.float().abs()[idx] >= 0.9 * kth).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("skew", [1.0, 0.5, 2.0], ids=["even", "sample-low", "sample-high"])
+def test_sampled_topk_from_a_sample_of_chunks_or_the_whole_tensor(skew):
+    """At 4M elements and k = 1 %, sampled top-k picks its threshold from one
+    chunk of 256 elements in 4, and checks it on the whole tensor. With the
+    sampled chunks scaled (skew), the sample's threshold misses the window,
+    and the selection starts over on the whole tensor. Either way it keeps
+    every key above a threshold and none below, k to k (1 + tolerance) of
+    them."""
+    n, tol = 1 << 22, 0.1
+    k = n // 100
+    x = torch.randn(n, generator=torch.Generator().manual_seed(31))
+    chunk = torch.arange(n) // 256
+    x[chunk % 4 == 0] *= skew
+    buf, kept, cap = OPS.topk(x.cuda(), k, False, tol, 0.01, 0, None)
+    assert k <= kept <= cap == int(k * (1 + tol)), (kept, cap)
+    off = (cap * x.element_size() + 7) // 8 * 8
+    idx = buf.cpu()[off:off + 4 * kept].view(torch.int32).long()
+    assert bool((idx[1:] > idx[:-1]).all()), "indices ascending"
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[idx] = True
+    assert x.abs()[mask].min() >= x.abs()[~mask].max()
+
+
 @pytest.mark.parametrize("n", [3001, 1 << 20])
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 def test_topk_with_many_ties_matches_cpu(dtype, n):
