@@ -5,11 +5,12 @@
 // pass, highest first: a histogram pass, then a one-block step that picks
 // the byte value holding the k-th largest key. The approximate mode stops
 // refining as soon as the keys at or above the chosen byte are within
-// [k, k(1 + tolerance)], usually after two or three passes; on a large
+// [k, k(1 + tolerance)], after one to three passes; on a large
 // tensor its passes run over a sample of chunks of it, and the count of the
-// kept keys checks the threshold on the whole (kSampleChunk's comment). The exact mode runs all four and then keeps the
-// ties of the k-th key with the lowest indices (found by counting ties per
-// range of the tensor: no pass at all once the approximate mode settled).
+// kept keys checks the threshold on the whole (kSampleChunk's comment). The
+// exact mode runs all four and then keeps the ties of the k-th key with the
+// lowest indices (found by counting ties per range of the tensor: no pass
+// at all once the approximate mode settled).
 // Kept indices come out ascending: each range of the tensor counts its kept
 // keys, then writes them from the slot the ranges before it leave.
 #include <cuda_runtime.h>
@@ -74,8 +75,9 @@ constexpr int kFewBinned = 8;
 // Sampled mode on a large tensor: the radix passes run first over a sample
 // of it, chunks of kSampleChunk consecutive elements (whole 32-byte sectors,
 // and whole spans of histogram_kernel's warps), one chunk in `stride`. Each
-// pass then reads 1/stride of the tensor instead of all of it (two passes of
-// four over the whole tensor read 16M float32 in ~220 us, H200). Step 3's
+// pass then reads 1/stride of the tensor instead of all of it (with two or
+// three passes and step 3's two, sampled top-k read 16M float32 four or five
+// times: 0.221 ms on an H200, 2.1x torch.topk). Step 3's
 // count of the kept keys, which it takes anyway, checks the threshold on the
 // whole tensor; only outside [k, k (1 + tolerance)] do the passes run again
 // on all of it. The sample aims at the middle of that window, a quarter of
