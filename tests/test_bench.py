@@ -273,7 +273,7 @@ def test_gpu_allreduce_traffic_model():
     assert mod.traffic(core, "gloo", 2, 1 << 20, 0) == 0
 
 
-def test_gpu_kernel_benchmark_checks_itself_on_cpu():
+def test_gpu_kernel_benchmark_checks_itself_on_cpu(tmp_path):
     """benchmarks/gpu/kernels.py (the GPU kernels against the copy bandwidth,
     float32 and bfloat16, and top-k at two sizes) runs on a GPU machine only
     when one is lent: here it runs on CPU tensors at a small size, so a broken
@@ -291,8 +291,7 @@ def test_gpu_kernel_benchmark_checks_itself_on_cpu():
     assert len(topk) == 1 and topk[0].endswith("#wrong 0"), r.stdout
     # --summarize: min / median / max over launches' logs, one row per kernel
     # and top-k speed-up (here the same log twice, and one with a row moved).
-    log = os.path.join(root, "build", "kernels_cpu_test.log")
-    os.makedirs(os.path.dirname(log), exist_ok=True)
+    log = str(tmp_path / "kernels_1.log")
     with open(log, "w") as f:
         f.write(r.stdout)
     first = kernels[0]

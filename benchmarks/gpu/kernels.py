@@ -18,7 +18,6 @@ and top-k's speed-ups over torch.topk.
 import argparse
 import re
 import statistics
-import sys
 import time
 
 import torch
@@ -144,14 +143,15 @@ def summarize(paths) -> str:
 
 
 def main():
-    if sys.argv[1:2] == ["--summarize"]:
-        print(summarize(sys.argv[2:]))
-        return
     p = argparse.ArgumentParser()
     p.add_argument("--elems", type=int, default=64 << 20)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--summarize", nargs="+", metavar="LOG", help="summarize these launches' logs instead")
     args = p.parse_args()
+    if args.summarize:
+        print(summarize(args.summarize))
+        return
     n, device = args.elems, torch.device(args.device)
     x = torch.randn(n, device=device)
     out = torch.empty_like(x)

@@ -106,18 +106,21 @@ tests() {
   # A sticky CUDA error skips the in-process CUDA tests after it (conftest.py
   # lists them in $rerun): up to 3 more passes, each in a fresh process.
   local rerun="$LOG/cuda_rerun.txt" pass=1 ids
+  # cuda_pytest LIMIT_S ARGS...: one pass, appended to tests.log.
+  cuda_pytest() {
+    PYCOMM_CUDA_RERUN=$rerun timeout "$(cap "$1")" "$PY" -m pytest -q -m cuda -p no:cacheprovider $PER_TEST -rfs \
+      "${@:2}" 2>&1 | tee -a "$LOG/tests.log" | tail -30
+  }
   : > "$rerun"
-  PYCOMM_CUDA_RERUN=$rerun timeout "$(cap "${TESTS_TIMEOUT:-420}")" "$PY" -m pytest -q -m cuda -p no:cacheprovider \
-    $PER_TEST -rfs --durations=15 ${CUDA_TESTS:-tests/test_cuda.py tests/test_docs.py} \
-    2>&1 | tee "$LOG/tests.log" | tail -30
+  : > "$LOG/tests.log"
+  cuda_pytest "${TESTS_TIMEOUT:-420}" --durations=15 ${CUDA_TESTS:-tests/test_cuda.py tests/test_docs.py}
   while [ -s "$rerun" ] && [ "$pass" -lt 4 ]; do
     pass=$((pass + 1))
     mapfile -t ids < "$rerun"
     : > "$rerun"
     echo "=== tests, pass $pass: ${#ids[@]} skipped after a sticky CUDA error, in a fresh process" \
       | tee -a "$LOG/tests.log"
-    PYCOMM_CUDA_RERUN=$rerun timeout "$(cap 240)" "$PY" -m pytest -q -m cuda -p no:cacheprovider $PER_TEST -rfs \
-      "${ids[@]}" 2>&1 | tee -a "$LOG/tests.log" | tail -15
+    cuda_pytest 240 "${ids[@]}"
   done
 }
 

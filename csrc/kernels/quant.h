@@ -94,8 +94,6 @@ PYCOMM_HOST_DEVICE float stored_scale(const BlockQuant& b) {
 PYCOMM_HOST_DEVICE float round_half_even(float v) { return rintf(v); }
 PYCOMM_HOST_DEVICE float floor_f(float v) { return floorf(v); }
 
-// Code of one value. `u` in [0, 1) for stochastic rounding (floor(v + u) is
-// unbiased: E[code] = v), or negative for round-to-nearest-even.
 // quant_code of a finite x. In a block that is not flagged every value is
 // finite, so the GPU's warp kernels call this for the whole block once they
 // know it (the test per element was a branch per element).
@@ -107,6 +105,9 @@ PYCOMM_HOST_DEVICE int quant_code_finite(float x, const BlockQuant& b, float u) 
   return static_cast<int>(q);
 }
 
+// Code of one value. `u` in [0, 1) for stochastic rounding (floor(v + u) is
+// unbiased: E[code] = v), or negative for round-to-nearest-even; a
+// non-finite x gets the code that carries it exactly.
 PYCOMM_HOST_DEVICE int quant_code(float x, const BlockQuant& b, float u) {
   if (!is_finite_f(x)) {
     if (x != x) return -b.qmax - 1;

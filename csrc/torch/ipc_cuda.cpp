@@ -20,25 +20,6 @@ void check_memory(const at::Tensor& in, const at::Tensor& out) {
   }
 }
 
-}  // namespace
-
-void ipc_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, RedOp op, int algo) {
-  DType dt;
-  TORCH_CHECK(in.is_cuda() && out.is_cuda(), "pycomm: the CUDA IPC all-reduce takes CUDA tensors");
-  check_memory(in, out);
-  TORCH_CHECK(in.device() == out.device(), "pycomm: input and output must be on one device");
-  TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "pycomm: tensors must be contiguous");
-  TORCH_CHECK(in.scalar_type() == out.scalar_type() && in.numel() == out.numel(),
-              "pycomm: output must match the input's dtype and size");
-  TORCH_CHECK(to_dtype(in.scalar_type(), &dt), "pycomm: dtype ", in.scalar_type(), " is not supported");
-  TORCH_CHECK(algo >= 0 && algo <= kLastIpcAlgo, "pycomm: unknown IPC algorithm");
-  const c10::cuda::CUDAGuard guard(in.device());
-  group.all_reduce(in.data_ptr(), out.data_ptr(), in.numel(), dt, op, static_cast<IpcAlgo>(algo),
-                   c10::cuda::getCurrentCUDAStream().stream());
-}
-
-namespace {
-
 // The same steps as IpcAllReduce._enqueue and IpcWork.wait in Python, which
 // cost tens of microseconds per call (a 4 KB call took 52 us at 2 ranks on
 // an H200 under MPS); here they are a handful of CUDA calls. `launch`
@@ -74,15 +55,6 @@ void run_sync(CudaIpcAllReduce& group, const at::Tensor& in, std::initializer_li
   group.order(caller.stream(), side.stream());
   if (!CudaIpcAllReduce::capturing(caller.stream()) && group.ordered_done()) group.check_usable();
 }
-
-}  // namespace
-
-void ipc_all_reduce_sync(CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, RedOp op, int algo,
-                         int64_t side_id, int64_t side_device, int64_t side_type) {
-  run_sync(group, in, {&in, &out}, side_id, side_device, side_type, [&] { ipc_all_reduce(group, in, out, op, algo); });
-}
-
-namespace {
 
 // The quantized call's arguments, checked.
 IpcQuantCall quantized_call(const CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, bool avg,
@@ -124,6 +96,26 @@ IpcQuantCall quantized_call(const CudaIpcAllReduce& group, const at::Tensor& in,
 }
 
 }  // namespace
+
+void ipc_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, RedOp op, int algo) {
+  DType dt;
+  TORCH_CHECK(in.is_cuda() && out.is_cuda(), "pycomm: the CUDA IPC all-reduce takes CUDA tensors");
+  check_memory(in, out);
+  TORCH_CHECK(in.device() == out.device(), "pycomm: input and output must be on one device");
+  TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "pycomm: tensors must be contiguous");
+  TORCH_CHECK(in.scalar_type() == out.scalar_type() && in.numel() == out.numel(),
+              "pycomm: output must match the input's dtype and size");
+  TORCH_CHECK(to_dtype(in.scalar_type(), &dt), "pycomm: dtype ", in.scalar_type(), " is not supported");
+  TORCH_CHECK(algo >= 0 && algo <= kLastIpcAlgo, "pycomm: unknown IPC algorithm");
+  const c10::cuda::CUDAGuard guard(in.device());
+  group.all_reduce(in.data_ptr(), out.data_ptr(), in.numel(), dt, op, static_cast<IpcAlgo>(algo),
+                   c10::cuda::getCurrentCUDAStream().stream());
+}
+
+void ipc_all_reduce_sync(CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, RedOp op, int algo,
+                         int64_t side_id, int64_t side_device, int64_t side_type) {
+  run_sync(group, in, {&in, &out}, side_id, side_device, side_type, [&] { ipc_all_reduce(group, in, out, op, algo); });
+}
 
 void ipc_quantized_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, bool avg, int bits,
                               int block, bool stochastic, uint64_t seed_quantize, uint64_t seed_requantize,

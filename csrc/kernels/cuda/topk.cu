@@ -91,6 +91,35 @@ __device__ __forceinline__ size_t sampled_index(size_t j, size_t stride) {
   return stride == 1 ? j : (j / kSampleChunk) * (stride * kSampleChunk) + j % kSampleChunk;
 }
 
+// The sample of a sampled-mode selection (kSampleChunk's comment): one chunk
+// in `stride` (1: no sample), its m positions (the last chunk may run past
+// n), and the window its count at or above the threshold should fall in.
+struct Sample {
+  size_t stride = 1, m = 0;
+  uint32_t lo = 0, hi = 0;
+  Sample(size_t n, size_t k, bool exact, double tolerance) {
+    if (exact || !(tolerance > 0) || k >= n) return;
+    // Sampled keys at or above the threshold for a count within a quarter
+    // of the window at 2.5 standard deviations (10,000 at tolerance 0.1).
+    const double need = (10.0 / tolerance) * (10.0 / tolerance);
+    size_t s = 64;
+    while (s > 1 && !(n / s >= (size_t{1} << 16) && static_cast<double>(k) / s >= need)) s /= 2;
+    if (s < 4) return;
+    const size_t chunks = (n + kSampleChunk - 1) / kSampleChunk;
+    const size_t taken = (chunks + s - 1) / s;
+    const size_t last = (taken - 1) * s * kSampleChunk;  // first element of the last sampled chunk
+    const double valid = static_cast<double>((taken - 1) * kSampleChunk + std::min(kSampleChunk, n - last));
+    const double ratio = valid / static_cast<double>(n);
+    const double lo_d = std::ceil(static_cast<double>(k) * (1 + tolerance / 4) * ratio);
+    const double hi_d = std::floor(static_cast<double>(k) * (1 + 3 * tolerance / 4) * ratio);
+    if (!(hi_d >= lo_d) || lo_d < 1) return;
+    stride = s;
+    m = taken * kSampleChunk;
+    lo = static_cast<uint32_t>(lo_d);
+    hi = static_cast<uint32_t>(hi_d);
+  }
+};
+
 // The histogram of the keys at sample positions [0, m) (elements past n
 // carry none) under the state's prefix, by the byte at `shift`.
 template <typename T>
@@ -511,39 +540,6 @@ struct Layout {
 }  // namespace
 
 size_t topk_cuda_workspace_bytes(size_t n) { return Layout(n).total; }
-
-namespace {
-
-// The sample of a sampled-mode selection (kSampleChunk's comment): one chunk
-// in `stride` (1: no sample), its m positions (the last chunk may run past
-// n), and the window its count at or above the threshold should fall in.
-struct Sample {
-  size_t stride = 1, m = 0;
-  uint32_t lo = 0, hi = 0;
-  Sample(size_t n, size_t k, bool exact, double tolerance) {
-    if (exact || !(tolerance > 0) || k >= n) return;
-    // Sampled keys at or above the threshold for a count within a quarter
-    // of the window at 2.5 standard deviations (10,000 at tolerance 0.1).
-    const double need = (10.0 / tolerance) * (10.0 / tolerance);
-    size_t s = 64;
-    while (s > 1 && !(n / s >= (size_t{1} << 16) && static_cast<double>(k) / s >= need)) s /= 2;
-    if (s < 4) return;
-    const size_t chunks = (n + kSampleChunk - 1) / kSampleChunk;
-    const size_t taken = (chunks + s - 1) / s;
-    const size_t last = (taken - 1) * s * kSampleChunk;  // first element of the last sampled chunk
-    const double valid = static_cast<double>((taken - 1) * kSampleChunk + std::min(kSampleChunk, n - last));
-    const double ratio = valid / static_cast<double>(n);
-    const double lo_d = std::ceil(static_cast<double>(k) * (1 + tolerance / 4) * ratio);
-    const double hi_d = std::floor(static_cast<double>(k) * (1 + 3 * tolerance / 4) * ratio);
-    if (!(hi_d >= lo_d) || lo_d < 1) return;
-    stride = s;
-    m = taken * kSampleChunk;
-    lo = static_cast<uint32_t>(lo_d);
-    hi = static_cast<uint32_t>(hi_d);
-  }
-};
-
-}  // namespace
 
 size_t topk_cuda(const TopK& s, DType dtype, const void* x, float* residual, size_t n, size_t cap, void* values,
                  int32_t* indices, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
