@@ -12,12 +12,19 @@ namespace pycomm {
 
 namespace {
 
-// The communicator's rule (tensor_checks.h): the kernels move memory.
-void check_memory(const at::Tensor& in, const at::Tensor& out) {
+// What every IPC call takes: CUDA tensors on one device, contiguous, the
+// output like the input, and the communicator's rule on their memory
+// (tensor_checks.h: the kernels move memory). `call` names the call.
+void check_tensors(const at::Tensor& in, const at::Tensor& out, const char* call) {
+  TORCH_CHECK(in.is_cuda() && out.is_cuda(), "pycomm: the ", call, " takes CUDA tensors");
   for (const at::Tensor* t : {&in, &out}) {
     const std::string why = memory_mismatch(*t);
     TORCH_CHECK(why.empty(), "pycomm: the ", t == &in ? "input " : "output ", why);
   }
+  TORCH_CHECK(in.device() == out.device(), "pycomm: input and output must be on one device");
+  TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "pycomm: tensors must be contiguous");
+  TORCH_CHECK(in.scalar_type() == out.scalar_type() && in.numel() == out.numel(),
+              "pycomm: output must match the input's dtype and size");
 }
 
 // The same steps as IpcAllReduce._enqueue and IpcWork.wait in Python, which
@@ -60,12 +67,7 @@ void run_sync(CudaIpcAllReduce& group, const at::Tensor& in, std::initializer_li
 IpcQuantCall quantized_call(const CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, bool avg,
                             int bits, int block, bool stochastic, uint64_t seed_quantize, uint64_t seed_requantize,
                             const at::Tensor& worker_residual, const at::Tensor& server_residual, bool fused) {
-  TORCH_CHECK(in.is_cuda() && out.is_cuda(), "pycomm: the quantized CUDA IPC all-reduce takes CUDA tensors");
-  check_memory(in, out);
-  TORCH_CHECK(in.device() == out.device(), "pycomm: input and output must be on one device");
-  TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "pycomm: tensors must be contiguous");
-  TORCH_CHECK(in.scalar_type() == out.scalar_type() && in.numel() == out.numel(),
-              "pycomm: output must match the input's dtype and size");
+  check_tensors(in, out, "quantized CUDA IPC all-reduce");
   TORCH_CHECK(in.scalar_type() == at::kFloat || in.scalar_type() == at::kHalf || in.scalar_type() == at::kBFloat16,
               "pycomm: the quantized all-reduce takes float32, float16 or bfloat16 tensors");
   TORCH_CHECK(bits == 8 || bits == 4, "pycomm: bits must be 8 or 4");
@@ -98,13 +100,8 @@ IpcQuantCall quantized_call(const CudaIpcAllReduce& group, const at::Tensor& in,
 }  // namespace
 
 void ipc_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, RedOp op, int algo) {
+  check_tensors(in, out, "CUDA IPC all-reduce");
   DType dt;
-  TORCH_CHECK(in.is_cuda() && out.is_cuda(), "pycomm: the CUDA IPC all-reduce takes CUDA tensors");
-  check_memory(in, out);
-  TORCH_CHECK(in.device() == out.device(), "pycomm: input and output must be on one device");
-  TORCH_CHECK(in.is_contiguous() && out.is_contiguous(), "pycomm: tensors must be contiguous");
-  TORCH_CHECK(in.scalar_type() == out.scalar_type() && in.numel() == out.numel(),
-              "pycomm: output must match the input's dtype and size");
   TORCH_CHECK(to_dtype(in.scalar_type(), &dt), "pycomm: dtype ", in.scalar_type(), " is not supported");
   TORCH_CHECK(algo >= 0 && algo <= kLastIpcAlgo, "pycomm: unknown IPC algorithm");
   const c10::cuda::CUDAGuard guard(in.device());
