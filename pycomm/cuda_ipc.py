@@ -267,6 +267,15 @@ class IpcAllReduce:
         rank's blocks of a launch must be resident at once."""
         return self._c.blocks
 
+    @property
+    def fused_blocks(self) -> int:
+        """Thread blocks per launch, at most, of the fused quantized all-reduce:
+        3 per SM of the smallest GPU among the ranks, shared by the ranks on one
+        GPU (a warp holds one quantization block, so it needs more warps than
+        :attr:`blocks` gives), or fewer where ``PYCOMM_IPC_FUSED_BLOCKS`` asks
+        (the least any rank asked). The same on every rank."""
+        return self._c.fused_blocks
+
     def check(self) -> None:
         """Waits until this group's kernels issued so far are done, then raises
         :class:`~pycomm.CommError` if one of them gave up (a peer gone, or

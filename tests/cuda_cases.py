@@ -421,16 +421,29 @@ def _on_gpu_misaligned_if_half(x: torch.Tensor) -> torch.Tensor:
 def run_ipc_quantized(rank: int, world: int, name: str, cases: List[tuple], steps: int = 3,
                       kernels: str = "fused") -> List[list]:
     """Each case (codec, n, dtype, op) through the quantized IPC all-reduce on
-    GPU 0 (its kernels "fused" or "split") and the CPU communicator's
+    GPU 0 (its kernels "fused", "fused_small": on a grid of 3 blocks, or
+    "split") and the CPU communicator's
     compressed all-reduce, both fresh (their sequence numbers, which key
     stochastic rounding, start together), with error feedback over several
     steps: the mismatches in outputs and residuals per case (none expected)."""
     from group_cases import paired_steps, same_accounting, through_communicator
     from harness import make_comm
 
+    import os
+
     comm = make_comm(rank, world, name + ".cpu", timeout=60)
-    ipc = pycomm.cuda_ipc.IpcAllReduce(worker_store(), rank, world, device="cuda:0", buffer_bytes=4 << 20,
-                                       prefix=name, timeout=60, quantized_kernels=kernels)
+    # "fused_small": each rank asks for a grid of 3 + rank blocks, and the
+    # group takes the least (3): warps loop over many quantization blocks.
+    os.environ["PYCOMM_IPC_FUSED_BLOCKS"] = str(3 + rank) if kernels == "fused_small" else ""
+    try:
+        ipc = pycomm.cuda_ipc.IpcAllReduce(worker_store(), rank, world, device="cuda:0", buffer_bytes=4 << 20,
+                                           prefix=name, timeout=60,
+                                           quantized_kernels="split" if kernels == "split" else "fused")
+    finally:
+        del os.environ["PYCOMM_IPC_FUSED_BLOCKS"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    want = 3 if kernels == "fused_small" else min(512, 3 * sms // world)
+    assert ipc.fused_blocks == want, (ipc.fused_blocks, want)
 
     def through_ipc(b, op, codec, ef):
         work = ipc.all_reduce(b, op=op, compression=codec, error_feedback=ef, key="k", async_op=True)

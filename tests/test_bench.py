@@ -265,7 +265,8 @@ def test_gpu_allreduce_traffic_model():
             assert mod.traffic(core, "two_shot", w, n, 0) == w * 4 * (5 * n + n // w)
             assert mod.traffic(core, "two_shot_db", w, n, 0) == mod.traffic(core, "two_shot", w, n, 0)
             for name, bits, block in (("int8", 8, pycomm.Int8().block), ("int4", 4, pycomm.Int4().block),
-                                      ("int8_split", 8, pycomm.Int8().block)):  # the same bytes, a kernel per step
+                                      ("int8_split", 8, pycomm.Int8().block),  # the same bytes, a kernel per step
+                                      ("int8_g72", 8, pycomm.Int8().block)):  # and on another grid
                 shard = -(-(-(-n // w)) // block) * block
                 slot = -(-(shard * bits // 8 + 4 * (-(-shard // block))) // 8) * 8
                 assert mod.traffic(core, name, w, n, 0) == w * (8 * n + (3 * w + 1) * slot), (name, w, n)

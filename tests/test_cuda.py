@@ -325,16 +325,17 @@ def test_ipc_schedules_equal_the_cpu_executor_bit_for_bit(gpu_pool, world):
         assert not bad, f"rank {rank}: {len(bad)} mismatches:\n" + "\n".join(bad[:20])
 
 
-@pytest.mark.parametrize("kernels", ["fused", "split"])
+@pytest.mark.parametrize("kernels", ["fused", "fused_small", "split"])
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ipc_quantized_all_reduce_equals_the_cpu_communicator(gpu_pool, world, kernels):
     """Int8/Int4 (round-to-nearest and stochastic, blocks of 64-512, and 96,
     which only the kernel-per-step form takes) through the peers' buffers, as
-    one fused kernel and as a kernel per step: outputs, worker and server
-    residuals bit for bit the CPU communicator's over 3 steps with error
-    feedback, at sizes that leave some thread blocks without work and some
-    with several batches, and on outputs not aligned for the paired stores
-    (offset views); bad calls refused with a message (max, top-k, float64,
+    one fused kernel (on the grid the GPU fits, and on 3 blocks, the least
+    the ranks' PYCOMM_IPC_FUSED_BLOCKS asked for) and as a kernel per step:
+    outputs, worker and server residuals bit for bit the CPU communicator's
+    over 3 steps with error feedback, at sizes that leave some thread blocks
+    without work and some with several batches, and on outputs not aligned
+    for the paired stores (offset views); bad calls refused with a message (max, top-k, float64,
     codes larger than the buffer)."""
     from cuda_cases import run_ipc_quantized
 

@@ -7,6 +7,10 @@ against gloo on the same CUDA tensors, nccl-tests style, in one run.
         [--algorithms one_shot,two_shot,one_shot_db,two_shot_db,ring,tree,int8,int8_split,int4,gloo]
         [--iters 20] [--runs 5]
 
+int8_g72 (int4_g72, any count): the fused kernel on a grid of at most 72
+blocks (PYCOMM_IPC_FUSED_BLOCKS), beside int8's default, 3 blocks per SM
+shared by the ranks (the header says how many).
+
 Time per call as nccl-tests measures it: ``--iters`` calls issued back to back
 between two CUDA events (the host's cost per call hides behind the device's
 where it is smaller), the median of ``--runs`` such batches (a barrier before
@@ -30,6 +34,7 @@ header. Under CUDA MPS (benchmarks/gpu/run.sh mps) the header says so.
 import argparse
 import datetime
 import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -70,12 +75,20 @@ def traffic(core, name: str, world: int, n: int, round_bytes: int) -> int:
     if name in ("ring", "tree"):
         return core.program_traffic(core.algorithms[name], core.collectives.index("all_reduce"), world, 0, es, n,
                                     round_bytes)
+    if fused_grid(name):
+        name = fused_grid(name)[0]
     if name in QUANTIZED:
         codec = QUANTIZED[name]()
         shard = core.compressed_shard_elems(n, world, int(codec.block))
         slot = core.quant_payload_bytes(shard, int(codec.bits), int(codec.block))
         return world * (2 * n * es + (3 * world + 1) * slot)
     return 0
+
+
+def fused_grid(name: str):
+    """(codec name, blocks) for int8_g<blocks> / int4_g<blocks>, else None."""
+    m = re.fullmatch(r"(int[48])_g(\d+)", name)
+    return (m.group(1), int(m.group(2))) if m else None
 
 
 def worker(rank, world, port, args):
@@ -92,6 +105,17 @@ def worker(rank, world, port, args):
     if any(name.endswith("_db") for name in names):
         double = pycomm.cuda_ipc.IpcAllReduce(store, rank, world, device="cuda:0", buffer_bytes=args.max_bytes,
                                               prefix="pycomm.ipc.db", double_buffer=True, timeout=30)
+    # One group per fused grid asked for (the grid is agreed when a group opens).
+    grids = {}
+    for name in names:
+        if fused_grid(name) and fused_grid(name)[1] not in grids:
+            os.environ["PYCOMM_IPC_FUSED_BLOCKS"] = str(fused_grid(name)[1])
+            try:
+                grids[fused_grid(name)[1]] = pycomm.cuda_ipc.IpcAllReduce(
+                    store, rank, world, device="cuda:0", buffer_bytes=args.max_bytes,
+                    prefix=f"pycomm.ipc.g{fused_grid(name)[1]}", timeout=30)
+            finally:
+                del os.environ["PYCOMM_IPC_FUSED_BLOCKS"]
     factor = 2 * (world - 1) / world
     want = world * (world + 1) / 2
     if rank == 0:
@@ -107,6 +131,9 @@ def worker(rank, world, port, args):
               f"{copy_rate / 1e9:.0f} GB/s read + written)")
         print("# %copy: the bytes the call's kernels read and write on the shared GPU, per second, against "
               "the copy's")
+        print(f"# blocks per launch: one-shot / two-shot / schedules {ipc.blocks}, fused quantized up to "
+              f"{ipc.fused_blocks}" + "".join(f", {n} up to {grids[fused_grid(n)[1]].fused_blocks}"
+                                               for n in names if fused_grid(n)))
         print(f"{'size':>11} {'count':>10} {'algorithm':>10} | {'time us':>9} {'graph us':>9} {'1-call us':>9} "
               f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'%copy':>7} {'#wrong':>6}")
     core = pycomm.load_core()
@@ -118,10 +145,11 @@ def worker(rank, world, port, args):
             if name == "gloo":
                 def call():
                     dist.all_reduce(x)
-            elif name in QUANTIZED:
-                codec = QUANTIZED[name]()
+            elif name in QUANTIZED or fused_grid(name):
+                codec = QUANTIZED[fused_grid(name)[0] if fused_grid(name) else name]()
+                group = grids[fused_grid(name)[1]] if fused_grid(name) else split if name.endswith("_split") else ipc
 
-                def call(codec=codec, group=split if name.endswith("_split") else ipc):
+                def call(codec=codec, group=group):
                     group.all_reduce(x, compression=codec)
             elif name.endswith("_db"):
                 def call(name=name):
@@ -141,7 +169,7 @@ def worker(rank, world, port, args):
             x.fill_(rank + 1)
             call()
             torch.cuda.synchronize()
-            tol = 0.01 * want if name in QUANTIZED else 0.0
+            tol = 0.01 * want if name in QUANTIZED or fused_grid(name) else 0.0
             wrong = int(((x - want).abs() > tol).sum())
             if rank == 0:
                 algbw = size / t / 1e9

@@ -12,12 +12,16 @@
 // block shape on every rank): block b of each rank writes exactly the codes
 // and scales that block b of each rank reads next.
 //
-// Why 256 threads with 3 blocks resident per SM. Every rank's blocks of a
-// launch must be resident at once (they wait for each other): ranks sharing
-// a GPU launch 144 blocks in all, which 3 per SM fit on any GPU of 48 SMs or
-// more, as for the group's own kernels; that bounds a thread to 85
-// registers, so a warp keeps kU quantization blocks' loads in flight instead
-// of taking more threads.
+// Why 256 threads with 3 blocks resident per SM, and a grid of 3 blocks per
+// SM shared by the ranks on one GPU. A warp holds a quantization block at a
+// time, so the kernel needs many warps: on the group's 36 to 72 blocks (8
+// warps each, about one block per SM of an H200) it reached 10 % of the
+// copy bandwidth. Every rank's blocks of a launch must be resident at once
+// (they wait for each other), so the grid is what 3 blocks per SM of the
+// smallest GPU give each of the ranks on one GPU, the same on every rank
+// (KernelView). 3 blocks of 256 threads bound a thread to 85 registers, so
+// a warp keeps kU quantization blocks' loads in flight instead of taking
+// more threads.
 #include "ipc_quantized.h"
 
 #include <algorithm>
@@ -46,6 +50,7 @@ size_t slot_bytes(size_t shard, int bits, int block) {
 }
 
 constexpr int kFusedThreads = 256;
+constexpr int kFusedBlocksPerSm = 3;  // __launch_bounds__' promise
 
 struct FusedArgs {
   ipc_detail::IpcPeers peers;
@@ -107,7 +112,7 @@ __device__ __forceinline__ void decode_shards(const FusedArgs& a, T* out, int la
 // One instantiation per codec (kBits): with the bits a runtime value every
 // phase held both codecs' code, and at 80 registers blocks of 512 spilled.
 template <int E, int kBits, typename T>
-__global__ void __launch_bounds__(kFusedThreads, 3) ipc_quantized_kernel(FusedArgs a, const T* in, T* out) {
+__global__ void __launch_bounds__(kFusedThreads, kFusedBlocksPerSm) ipc_quantized_kernel(FusedArgs a, const T* in, T* out) {
   constexpr int kBlock = 32 * E;
   // Blocks per batch: 16 values a lane for blocks of 128 to 512 (4, 2 and 1
   // blocks; at 128, 3 registers spill to local memory), 4 blocks of 64 (8
@@ -144,8 +149,8 @@ __global__ void __launch_bounds__(kFusedThreads, 3) ipc_quantized_kernel(FusedAr
     zero_payload_tail(payload, len, kBits, kBlock);
   }
   // 2. Every rank's slots are written (this block's quantization blocks).
-  const uint32_t epoch = ipc_detail::next_epoch(a.peers);
-  if (!ipc_detail::block_barrier(a.peers, 0, epoch)) return;
+  const uint32_t epoch = ipc_detail::next_epoch<false, ipc_detail::FusedRows>(a.peers);
+  if (!ipc_detail::block_barrier<ipc_detail::FusedRows>(a.peers, 0, epoch)) return;
   // 3. Reduce this rank's shard from every rank's slot for it, in rank order
   //    (the communicator's order), average if asked, and requantize it with
   //    the server residual, into this rank's last slot.
@@ -173,7 +178,7 @@ __global__ void __launch_bounds__(kFusedThreads, 3) ipc_quantized_kernel(FusedAr
   }
   // 4. Every rank's reduced shard is written (and this block's part of every
   //    slot of step 1 read).
-  if (!ipc_detail::block_barrier(a.peers, 1, epoch)) return;
+  if (!ipc_detail::block_barrier<ipc_detail::FusedRows>(a.peers, 1, epoch)) return;
   // 5. Every rank decodes the same bytes: the same result everywhere.
   if (a.pairs)
     decode_shards<E, kBits, kU, true>(a, out, lane);
@@ -181,8 +186,18 @@ __global__ void __launch_bounds__(kFusedThreads, 3) ipc_quantized_kernel(FusedAr
     decode_shards<E, kBits, kU, false>(a, out, lane);
   // 6. Nobody writes its buffer again (the next launch) before every rank
   //    has read this block's part of it.
-  ipc_detail::block_barrier(a.peers, 2, epoch);
+  ipc_detail::block_barrier<ipc_detail::FusedRows>(a.peers, 2, epoch);
 }
+
+}  // namespace
+
+int fused_grid_cap(const CudaIpcAllReduce::KernelView& v) {
+  const int fit = kFusedBlocksPerSm * std::max(1, v.sms) / std::max(1, v.ranks_per_gpu);
+  const int cap = v.fused_blocks > 0 ? std::min(v.fused_blocks, fit) : fit;
+  return std::max(1, std::min(cap, kIpcFusedMaxBlocks));
+}
+
+namespace {
 
 // The fused kernel, where the codec's block is a warp kernel's; false
 // otherwise (the caller runs the steps as separate kernels).
@@ -212,11 +227,11 @@ bool launch_fused(CudaIpcAllReduce& group, const IpcQuantCall& c, size_t shard, 
   a.sum.block = c.block;
   a.sum.cancel = nullptr;  // the barrier before step 3 is the check
   a.key_requantize = kernels::mix64(c.seed_requantize);
-  // Enough warps for the largest shard's blocks, at most the group's blocks
-  // per launch: the same on every rank (n, world, codec, group).
+  // Enough warps for the largest shard's blocks, at most fused_grid_cap:
+  // the same on every rank (n, world, codec, what the group agreed).
   const size_t warps = kFusedThreads / 32;
   const size_t need = (kernels::quant_num_blocks(shard, c.block) + warps - 1) / warps;
-  const unsigned grid = static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(view.blocks, need)));
+  const unsigned grid = static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(fused_grid_cap(view), need)));
   return with_warp_block(c.block, [&](auto e) {
     constexpr int E = decltype(e)::value;
     kernels::with_float_type(c.dtype, "the quantized CUDA IPC all-reduce", [&](auto* tag) {

@@ -12,9 +12,8 @@
 // CPU ones: equal, on the same inputs and sequence numbers, to the CPU
 // communicator's compressed all-reduce. For GPU boxes without NVLink: each
 // byte over PCIe is a quarter (int8) or an eighth (int4) of float32's.
-// Torch-free: device pointers, an explicit stream. The kernel-per-step form
-// ran on an H200 (bit for bit the CPU communicator's); the fused kernel is
-// compiled and not yet run on a GPU.
+// Torch-free: device pointers, an explicit stream. Both forms ran on an
+// H200, bit for bit the CPU communicator's.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -44,6 +43,12 @@ struct IpcQuantCall {
   // for other blocks. The same bits either way.
   bool fused = true;
 };
+
+// The most blocks a launch of the fused kernel takes in `group` (its grid
+// is fewer where the call has fewer quantization blocks): 3 per SM of the
+// smallest GPU, over the most ranks on one GPU, or the group's
+// fused_blocks if fewer; the same on every rank.
+int fused_grid_cap(const CudaIpcAllReduce::KernelView& group);
 
 // Staging bytes one call needs per rank: world + 1 payload slots.
 size_t ipc_quantized_bytes(size_t n, int world, int bits, int block);

@@ -483,7 +483,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("abort", &CudaIpcAllReduce::abort, py::arg("why"), "Makes every wait give up and every later call raise.")
       .def_property_readonly("buffer_bytes", &CudaIpcAllReduce::buffer_bytes)
       .def_property_readonly("round_bytes", &CudaIpcAllReduce::round_bytes)
-      .def_property_readonly("blocks", &CudaIpcAllReduce::blocks);
+      .def_property_readonly("blocks", &CudaIpcAllReduce::blocks)
+      .def_property_readonly("fused_blocks",
+                             [](const CudaIpcAllReduce& c) { return fused_grid_cap(c.kernel_view()); });
   py::dict ipc;
   ipc["auto"] = static_cast<int>(IpcAlgo::kAuto);
   ipc["one_shot"] = static_cast<int>(IpcAlgo::kOneShot);

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "../algorithms/schedule.h"
@@ -327,8 +328,24 @@ CudaIpcAllReduce::~CudaIpcAllReduce() {
 }
 
 namespace {
-// What a rank publishes: its two IPC handles, its process, its GPU.
-constexpr size_t kHandlesBytes = 2 * sizeof(cudaIpcMemHandle_t) + sizeof(ProcessId) + sizeof(cudaUUID_t);
+// What a rank publishes: its two IPC handles, its process, its GPU's SM
+// count, the fused blocks it asks for (KernelView), and its GPU.
+constexpr size_t kHandlesBytes =
+    2 * sizeof(cudaIpcMemHandle_t) + sizeof(ProcessId) + 2 * sizeof(int32_t) + sizeof(cudaUUID_t);
+constexpr size_t kSmsAt = 2 * sizeof(cudaIpcMemHandle_t) + sizeof(ProcessId);
+
+// PYCOMM_IPC_FUSED_BLOCKS: 0 when unset; a malformed value is refused, as a
+// rank that read it otherwise than its peers would launch another grid.
+int32_t fused_blocks_asked() {
+  const char* env = std::getenv("PYCOMM_IPC_FUSED_BLOCKS");
+  if (env == nullptr || *env == '\0') return 0;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  if (*end != '\0' || v < 1 || v > kIpcFusedMaxBlocks)
+    throw CommError(std::string("pycomm: PYCOMM_IPC_FUSED_BLOCKS must be a whole number from 1 to ") +
+                    std::to_string(kIpcFusedMaxBlocks) + ", got \"" + env + "\"");
+  return static_cast<int32_t>(v);
+}
 }  // namespace
 
 std::string CudaIpcAllReduce::handles() const {
@@ -338,8 +355,10 @@ std::string CudaIpcAllReduce::handles() const {
   const ProcessId self = this_process();
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, device_), "device properties");
+  const int32_t ints[2] = {prop.multiProcessorCount, fused_blocks_asked()};
   return std::string(reinterpret_cast<const char*>(h), sizeof h) +
          std::string(reinterpret_cast<const char*>(&self), sizeof self) +
+         std::string(reinterpret_cast<const char*>(ints), sizeof ints) +
          std::string(reinterpret_cast<const char*>(&prop.uuid), sizeof prop.uuid);
 }
 
@@ -359,6 +378,10 @@ void CudaIpcAllReduce::open(const std::vector<std::string>& all) {
       same += all[p].size() == kHandlesBytes &&
               std::memcmp(all[p].data() + kHandlesBytes - sizeof(cudaUUID_t), uuid, sizeof(cudaUUID_t)) == 0;
     ranks_per_gpu = std::max(ranks_per_gpu, same);
+    int32_t ints[2];
+    std::memcpy(ints, all[q].data() + kSmsAt, sizeof ints);
+    sms_ = q == 0 ? ints[0] : std::min(sms_, ints[0]);
+    if (ints[1] > 0) fused_blocks_ = fused_blocks_ == 0 ? ints[1] : std::min(fused_blocks_, ints[1]);
     // (A peer in another pid namespace: the watchdog cannot tell, and leaves
     // it to the timeout.)
     std::memcpy(&peers_[q], all[q].data() + 2 * sizeof(cudaIpcMemHandle_t), sizeof(ProcessId));
@@ -373,6 +396,7 @@ void CudaIpcAllReduce::open(const std::vector<std::string>& all) {
           ("opening rank " + std::to_string(q) + "'s signal block").c_str());
   }
   blocks_ = ipc_blocks_for(ranks_per_gpu);
+  ranks_per_gpu_ = ranks_per_gpu;
   opened_ = true;
   // The watchdog: the ranks share this host, so a peer's death is seen from
   // its process id at once (its kernels' flags would just stop moving), a
@@ -452,6 +476,9 @@ CudaIpcAllReduce::KernelView CudaIpcAllReduce::kernel_view() const {
   v.rank = rank_;
   v.world = world_;
   v.blocks = blocks_;
+  v.sms = sms_;
+  v.ranks_per_gpu = ranks_per_gpu_;
+  v.fused_blocks = fused_blocks_;
   v.double_buffer = double_buffer_;
   return v;
 }

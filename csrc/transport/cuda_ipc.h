@@ -52,6 +52,13 @@ constexpr int kIpcMaxRanks = 8;
 constexpr int kIpcBlocks = 36;
 constexpr int kIpcSharedGpuBlocks = 144;
 constexpr int kIpcMaxBlocks = 72;
+// Blocks per launch, at most, of a kernel composed over the group that
+// sizes its grid by the GPU instead (the fused quantized all-reduce: its
+// warps each hold a quantization block, and the group's 36 to 72 blocks
+// left it at 10 % of the copy bandwidth on an H200). It has flag rows and
+// launch counts of its own, so its grid is free of the group's: 512 covers
+// 3 blocks per SM of any GPU up to 170 SMs.
+constexpr int kIpcFusedMaxBlocks = 512;
 
 // The blocks per launch of a group whose busiest GPU runs `ranks_per_gpu`
 // of its ranks (the same on every rank: all see the same handles).
@@ -165,16 +172,23 @@ class CudaIpcAllReduce {
   // compression/) needs to meet its peers as the group's own kernels do:
   // every rank's staging buffer and signal block (ours at [rank]; the
   // blocks are cuda_ipc_detail.cuh's IpcSignal), the status its waits
-  // report to, their timeout, and the blocks per launch. Such a kernel uses
-  // the one-shot and two-shot kernels' flag rows and launch counts, block b
-  // meeting block b (ipc_detail::block_barrier), and leaves every peer's
-  // reads of this rank's buffer done when it ends, as they do.
+  // report to, their timeout, and what sizes its grid. Such a kernel meets
+  // its peers block b to block b on the fused flag rows
+  // (ipc_detail::block_barrier<FusedRows>), and leaves every peer's reads
+  // of this rank's buffer done when it ends, as the group's kernels do.
+  //
+  // Its grid must be the same on every rank and must fit on the GPU with
+  // every other rank's on that GPU (they wait for each other): `sms` is the
+  // fewest SMs of any rank's GPU, `ranks_per_gpu` the most ranks on one GPU,
+  // and `fused_blocks` the blocks per launch PYCOMM_IPC_FUSED_BLOCKS asked
+  // for (the least any rank asked; 0: none did), all agreed at open().
   struct KernelView {
     void* buf[kIpcMaxRanks];
     void* sig[kIpcMaxRanks];
     IpcStatus* status;
     uint64_t timeout_ns;
     int rank, world, blocks;
+    int sms, ranks_per_gpu, fused_blocks;
     bool double_buffer;
   };
   KernelView kernel_view() const;
@@ -224,6 +238,7 @@ class CudaIpcAllReduce {
   void run_schedule(const void* in, void* out, size_t count, DType dtype, RedOp op, int algo, cudaStream_t stream);
   size_t round_bytes_;
   int blocks_ = kIpcBlocks;
+  int sms_ = 0, ranks_per_gpu_ = 1, fused_blocks_ = 0;  // KernelView's, from open()
   std::map<int, DeviceProgram> programs_;
   // Steps posted and rounds finished by this rank's schedule launches so
   // far (the same on every rank).

@@ -16,8 +16,8 @@
 // makes the same launches in the same order), compared modulo 2^32. The
 // one-shot and two-shot kernels keep theirs in device memory (`launches`),
 // one per block, so a launch's arguments never change and a CUDA graph can
-// replay it (the fused quantized kernel shares them); the executor of
-// schedules and barrier() still count on the host.
+// replay it (the fused quantized kernel keeps its own, in rows of its own);
+// the executor of schedules and barrier() still count on the host.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -50,6 +50,27 @@ struct IpcSignal {
   // and advanced only by that block (stream order separates the launches).
   // Block b of every rank runs the same launches, so the counts agree.
   alignas(128) uint32_t launches[kIpcMaxBlocks];
+  // The same two for a kernel composed over the group whose grid fills the
+  // GPU (KernelView): its own rows, as its grid is not the group's.
+  alignas(128) uint32_t fused_flag[kPhases][kIpcFusedMaxBlocks][kIpcMaxRanks];
+  alignas(128) uint32_t fused_launches[kIpcFusedMaxBlocks];
+};
+
+// Which flag rows and launch counts a kernel meets its peers on: the
+// one-shot and two-shot kernels' (GroupRows), or the fused rows.
+struct GroupRows {
+  static constexpr int kBlocks = kIpcMaxBlocks;
+  __device__ static uint32_t* flag(IpcSignal* s, int phase, int block, int src) {
+    return &s->flag[phase][block][src];
+  }
+  __device__ static uint32_t* launches(IpcSignal* s) { return s->launches; }
+};
+struct FusedRows {
+  static constexpr int kBlocks = kIpcFusedMaxBlocks;
+  __device__ static uint32_t* flag(IpcSignal* s, int phase, int block, int src) {
+    return &s->fused_flag[phase][block][src];
+  }
+  __device__ static uint32_t* launches(IpcSignal* s) { return s->fused_launches; }
 };
 
 __device__ __forceinline__ void st_release(uint32_t* p, uint32_t v) {
@@ -162,12 +183,13 @@ inline IpcPeers peers_of(const CudaIpcAllReduce::KernelView& v) {
 // other ordering. False: a peer did not come within the timeout (or the
 // host aborted); the block leaves the kernel and the failure is in the
 // status.
+template <typename Rows = GroupRows>
 __device__ inline bool block_barrier(const IpcPeers& p, int phase, uint32_t epoch) {
   __syncthreads();
   uint32_t* slots[kIpcMaxRanks];
   for (int q = 0; q < p.world; ++q) {
-    if (threadIdx.x == q) st_release(&p.sig[q]->flag[phase][blockIdx.x][p.rank], epoch);
-    slots[q] = &p.sig[p.rank]->flag[phase][blockIdx.x][q];
+    if (threadIdx.x == q) st_release(Rows::flag(p.sig[q], phase, blockIdx.x, p.rank), epoch);
+    slots[q] = Rows::flag(p.sig[p.rank], phase, blockIdx.x, q);
   }
   return block_wait_each(p.wait, slots, p.world, epoch, kIpcWaitBarrier);
 }
@@ -181,24 +203,21 @@ __device__ inline bool block_barrier(const IpcPeers& p, int phase, uint32_t epoc
 // half of its buffer by its parity.
 // (kAllBlocks: p.all_blocks known at compile time; the IPC kernels keep
 // every register they can.)
-template <bool kAllBlocks>
+template <bool kAllBlocks, typename Rows = GroupRows>
 __device__ inline uint32_t next_epoch(const IpcPeers& p) {
   __shared__ uint32_t epoch;
   if (threadIdx.x == 0) {
-    uint32_t* count = &p.sig[p.rank]->launches[blockIdx.x];
+    uint32_t* count = Rows::launches(p.sig[p.rank]) + blockIdx.x;
     epoch = *count + 1;
     *count = epoch;
     if constexpr (kAllBlocks) {
-      for (unsigned j = blockIdx.x + gridDim.x; j < kIpcMaxBlocks; j += gridDim.x) count[j - blockIdx.x] = epoch;
+      for (unsigned j = blockIdx.x + gridDim.x; j < Rows::kBlocks; j += gridDim.x) count[j - blockIdx.x] = epoch;
     }
   }
   __syncthreads();
   return epoch;
 }
 
-__device__ inline uint32_t next_epoch(const IpcPeers& p) {
-  return p.all_blocks ? next_epoch<true>(p) : next_epoch<false>(p);
-}
 
 // The kernels' element types and reductions, in one place for every IPC
 // kernel: f(T*) with a null pointer of the element type, and g(Op) with an
