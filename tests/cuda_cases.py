@@ -1,7 +1,8 @@
 """Worker-side CUDA IPC cases (run inside harness workers, every rank on GPU 0)."""
 from __future__ import annotations
 
-from typing import List
+import itertools
+from typing import Callable, List
 
 import torch
 
@@ -409,13 +410,19 @@ def ipc_peer_dies(rank: int, world: int, path: str, mode: str, results) -> None:
         store.set(f"reported/{k}/{rank}", "1")
 
 
-def _on_gpu_misaligned_if_half(x: torch.Tensor) -> torch.Tensor:
-    """x on GPU 0: float32 aligned as allocated; 16-bit dtypes one element
-    into a larger tensor (contiguous, but odd-aligned: not the paired
-    stores' layout)."""
-    if x.element_size() == 4:
-        return x.cuda()
-    return torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")[1:].copy_(x)
+def _on_gpu_misaligned_every_other_call() -> Callable[[torch.Tensor], torch.Tensor]:
+    """x on GPU 0, every other call one element into a larger tensor
+    (contiguous, but not where a run of elements may start: the fused kernel
+    takes an aligned copy, the kernels per step one element a lane), else
+    aligned as allocated: a case's steps take both, with one error feedback
+    across them."""
+    calls = itertools.count()
+
+    def to_gpu(x: torch.Tensor) -> torch.Tensor:
+        if next(calls) % 2 == 0:
+            return x.cuda()
+        return torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")[1:].copy_(x)
+    return to_gpu
 
 
 def run_ipc_quantized(rank: int, world: int, name: str, cases: List[tuple], steps: int = 3,
@@ -451,7 +458,8 @@ def run_ipc_quantized(rank: int, world: int, name: str, cases: List[tuple], step
         return work
 
     out = [bad for bad, _ in paired_steps(rank, cases, steps, through_communicator(comm), through_ipc,
-                                          to_other=_on_gpu_misaligned_if_half, check=same_accounting(world))]
+                                          to_other=_on_gpu_misaligned_every_other_call(),
+                                          check=same_accounting(world))]
     msgs = []
     for call in (lambda: ipc.all_reduce(torch.randn(8, device="cuda"), op="max", compression=pycomm.Int8()),
                  lambda: ipc.all_reduce(torch.randn(8, device="cuda"), compression=pycomm.TopK(0.1)),

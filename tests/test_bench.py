@@ -290,6 +290,13 @@ def test_gpu_kernel_benchmark_checks_itself_on_cpu(tmp_path):
     assert len(kernels) == 10 and all(line.rsplit("|", 1)[1].strip() == "0" for line in kernels), r.stdout
     topk = [line for line in r.stdout.splitlines() if line.startswith("top-k")]
     assert len(topk) == 1 and topk[0].endswith("#wrong 0"), r.stdout
+    # --offset: the same rows on tensors one element off, checked the same way.
+    off = subprocess.run([sys.executable, "kernels.py", "--device", "cpu", "--elems", "65536", "--repeats", "1",
+                          "--offset"], capture_output=True, text=True, env=ENV, timeout=300,
+                         cwd=os.path.join(root, "benchmarks", "gpu"))
+    assert off.returncode == 0, off.stdout[-3000:] + off.stderr[-3000:]
+    rows_off = [line for line in off.stdout.splitlines() if ", offset)" in line]
+    assert len(rows_off) == 10 and all(line.rsplit("|", 1)[1].strip() == "0" for line in rows_off), off.stdout
     # --summarize: min / median / max over launches' logs, one row per kernel
     # and top-k speed-up (here the same log twice, and one with a row moved).
     log = str(tmp_path / "kernels_1.log")

@@ -18,20 +18,28 @@ FLOATS = [torch.float32, torch.float16, torch.bfloat16]
 OPS = torch.ops.pycomm
 
 
-def codec_matches_cpu(x, r, r_gpu, bits, block, stochastic, acc_seed):
+def offset_on_gpu(t):
+    """t's copy on the GPU one element into a larger tensor: contiguous, but
+    not where the warp kernels' runs of elements may start (they take one
+    element a lane there)."""
+    return None if t is None else torch.empty(t.numel() + 1, dtype=t.dtype, device="cuda")[1:].copy_(t)
+
+
+def codec_matches_cpu(x, r, r_gpu, bits, block, stochastic, acc_seed, offset=False):
     """Quantizes x (with residual r on the CPU, its copy r_gpu on the GPU) on
     both devices and checks payloads, residuals, the decoded values in every
-    dtype and dequantize-accumulate bit for bit; returns both payloads."""
+    dtype and dequantize-accumulate bit for bit (x, and the accumulator, one
+    element off on the GPU with `offset`); returns both payloads."""
     n = x.numel()
     p_cpu = OPS.quantize(x, bits, block, stochastic, 7, r)
-    p_gpu = OPS.quantize(x.cuda(), bits, block, stochastic, 7, r_gpu)
+    p_gpu = OPS.quantize(offset_on_gpu(x) if offset else x.cuda(), bits, block, stochastic, 7, r_gpu)
     assert same_bits(p_cpu, p_gpu), (n, "payload")
     assert same_bits(r, r_gpu), (n, "residual")
     for out_dtype in FLOATS:
         assert same_bits(OPS.dequantize(p_cpu, n, bits, block, out_dtype),
                          OPS.dequantize(p_gpu, n, bits, block, out_dtype)), (n, out_dtype)
     acc = rand_blocks(n, block, acc_seed, x.dtype)
-    acc_gpu = acc.cuda()
+    acc_gpu = offset_on_gpu(acc) if offset else acc.cuda()
     OPS.dequantize_accumulate(acc, p_cpu, bits, block)
     OPS.dequantize_accumulate(acc_gpu, p_gpu, bits, block)
     assert same_bits(acc, acc_gpu), (n, "accumulate")
@@ -43,19 +51,22 @@ def codec_matches_cpu(x, r, r_gpu, bits, block, stochastic, acc_seed):
 @pytest.mark.parametrize("bits,block,stochastic", [(8, 256, False), (8, 64, True), (4, 128, False), (4, 256, True),
                                                    (8, 512, True), (4, 64, False), (8, 1024, False), (4, 40, True)])
 def test_quantize_and_error_feedback_match_cpu(dtype, bits, block, stochastic):
-    for i, n in enumerate([1, block - 3, 100003]):
+    """Whole and cut blocks, the tensors aligned as allocated (runs of
+    elements a lane) and one element off (one element a lane)."""
+    for i, (n, offset) in enumerate([(1, False), (block - 3, False), (100003, False), (100003, True),
+                                     (block - 3, True)]):
         x = rand_blocks(n, block, 10 + i, dtype)
         r = torch.randn(n, generator=torch.Generator().manual_seed(i)) * 0.01
-        r_gpu = r.cuda()
-        codec_matches_cpu(x, r, r_gpu, bits, block, stochastic, 99)
+        r_gpu = offset_on_gpu(r) if offset else r.cuda()
+        codec_matches_cpu(x, r, r_gpu, bits, block, stochastic, 99, offset)
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 @pytest.mark.parametrize("bits,block", [(8, 256), (4, 256), (8, 64), (4, 512)])
 def test_dequantize_matches_cpu_at_any_alignment(dtype, bits, block):
     """Outputs that start one element off their allocation take the
-    one-element-per-step kernel, the others the kernel of two elements per
-    step; odd counts cut a block's last pair. Payloads one byte off go
+    one-element-a-lane kernel, the others the kernel of runs of 4 (2 at
+    blocks of 64); odd counts cut a block's last run. Payloads one byte off go
     through an aligned copy (a misaligned scale read faulted on an H200 and
     poisoned the process's CUDA context). Quantizing into such a payload
     writes the CPU's bytes and nothing past them."""
@@ -111,17 +122,20 @@ def test_nan_and_inf_blocks_match_cpu(dtype, bits, block):
 # shortest form.
 @pytest.mark.parametrize("bits,block,sources", [(8, 256, 5), (4, 256, 4), (8, 40, 5), (4, 512, 3), (8, 64, 9),
                                                 (4, 128, 1)])
-@pytest.mark.parametrize("dense_and_residual", [True, False])
+@pytest.mark.parametrize("dense_and_residual", [True, False, "offset"])
 def test_dequant_reduce_requant_matches_cpu(bits, block, sources, dense_and_residual):
+    """("offset": the dense addend and the residual one element off on the
+    GPU, which takes one element a lane.)"""
     n = 70001
     payloads = [OPS.quantize(rand_blocks(n, block, s), bits, block, False, 0, None) for s in range(sources)]
     dense = torch.randn(n, generator=torch.Generator().manual_seed(5)) if dense_and_residual else None
     r = torch.randn(n, generator=torch.Generator().manual_seed(6)) * 0.01 if dense_and_residual else None
-    r_gpu = r.cuda() if r is not None else None
+    on_gpu = offset_on_gpu if dense_and_residual == "offset" else (lambda t: None if t is None else t.cuda())
+    r_gpu = on_gpu(r)
     scale = 0.2 if dense_and_residual else 1.0
     cpu = OPS.dequant_reduce_requant(payloads, dense, n, bits, block, scale, True, 11, r)
-    gpu = OPS.dequant_reduce_requant([p.cuda() for p in payloads], dense.cuda() if dense is not None else None, n,
-                                     bits, block, scale, True, 11, r_gpu)
+    gpu = OPS.dequant_reduce_requant([p.cuda() for p in payloads], on_gpu(dense), n, bits, block, scale, True, 11,
+                                     r_gpu)
     assert same_bits(cpu, gpu)
     if r is not None:
         assert same_bits(r, r_gpu)
@@ -335,7 +349,8 @@ def test_ipc_quantized_all_reduce_equals_the_cpu_communicator(gpu_pool, world, k
     outputs, worker and server residuals bit for bit the CPU communicator's
     over 3 steps with error feedback, at sizes that leave some thread blocks
     without work and some with several batches, and on outputs not aligned
-    for the paired stores (offset views); bad calls refused with a message (max, top-k, float64,
+    for runs of elements every other step (offset views: the fused kernel
+    takes aligned copies); bad calls refused with a message (max, top-k, float64,
     codes larger than the buffer)."""
     from cuda_cases import run_ipc_quantized
 

@@ -142,6 +142,9 @@ kernels() {
     timeout "$(cap "$STEP_TIMEOUT")" "$PY" benchmarks/gpu/kernels.py 2>&1 | tee "$LOG/kernels_$i.log"
     logs+=("$LOG/kernels_$i.log")
   done
+  # The same tensors one element off: the one-element-a-lane kernels
+  # beside the runs of 4 (one launch; not part of the summary).
+  timeout "$(cap "$STEP_TIMEOUT")" "$PY" benchmarks/gpu/kernels.py --offset 2>&1 | tee "$LOG/kernels_offset.log"
   clocks "after kernels"
   "$PY" benchmarks/gpu/kernels.py --summarize "${logs[@]}" | tee "$LOG/kernels.log"
 }

@@ -65,10 +65,6 @@ struct FusedArgs {
   SumValue<float, 16> sum;
   float* server_residual;  // shard floats (sum.r, writable), or null
   uint64_t key_requantize;
-  // Step 5 stores two elements a lane and step (pairs_fit), or one where
-  // this rank's output starts an element into its allocation. Per rank:
-  // every rank must take the same kernel, whatever its output.
-  bool pairs;
 };
 
 // Shard q of n elements in shards of `shard`: [*lo, *lo + returned count)
@@ -83,7 +79,7 @@ __device__ __forceinline__ size_t shard_span(const FusedArgs& a, int q, size_t* 
 }
 
 // Step 5 of the fused kernel: every rank's reduced shard decoded into out.
-template <int E, int kBits, int kU, bool kPairs, typename T>
+template <int E, int kBits, int kV, int kU, typename T>
 __device__ __forceinline__ void decode_shards(const FusedArgs& a, T* out, int lane) {
   constexpr int kBlock = 32 * E;
   const int world = a.peers.world;
@@ -92,18 +88,18 @@ __device__ __forceinline__ void decode_shards(const FusedArgs& a, T* out, int la
     const size_t len = shard_span(a, q, &lo);
     const uint8_t* payload = a.buf[q] + world * a.slot;
     const uint8_t* codes = payload + quant_num_blocks(len, kBlock) * 4;
-    LaneCodes<E> lc[kU];
+    LaneCodes<E, kBits, kV> lc[kU];
     const float none[E] = {};
     for_warp_blocks_batched<kBlock, kU>(
         len,
         [&](int u, size_t blk, size_t base, int m) {
-          with_block_full<E, kBits>(m, [&](auto kind) {
-            load_codes<E, kPairs, decltype(kind)>(payload, codes, blk, base, m, lane, lc[u]);
+          with_block_full<E, kBits, kV>(m, [&](auto kind) {
+            load_codes<E, decltype(kind)>(payload, codes, blk, base, m, lane, lc[u]);
           });
         },
         [&](int u, size_t, size_t base, int m) {
-          with_block_full<E, kBits>(m, [&](auto kind) {
-            store_decoded<E, kPairs, decltype(kind)>(lc[u], base, m, lane, out + lo, false, none);
+          with_block_full<E, kBits, kV>(m, [&](auto kind) {
+            store_decoded<E, decltype(kind)>(lc[u], base, m, lane, out + lo, false, none);
           });
         });
   }
@@ -111,9 +107,14 @@ __device__ __forceinline__ void decode_shards(const FusedArgs& a, T* out, int la
 
 // One instantiation per codec (kBits): with the bits a runtime value every
 // phase held both codecs' code, and at 80 registers blocks of 512 spilled.
+// Lanes hold runs of kRunOf<E> elements (quant_warp.cuh): a run is one load
+// or store, and a lane's codes of a source fit a register or two, where one
+// element a lane spilled at blocks of 256 (int4) and 512; tensors start at
+// kIpcQuantAlign bytes (the caller stages others), so there is no other
+// layout to build.
 template <int E, int kBits, typename T>
 __global__ void __launch_bounds__(kFusedThreads, kFusedBlocksPerSm) ipc_quantized_kernel(FusedArgs a, const T* in, T* out) {
-  constexpr int kBlock = 32 * E;
+  constexpr int kBlock = 32 * E, kV = kRunOf<E>;
   // Blocks per batch: 16 values a lane for blocks of 128 to 512 (4, 2 and 1
   // blocks; at 128, 3 registers spill to local memory), 4 blocks of 64 (8
   // spilled 15 registers). Under __launch_bounds__' 80 registers.
@@ -136,12 +137,12 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedBlocksPerSm) ipc_quantize
     for_warp_blocks_batched<kBlock, kU>(
         len,
         [&](int u, size_t blk, size_t base, int m) {
-          with_block_full<E, kBits>(m, [&](auto kind) {
+          with_block_full<E, kBits, kV>(m, [&](auto kind) {
             value.template lane_values<E, decltype(kind)>(blk, base, lane, m, v[u]);
           });
         },
         [&](int u, size_t blk, size_t base, int m) {
-          with_block_full<E, kBits>(m, [&](auto kind) {
+          with_block_full<E, kBits, kV>(m, [&](auto kind) {
             quantize_values<E, decltype(kind)>(v[u], blk, base, m, lane, a.stochastic, a.key_quantize, lo, scales,
                                                codes, res);
           });
@@ -164,12 +165,12 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedBlocksPerSm) ipc_quantize
     for_warp_blocks_batched<kBlock, kU>(
         len,
         [&](int u, size_t blk, size_t base, int m) {
-          with_block_full<E, kBits>(m, [&](auto kind) {
+          with_block_full<E, kBits, kV>(m, [&](auto kind) {
             a.sum.template lane_values<E, decltype(kind)>(blk, base, lane, m, v[u]);
           });
         },
         [&](int u, size_t blk, size_t base, int m) {
-          with_block_full<E, kBits>(m, [&](auto kind) {
+          with_block_full<E, kBits, kV>(m, [&](auto kind) {
             quantize_values<E, decltype(kind)>(v[u], blk, base, m, lane, a.stochastic, a.key_requantize,
                                                rank * a.shard, scales, codes, a.server_residual);
           });
@@ -180,10 +181,7 @@ __global__ void __launch_bounds__(kFusedThreads, kFusedBlocksPerSm) ipc_quantize
   //    slot of step 1 read).
   if (!ipc_detail::block_barrier<ipc_detail::FusedRows>(a.peers, 1, epoch)) return;
   // 5. Every rank decodes the same bytes: the same result everywhere.
-  if (a.pairs)
-    decode_shards<E, kBits, kU, true>(a, out, lane);
-  else
-    decode_shards<E, kBits, kU, false>(a, out, lane);
+  decode_shards<E, kBits, kV, kU>(a, out, lane);
   // 6. Nobody writes its buffer again (the next launch) before every rank
   //    has read this block's part of it.
   ipc_detail::block_barrier<ipc_detail::FusedRows>(a.peers, 2, epoch);
@@ -202,6 +200,7 @@ namespace {
 // The fused kernel, where the codec's block is a warp kernel's; false
 // otherwise (the caller runs the steps as separate kernels).
 bool launch_fused(CudaIpcAllReduce& group, const IpcQuantCall& c, size_t shard, size_t slot, cudaStream_t stream) {
+  if (!ipc_quantized_fused(c)) return false;
   const CudaIpcAllReduce::KernelView view = group.kernel_view();
   FusedArgs a{};
   a.peers = ipc_detail::peers_of(view);
@@ -238,7 +237,6 @@ bool launch_fused(CudaIpcAllReduce& group, const IpcQuantCall& c, size_t shard, 
       using T = std::remove_pointer_t<decltype(tag)>;
       auto* o = static_cast<T*>(c.output);
       const auto* i = static_cast<const T*>(c.input);
-      a.pairs = pairs_fit<T>(c.output, a.buf[0] + view.world * slot, c.bits);
       if (c.bits == 8)
         ipc_quantized_kernel<E, 8, T><<<grid, kFusedThreads, 0, stream>>>(a, i, o);
       else
@@ -249,6 +247,14 @@ bool launch_fused(CudaIpcAllReduce& group, const IpcQuantCall& c, size_t shard, 
 }
 
 }  // namespace
+
+bool ipc_quantized_fused(const IpcQuantCall& c) {
+  return c.fused && with_warp_block(c.block, [](auto) {});
+}
+
+bool ipc_quantized_aligned(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % kIpcQuantAlign == 0;
+}
 
 size_t ipc_quantized_bytes(size_t n, int world, int bits, int block) {
   return (world + 1) * slot_bytes(QuantizedAllReduce::shard_elems(n, world, block), bits, block);
@@ -271,9 +277,17 @@ void ipc_quantized_all_reduce(CudaIpcAllReduce& group, const IpcQuantCall& c, cu
                     std::to_string(group.buffer_bytes()) +
                     " (make the group with a larger buffer_bytes)");
   if (c.n == 0) return;
+  // Checked before anything is enqueued: refused on one rank, the call
+  // would leave the peers waiting for it until their timeout.
+  if (ipc_quantized_fused(c))
+    for (const void* p : {c.input, static_cast<const void*>(c.output), static_cast<const void*>(c.worker_residual),
+                          static_cast<const void*>(c.server_residual)})
+      if (!ipc_quantized_aligned(p))
+        throw CommError("pycomm: the fused quantized CUDA IPC all-reduce takes tensors that start at " +
+                        std::to_string(kIpcQuantAlign) + " bytes; stage others through an aligned copy");
   // Both forms write this rank's buffer before they meet the peers.
   group.settle(stream);
-  if (c.fused && launch_fused(group, c, shard, slot, stream)) return;
+  if (launch_fused(group, c, shard, slot, stream)) return;
   const size_t es = dtype_size(c.dtype);
   auto span = [&](int q, size_t* lo) { return shard_span(c.n, shard, q, lo); };
   auto* own = static_cast<uint8_t*>(group.peer_buffer(rank));

@@ -44,6 +44,16 @@ struct IpcQuantCall {
   bool fused = true;
 };
 
+// Whether the call runs as the fused kernel (fused, and a block it takes).
+bool ipc_quantized_fused(const IpcQuantCall& call);
+
+// The fused kernel loads and stores runs of elements: its tensors (input,
+// output, residuals) start at kIpcQuantAlign bytes, as allocations do; a
+// caller stages others (offset views) through aligned copies. The kernels
+// per step take any start.
+constexpr size_t kIpcQuantAlign = 16;
+bool ipc_quantized_aligned(const void* p);
+
 // The most blocks a launch of the fused kernel takes in `group` (its grid
 // is fewer where the call has fewer quantization blocks): 3 per SM of the
 // smallest GPU, over the most ranks on one GPU, or the group's

@@ -68,9 +68,7 @@ void dequantize_cpu(int bits, int block, const uint8_t* payload, size_t n, DType
 // than one block in full precision:
 //     sum = dense + D(srcs[0]) + ... + D(srcs[nsrc-1])    (in this order)
 //     sum *= post_scale
-//     out = sum                                  (when out is set)
 //     out_payload = Q(sum + residual); residual = sum + residual - D(out_payload)
-//                                                (when out_payload is set)
 // With one source and a dense addend this is one hop of a compressed ring
 // reduce-scatter (dequantize-accumulate-requantize); with world-1 sources it
 // is the reduction of a direct (gather-then-reduce) one.
@@ -83,8 +81,6 @@ struct DequantReduce {
   DType dense_dtype = DType::kFloat32;
   size_t n = 0;
   float post_scale = 1.f;
-  void* out = nullptr;
-  DType out_dtype = DType::kFloat32;
   uint8_t* out_payload = nullptr;
   QuantSpec requant;  // bits/block of out_payload; must equal the sources' for now
   float* residual = nullptr;

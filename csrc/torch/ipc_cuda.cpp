@@ -3,6 +3,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <utility>
+#include <vector>
+
 #include "dtype.h"
 #include "ipc.h"
 #include "tensor_checks.h"
@@ -97,6 +100,40 @@ IpcQuantCall quantized_call(const CudaIpcAllReduce& group, const at::Tensor& in,
   return c;
 }
 
+// Enqueues the quantized call on the current stream. The fused kernel
+// takes tensors that start at kIpcQuantAlign bytes (it loads and stores
+// runs of elements); one that starts elsewhere (an offset view) goes
+// through an aligned copy made on this stream, and an output or residual is
+// copied back after the kernel, as the op kernels do with payloads (ops.cpp).
+// Allocated on the stream that uses them, the copies may be freed as soon
+// as this returns.
+void launch_quantized(CudaIpcAllReduce& group, IpcQuantCall c, const at::Tensor& in, const at::Tensor& out,
+                      const at::Tensor& worker_residual, const at::Tensor& server_residual) {
+  std::vector<std::pair<at::Tensor, at::Tensor>> back;  // (aligned copy, tensor) to copy back
+  if (ipc_quantized_fused(c)) {
+    at::Tensor in_copy;
+    if (!ipc_quantized_aligned(c.input)) {
+      in_copy = in.clone();
+      c.input = in_copy.data_ptr();
+    }
+    if (!ipc_quantized_aligned(c.output)) {
+      // In place: the input's copy serves as the output too.
+      at::Tensor o = in_copy.defined() && in.data_ptr() == out.data_ptr() ? in_copy : at::empty_like(out);
+      c.output = o.data_ptr();
+      back.emplace_back(o, out);
+    }
+    for (auto [r, ptr] : {std::make_pair(&worker_residual, &c.worker_residual),
+                          std::make_pair(&server_residual, &c.server_residual)}) {
+      if (ipc_quantized_aligned(*ptr)) continue;
+      at::Tensor copy = r->clone();
+      *ptr = copy.data_ptr<float>();
+      back.emplace_back(copy, *r);
+    }
+  }
+  ipc_quantized_all_reduce(group, c, c10::cuda::getCurrentCUDAStream().stream());
+  for (auto& [copy, t] : back) t.copy_(copy);
+}
+
 }  // namespace
 
 void ipc_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, RedOp op, int algo) {
@@ -120,7 +157,7 @@ void ipc_quantized_all_reduce(CudaIpcAllReduce& group, const at::Tensor& in, con
   const IpcQuantCall c = quantized_call(group, in, out, avg, bits, block, stochastic, seed_quantize, seed_requantize,
                                         worker_residual, server_residual, fused);
   const c10::cuda::CUDAGuard guard(in.device());
-  ipc_quantized_all_reduce(group, c, c10::cuda::getCurrentCUDAStream().stream());
+  launch_quantized(group, c, in, out, worker_residual, server_residual);
 }
 
 void ipc_quantized_all_reduce_sync(CudaIpcAllReduce& group, const at::Tensor& in, const at::Tensor& out, bool avg,
@@ -131,7 +168,7 @@ void ipc_quantized_all_reduce_sync(CudaIpcAllReduce& group, const at::Tensor& in
   const IpcQuantCall c = quantized_call(group, in, out, avg, bits, block, stochastic, seed_quantize, seed_requantize,
                                         worker_residual, server_residual, fused);
   run_sync(group, in, {&in, &out, &worker_residual, &server_residual}, side_id, side_device, side_type,
-           [&] { ipc_quantized_all_reduce(group, c, c10::cuda::getCurrentCUDAStream().stream()); });
+           [&] { launch_quantized(group, c, in, out, worker_residual, server_residual); });
 }
 
 }  // namespace pycomm

@@ -442,14 +442,7 @@ void dequant_reduce_cpu(const DequantReduce& a) {
     }
     if (!have) std::fill(xs, xs + m, 0.f);
     if (a.post_scale != 1.f) scale_block(xs, m, a.post_scale);
-    // 3. The sum, dense.
-    if (a.out) {
-      with_float_type(a.out_dtype, "dequant_reduce", [&](auto* tag) {
-        using T = std::remove_pointer_t<decltype(tag)>;
-        unstage(xs, m, static_cast<T*>(a.out) + base, false);
-      });
-    }
-    // 4. Requantized, with its own error feedback.
+    // 3. Requantized, with its own error feedback.
     if (a.out_payload) {
       float* r = a.residual ? a.residual + base : nullptr;
       if (r) add_block(xs, r, m);

@@ -48,8 +48,9 @@ __device__ uint32_t block_max(uint32_t v, uint32_t* smem) {
   return out;
 }
 
-// One quantization block of 32 * E elements per warp (quantize_values).
-template <int E, typename V>
+// One quantization block of 32 * E elements per warp (quantize_values),
+// in runs of kV elements a lane (quant_warp.cuh's lane layouts).
+template <int E, int kV, typename V>
 __global__ void quantize_warp_kernel(V value, size_t n, int bits, bool stochastic, uint64_t key,
                                      uint64_t index_base, uint8_t* payload, float* residual) {
   constexpr int kBlock = 32 * E;
@@ -58,7 +59,7 @@ __global__ void quantize_warp_kernel(V value, size_t n, int bits, bool stochasti
   uint8_t* codes = payload + quant_num_blocks(n, kBlock) * 4;
   const int lane = threadIdx.x % 32;
   for_warp_blocks<kBlock>(n, [&](size_t blk, size_t base, int m) {
-    with_block_kind<E>(bits, m, [&](auto kind) {
+    with_block_kind<E, kV>(bits, m, [&](auto kind) {
       using Kind = decltype(kind);
       float v[E];
       value.template lane_values<E, Kind>(blk, base, lane, m, v);
@@ -68,9 +69,9 @@ __global__ void quantize_warp_kernel(V value, size_t n, int bits, bool stochasti
   zero_payload_tail(payload, n, bits, kBlock);
 }
 
-// Dequantize, one warp per quantization block: two elements per lane and
-// step where the output and codes allow (kPairs), else one.
-template <int E, typename T, bool kPairs>
+// Dequantize, one warp per quantization block, in runs of kV elements a
+// lane where the output and codes allow (kRunOf<E>), else one.
+template <int E, typename T, int kV>
 __global__ void dequantize_warp_kernel(const uint8_t* payload, size_t n, int bits, T* out, bool accumulate,
                                        const uint32_t* cancel) {
   constexpr int kBlock = 32 * E;
@@ -78,28 +79,7 @@ __global__ void dequantize_warp_kernel(const uint8_t* payload, size_t n, int bit
   const uint8_t* codes = payload + quant_num_blocks(n, kBlock) * 4;
   const int lane = threadIdx.x % 32;
   for_warp_blocks<kBlock>(n, [&](size_t blk, size_t base, int m) {
-    dequantize_block<E, kPairs>(payload, codes, blk, base, m, lane, bits, out, accumulate);
-  });
-}
-
-// store_sum_kernel with the warp layout: no 64-bit division per element to
-// find its quantization block.
-template <int E, typename D, typename O>
-__global__ void store_sum_warp_kernel(SumValue<D> sum, size_t n, O* out) {
-  constexpr int kBlock = 32 * E;
-  if (cancelled(sum.cancel)) return;
-  const int lane = threadIdx.x % 32;
-  for_warp_blocks<kBlock>(n, [&](size_t blk, size_t base, int m) {
-    with_block_kind<E>(sum.bits, m, [&](auto kind) {
-      using Kind = decltype(kind);
-      float v[E];
-      sum.template lane_values<E, Kind>(blk, base, lane, m, v);
-#pragma unroll
-      for (int k = 0; k < E; ++k) {
-        const int j = lane + 32 * k;
-        if (in_block<Kind>(j, m)) out[base + j] = store_acc<O>(v[k]);
-      }
-    });
+    dequantize_block<E, kV>(payload, codes, blk, base, m, lane, bits, out, accumulate);
   });
 }
 
@@ -162,14 +142,21 @@ __global__ void quantize_kernel(V value, size_t n, int bits, int block, bool sto
 }
 
 // Quantizes `value` (input + residual, or the fused sum) with the warp
-// kernel where the block size allows, else the block-wide one.
+// kernel where the block size allows (in runs where every pointer allows),
+// else the block-wide one.
 template <typename V>
 void launch_quantize(const V& value, size_t n, int bits, int block, bool stochastic, uint64_t seed,
                      uint64_t index_base, uint8_t* payload, float* residual, cudaStream_t stream) {
   const size_t nb = quant_num_blocks(n, block);
   const bool warp = with_warp_block(block, [&](auto e) {
-    quantize_warp_kernel<decltype(e)::value><<<grid_for(nb * 32), kThreads, 0, stream>>>(
-        value, n, bits, stochastic, mix64(seed), index_base, payload, residual);
+    constexpr int E = decltype(e)::value, kV = kRunOf<E>;
+    const unsigned grid = grid_for(nb * 32);
+    if (value.runs_fit(kV) && run_aligned<float>(residual, kV) && codes_aligned(payload, bits, kV))
+      quantize_warp_kernel<E, kV><<<grid, kThreads, 0, stream>>>(value, n, bits, stochastic, mix64(seed),
+                                                                 index_base, payload, residual);
+    else
+      quantize_warp_kernel<E, 1><<<grid, kThreads, 0, stream>>>(value, n, bits, stochastic, mix64(seed),
+                                                                index_base, payload, residual);
   });
   if (!warp)
     quantize_kernel<<<grid_for(nb * kThreads), kThreads, 0, stream>>>(value, n, bits, block, stochastic, mix64(seed),
@@ -188,14 +175,6 @@ __global__ void dequantize_kernel(const uint8_t* payload, size_t n, int bits, in
   }
 }
 
-// The dense sum, rounded once into the output dtype like the CPU kernel.
-template <typename T, typename O>
-__global__ void store_sum_kernel(SumValue<T> sum, size_t n, O* out) {
-  if (cancelled(sum.cancel)) return;
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x)
-    out[i] = store_acc<O>(sum(i / sum.block, i % sum.block, i));
-}
 }  // namespace
 
 void quantize_cuda(const QuantSpec& s, DType dtype, const void* x, float* residual, size_t n, uint8_t* payload,
@@ -217,13 +196,13 @@ void dequantize_cuda(int bits, int block, const uint8_t* payload, size_t n, DTyp
     using T = std::remove_pointer_t<decltype(tag)>;
     const unsigned grid = grid_for(quant_num_blocks(n, block) * 32);
     const bool warp = with_warp_block(block, [&](auto e) {
-      constexpr int E = decltype(e)::value;
-      if (pairs_fit<T>(out, payload, bits))
-        dequantize_warp_kernel<E, T, true><<<grid, kThreads, 0, stream>>>(payload, n, bits, static_cast<T*>(out),
-                                                                           accumulate, cancel);
+      constexpr int E = decltype(e)::value, kV = kRunOf<E>;
+      if (run_aligned<T>(out, kV) && codes_aligned(payload, bits, kV))
+        dequantize_warp_kernel<E, T, kV><<<grid, kThreads, 0, stream>>>(payload, n, bits, static_cast<T*>(out),
+                                                                         accumulate, cancel);
       else
-        dequantize_warp_kernel<E, T, false><<<grid, kThreads, 0, stream>>>(payload, n, bits, static_cast<T*>(out),
-                                                                            accumulate, cancel);
+        dequantize_warp_kernel<E, T, 1><<<grid, kThreads, 0, stream>>>(payload, n, bits, static_cast<T*>(out),
+                                                                        accumulate, cancel);
     });
     if (!warp)
       dequantize_kernel<T><<<grid_for(n), kThreads, 0, stream>>>(payload, n, bits, block, static_cast<T*>(out),
@@ -242,23 +221,10 @@ void dequant_reduce_cuda(const DequantReduce& a, cudaStream_t stream) {
   const size_t nb = quant_num_blocks(a.n, a.block);
   with_float_type(a.dense ? a.dense_dtype : DType::kFloat32, "CUDA dequant_reduce", [&](auto* tag) {
     using D = std::remove_pointer_t<decltype(tag)>;
-    SumValue<D> sum{src, static_cast<const D*>(a.dense), a.post_scale, nullptr, nb, a.bits, a.block, a.cancel};
-    if (a.out) {
-      with_float_type(a.out_dtype, "CUDA dequant_reduce", [&](auto* otag) {
-        using O = std::remove_pointer_t<decltype(otag)>;
-        const bool warp = with_warp_block(a.block, [&](auto e) {
-          store_sum_warp_kernel<decltype(e)::value, D, O><<<grid_for(nb * 32), kThreads, 0, stream>>>(
-              sum, a.n, static_cast<O*>(a.out));
-        });
-        if (!warp)
-          store_sum_kernel<D, O><<<grid_for(a.n), kThreads, 0, stream>>>(sum, a.n, static_cast<O*>(a.out));
-      });
-    }
-    if (a.out_payload) {
-      sum.r = a.residual;
+    SumValue<D> sum{src, static_cast<const D*>(a.dense), a.post_scale, a.residual, nb, a.bits, a.block, a.cancel};
+    if (a.out_payload)
       launch_quantize(sum, a.n, a.bits, a.block, a.requant.stochastic, a.requant.seed, a.index_base, a.out_payload,
                       a.residual, stream);
-    }
   });
   check(cudaGetLastError(), "dequant_reduce");
 }

@@ -44,36 +44,195 @@ __device__ __forceinline__ int code_at(const uint8_t* codes, int bits, size_t i,
   return bits == 8 ? code_of<8>(codes, i, j) : code_of<4>(codes, i, j);
 }
 
+// Lane layouts. With runs of kV = 1, lane l holds elements l, l + 32, ...
+// of a block (its value k is element l + 32 k); with kV = 2 or 4, runs of
+// kV neighbours: values k .. k + kV - 1 (k a multiple of kV) are elements
+// kV l + 32 kV (k / kV) + 0 .. kV - 1. A whole run is one load or store: 16
+// bytes of float32 and 4 bytes of int8 codes at kV = 4, where kV = 1 takes
+// an instruction per element for each (and a 32-bit register per code);
+// the warp's accesses stay contiguous either way. Which element a lane
+// holds changes nothing in the results: every element's math is its own,
+// and the block's absmax is a max over the warp.
+template <int kV>
+__device__ __forceinline__ int lane_elem(int lane, int k) {
+  return kV * lane + 32 * kV * (k / kV) + k % kV;
+}
+
 // What the warp kernels know of a quantization block before they touch its
-// elements: the codec's bits (8 or 4) and whether the block is whole
-// (m == 32 E, every block but a tensor's last), as compile-time constants.
-// Tested element by element, the bits and the bound (j < m) compiled to a
-// branch and a reconvergence point per element, in kernels bound by
-// instruction issue; tested per block they are one warp-uniform branch.
-template <int kBits_, bool kFull_>
+// elements: the codec's bits (8 or 4), whether the block is whole
+// (m == 32 E, every block but a tensor's last), and the lane layout, as
+// compile-time constants. Tested element by element, the bits and the bound
+// (j < m) compiled to a branch and a reconvergence point per element, in
+// kernels bound by instruction issue; tested per block they are one
+// warp-uniform branch.
+template <int kBits_, bool kFull_, int kV_ = 1>
 struct BlockKind {
   static constexpr int kBits = kBits_;
   static constexpr bool kFull = kFull_;
+  static constexpr int kV = kV_;
 };
 
-// f(BlockKind<kBits, m == 32 E>{}), for a kernel built for one codec.
-template <int E, int kBits, typename F>
+// f(BlockKind<kBits, m == 32 E, kV>{}), for a kernel built for one codec.
+template <int E, int kBits, int kV, typename F>
 __device__ __forceinline__ void with_block_full(int m, F&& f) {
-  if (m == 32 * E) f(BlockKind<kBits, true>{});
-  else f(BlockKind<kBits, false>{});
+  if (m == 32 * E) f(BlockKind<kBits, true, kV>{});
+  else f(BlockKind<kBits, false, kV>{});
 }
 
-// f(BlockKind<bits, m == 32 E>{}).
-template <int E, typename F>
+// f(BlockKind<bits, m == 32 E, kV>{}).
+template <int E, int kV, typename F>
 __device__ __forceinline__ void with_block_kind(int bits, int m, F&& f) {
-  if (bits == 8) with_block_full<E, 8>(m, f);
-  else with_block_full<E, 4>(m, f);
+  if (bits == 8) with_block_full<E, 8, kV>(m, f);
+  else with_block_full<E, 4, kV>(m, f);
 }
 
 // Whether element j of a block of m elements exists.
 template <typename Kind>
 __device__ __forceinline__ bool in_block(int j, int m) {
   return Kind::kFull || j < m;
+}
+
+// How many of the kV elements of a run starting at element j of a block
+// of m exist (Kind::kV, known at compile time, in a whole block; <= 0: none).
+template <typename Kind>
+__device__ __forceinline__ int run_avail(int j, int m) {
+  return Kind::kFull ? Kind::kV : m - j;
+}
+
+template <typename T, int kV>
+struct alignas(kV * sizeof(T)) RunOf {
+  T v[kV];
+};
+
+// The run a kernel takes for blocks of 32 E elements where its pointers
+// allow: 4 (2 for blocks of 64).
+template <int E>
+constexpr int kRunOf = E >= 4 ? 4 : E;
+
+// Whether runs of kV elements of T load and store whole at p (host): p
+// aligned to a run; null has nothing to load.
+template <typename T>
+inline bool run_aligned(const void* p, int kV) {
+  return p == nullptr || reinterpret_cast<uintptr_t>(p) % (kV * sizeof(T)) == 0;
+}
+
+// The same for a payload's codes: int8 runs of kV bytes, int4 of kV / 2
+// (the codes start 4 x blocks bytes in: the payload's alignment is theirs,
+// up to 4).
+inline bool codes_aligned(const void* payload, int bits, int kV) {
+  return run_aligned<uint8_t>(payload, bits == 8 ? kV : (kV < 2 ? 1 : kV / 2));
+}
+
+// p[0 .. kV) as floats into v[k0 ..): one load where the run is whole
+// (avail >= kV), else element by element, 0 past avail.
+template <int kV, int E, typename T>
+__device__ __forceinline__ void load_run(const T* p, int avail, float (&v)[E], int k0) {
+  if (avail >= kV) {
+    const RunOf<T, kV> t = *reinterpret_cast<const RunOf<T, kV>*>(p);
+#pragma unroll
+    for (int u = 0; u < kV; ++u) v[k0 + u] = load_acc(t.v[u]);
+  } else {
+#pragma unroll
+    for (int u = 0; u < kV; ++u) v[k0 + u] = u < avail ? load_acc(p[u]) : 0.f;
+  }
+}
+
+// v[k0 .. k0 + kV) rounded into p[0 .. kV), up to avail of them.
+template <int kV, int E, typename T>
+__device__ __forceinline__ void store_run(T* p, int avail, const float (&v)[E], int k0) {
+  if (avail >= kV) {
+    RunOf<T, kV> t;
+#pragma unroll
+    for (int u = 0; u < kV; ++u) t.v[u] = store_acc<T>(v[k0 + u]);
+    *reinterpret_cast<RunOf<T, kV>*>(p) = t;
+  } else {
+#pragma unroll
+    for (int u = 0; u < kV; ++u)
+      if (u < avail) p[u] = store_acc<T>(v[k0 + u]);
+  }
+}
+
+// The codes of a lane's run as the payload holds them, in one register:
+// int8 a byte each, int4 a nibble each (the lower nibble first, as bytes
+// pack them). Codes past the block decode as 0.
+template <int kBits, int kV>
+struct CodeRun {
+  uint32_t raw;
+  __device__ __forceinline__ int code(int u) const {
+    if constexpr (kBits == 8) return static_cast<int8_t>(static_cast<uint8_t>(raw >> (8 * u)));
+    else return code_of_nibble(static_cast<uint8_t>(raw >> (4 * u)));
+  }
+};
+
+template <typename W>
+__device__ __forceinline__ uint32_t load_word(const uint8_t* p) {
+  return *reinterpret_cast<const W*>(p);
+}
+
+// The codes of elements i .. i + kV - 1 (global; i is even where kV > 1,
+// blocks holding an even number of elements), avail of them in the block.
+template <int kBits, int kV>
+__device__ __forceinline__ CodeRun<kBits, kV> load_code_run(const uint8_t* codes, size_t i, int avail) {
+  static_assert(kV == 1 || kV == 2 || kV == 4, "runs of 1, 2 or 4");
+  if (avail >= kV) {
+    if constexpr (kBits == 8) {
+      using W = std::conditional_t<kV == 4, uint32_t, std::conditional_t<kV == 2, uint16_t, uint8_t>>;
+      return {load_word<W>(codes + i)};
+    } else if constexpr (kV == 4) {
+      return {load_word<uint16_t>(codes + i / 2)};
+    } else if constexpr (kV == 2) {
+      return {load_word<uint8_t>(codes + i / 2)};
+    } else {
+      return {static_cast<uint32_t>(codes[i / 2] >> (4 * (i & 1)))};
+    }
+  }
+  uint32_t raw = 0;
+#pragma unroll
+  for (int u = 0; u < kV; ++u) {
+    const size_t e = i + u;
+    const uint32_t c = u >= avail ? (kBits == 8 ? 0u : 8u)  // code 0
+                                  : (kBits == 8 ? codes[e] : (codes[e / 2] >> (4 * (e & 1))) & 0xfu);
+    raw |= c << (kBits * u);
+  }
+  return {raw};
+}
+
+// Stores a lane's kV codes c of elements i .. i + kV - 1, avail of them in
+// the block (c is 0 past it, as on the CPU). Int4 with kV = 1: an even
+// lane's element and the next lane's share a byte (a pair never straddles
+// two blocks); every lane of the warp must call.
+template <int kBits, int kV>
+__device__ __forceinline__ void store_code_run(uint8_t* codes, size_t i, int avail, const int (&c)[kV], int lane) {
+  if constexpr (kBits == 4 && kV == 1) {
+    const int next = __shfl_down_sync(0xffffffffu, c[0], 1);
+    if ((lane & 1) == 0 && avail > 0) codes[i / 2] = static_cast<uint8_t>(nibble_of(c[0]) | (nibble_of(next) << 4));
+  } else if constexpr (kBits == 8) {
+    if (avail >= kV) {
+      uint32_t w = 0;
+#pragma unroll
+      for (int u = 0; u < kV; ++u) w |= static_cast<uint32_t>(static_cast<uint8_t>(static_cast<int8_t>(c[u]))) << (8 * u);
+      if constexpr (kV == 4) *reinterpret_cast<uint32_t*>(codes + i) = w;
+      else if constexpr (kV == 2) *reinterpret_cast<uint16_t*>(codes + i) = static_cast<uint16_t>(w);
+      else codes[i] = static_cast<uint8_t>(w);
+    } else {
+#pragma unroll
+      for (int u = 0; u < kV; ++u)
+        if (u < avail) reinterpret_cast<int8_t*>(codes)[i + u] = static_cast<int8_t>(c[u]);
+    }
+  } else {
+    // Int4 runs of 2 or 4: whole bytes in the lane.
+    if (avail >= kV) {
+      uint32_t w = 0;
+#pragma unroll
+      for (int u = 0; u < kV; ++u) w |= static_cast<uint32_t>(nibble_of(c[u])) << (4 * u);
+      if constexpr (kV == 4) *reinterpret_cast<uint16_t*>(codes + i / 2) = static_cast<uint16_t>(w);
+      else codes[i / 2] = static_cast<uint8_t>(w);
+    } else {
+#pragma unroll
+      for (int u = 0; u < kV; u += 2)
+        if (u < avail) codes[(i + u) / 2] = static_cast<uint8_t>(nibble_of(c[u]) | (nibble_of(c[u + 1]) << 4));
+    }
+  }
 }
 
 __device__ __forceinline__ float dequant_at(const uint8_t* payload, size_t nblocks, int bits, int block, size_t blk,
@@ -94,13 +253,26 @@ struct InputValue {
   const float* r;
   __device__ float operator()(size_t /*blk*/, size_t /*j*/, size_t i) const { return load_f(x, i) + (r ? r[i] : 0.f); }
   template <int E, typename Kind>
-  __device__ __forceinline__ void lane_values(size_t blk, size_t base, int lane, int m, float (&v)[E]) const {
+  __device__ __forceinline__ void lane_values(size_t /*blk*/, size_t base, int lane, int m, float (&v)[E]) const {
+    constexpr int kV = Kind::kV;
 #pragma unroll
-    for (int k = 0; k < E; ++k) {
-      const int j = lane + 32 * k;
-      v[k] = in_block<Kind>(j, m) ? (*this)(blk, j, base + j) : 0.f;
+    for (int k0 = 0; k0 < E; k0 += kV) {
+      const int j = lane_elem<kV>(lane, k0);
+      const int avail = run_avail<Kind>(j, m);
+      float rs[E];
+      load_run<kV>(x + base + j, avail, v, k0);
+      if (r) {
+        load_run<kV>(r + base + j, avail, rs, k0);
+#pragma unroll
+        for (int u = 0; u < kV; ++u) v[k0 + u] += rs[k0 + u];
+      } else {
+#pragma unroll
+        for (int u = 0; u < kV; ++u) v[k0 + u] += 0.f;  // operator()'s bits: -0 becomes +0
+      }
     }
   }
+  // Whether runs of kV elements load whole from x and r (host).
+  bool runs_fit(int kV) const { return run_aligned<T>(x, kV) && run_aligned<float>(r, kV); }
   const uint32_t* cancel = nullptr;
 };
 
@@ -132,22 +304,29 @@ struct SumValue {
   // (4 sources, H200). The additions keep operator()'s order, hence its bits.
   template <int E, typename Kind>
   __device__ __forceinline__ void lane_values(size_t blk, size_t base, int lane, int m, float (&v)[E]) const {
-    // kMaxCodes / 2 to kMaxCodes codes of a lane in registers per group (1 to
-    // 8 sources): at blocks of 256 and 32 codes, 4 sources' loads in one
-    // round trip with 2 thread blocks resident per SM (~120 registers);
-    // blocks of 512 take one source at a time, or a single thread block would
-    // fit an SM.
+    constexpr int kV = Kind::kV;
+    // Up to kMaxCodes codes of a lane per group of sources (1 to 8): at
+    // blocks of 256 and 32 codes, 4 sources' loads in one round trip. Runs
+    // of 4 hold them in a quarter of the registers (CodeRun). Blocks of 512
+    // with a register per code take one source at a time, or a single
+    // thread block would fit an SM.
     constexpr int kFit = kMaxCodes / E < 1 ? 1 : kMaxCodes / E;
-    constexpr int kGroup = E >= 16 ? 1 : (kFit < 8 ? kFit : 8);
+    constexpr int kGroup = (E >= 16 && kV == 1) ? 1 : (kFit < 8 ? kFit : 8);
     float res[E];
 #pragma unroll
-    for (int k = 0; k < E; ++k) {
-      const int j = lane + 32 * k;
-      v[k] = dense && in_block<Kind>(j, m) ? load_f(dense, base + j) : 0.f;
-      res[k] = r && in_block<Kind>(j, m) ? r[base + j] : 0.f;
+    for (int k0 = 0; k0 < E; k0 += kV) {
+      const int j = lane_elem<kV>(lane, k0);
+      const int avail = run_avail<Kind>(j, m);
+      if (dense) load_run<kV>(dense + base + j, avail, v, k0);
+      if (r) load_run<kV>(r + base + j, avail, res, k0);
+#pragma unroll
+      for (int u = 0; u < kV; ++u) {
+        if (!dense) v[k0 + u] = 0.f;
+        if (!r) res[k0 + u] = 0.f;
+      }
     }
     for (int s0 = 0; s0 < s.n; s0 += kGroup) {
-      int c[kGroup][E];
+      CodeRun<Kind::kBits, kV> c[kGroup][E / kV];
       float stored[kGroup];
 #pragma unroll
       for (int q = 0; q < kGroup; ++q) {
@@ -155,9 +334,9 @@ struct SumValue {
           const uint8_t* p = s.p[s0 + q];
           stored[q] = reinterpret_cast<const float*>(p)[blk];
 #pragma unroll
-          for (int k = 0; k < E; ++k) {
-            const int j = lane + 32 * k;
-            c[q][k] = in_block<Kind>(j, m) ? code_of<Kind::kBits>(p + nblocks * 4, base + j, j) : 0;
+          for (int g = 0; g < E / kV; ++g) {
+            const int j = lane_elem<kV>(lane, g * kV);
+            c[q][g] = load_code_run<Kind::kBits, kV>(p + nblocks * 4, base + j, run_avail<Kind>(j, m));
           }
         }
       }
@@ -170,13 +349,13 @@ struct SumValue {
           if (!scale_flagged(stored[q])) {
 #pragma unroll
             for (int k = 0; k < E; ++k) {
-              const float d = dequant_code_unflagged(c[q][k], stored[q]);
+              const float d = dequant_code_unflagged(c[q][k / kV].code(k % kV), stored[q]);
               v[k] = first ? d : v[k] + d;
             }
           } else {
 #pragma unroll
             for (int k = 0; k < E; ++k) {
-              const float d = dequant_code(c[q][k], stored[q], Kind::kBits);
+              const float d = dequant_code(c[q][k / kV].code(k % kV), stored[q], Kind::kBits);
               v[k] = first ? d : v[k] + d;
             }
           }
@@ -188,8 +367,15 @@ struct SumValue {
       float a = v[k];
       if (post_scale != 1.f) a *= post_scale;
       if (r) a += res[k];
-      v[k] = in_block<Kind>(lane + 32 * k, m) ? a : 0.f;
+      v[k] = in_block<Kind>(lane_elem<kV>(lane, k), m) ? a : 0.f;
     }
+  }
+  // Whether runs of kV elements load whole from the dense addend, the
+  // residual and every source's codes (host).
+  bool runs_fit(int kV) const {
+    bool ok = run_aligned<D>(dense, kV) && run_aligned<float>(r, kV);
+    for (int k = 0; k < s.n; ++k) ok = ok && codes_aligned(s.p[k], bits, kV);
+    return ok;
   }
 };
 
@@ -253,8 +439,8 @@ __device__ __forceinline__ void zero_payload_tail(uint8_t* payload, size_t n, in
 }
 
 // Quantizes a warp's values of one quantization block (block blk, its
-// first element at base, m elements; lane l holds elements l, l + 32, ...,
-// l + 32 (E - 1): lane_values' layout). Scales and codes are the payload's
+// first element at base, m elements; lane l's value k is element
+// lane_elem<Kind::kV>(l, k): lane_values' layout). Scales and codes are the payload's
 // (scales at [blk]); the residual, when given, is indexed like the values.
 template <int E, typename Kind>
 __device__ __forceinline__ void quantize_values(const float (&v)[E], size_t blk, size_t base, int m, int lane,
@@ -280,39 +466,37 @@ __device__ __forceinline__ void quantize_values(const float (&v)[E], size_t blk,
   const BlockQuant b = make_block_quant(bits_to_float(amax), flagged, bits);
   const float stored = stored_scale(b);
   if (lane == 0) scales[blk] = stored;
-  // 2. Codes and residuals; past the end the code is 0, as on the CPU. A
-  //    block without NaN/Inf (nearly all) holds finite values only, and
-  //    takes quant_code's and quant_residual's finite branches without
-  //    testing each value. Int4: an even lane's element and the next lane's
-  //    share a byte (blocks hold an even number of elements, so a pair never
-  //    straddles two). Each code is stored as soon as it is known, which
-  //    keeps a lane's codes out of registers.
-  auto store = [&](int j, size_t i, int c) {
-    if constexpr (bits == 8) {
-      if (in_block<Kind>(j, m)) reinterpret_cast<int8_t*>(codes)[i] = static_cast<int8_t>(c);
-    } else {
-      const int next = __shfl_down_sync(0xffffffffu, c, 1);
-      if ((lane & 1) == 0 && in_block<Kind>(j, m))
-        codes[i / 2] = static_cast<uint8_t>(nibble_of(c) | (nibble_of(next) << 4));
-    }
-  };
+  // 2. Codes and residuals, a run at a time (one store of each per run);
+  //    past the end the code is 0, as on the CPU. A block without NaN/Inf
+  //    (nearly all) holds finite values only, and takes quant_code's and
+  //    quant_residual's finite branches without testing each value.
+  constexpr int kV = Kind::kV;
   auto codes_of = [&](auto finite) {
 #pragma unroll
-    for (int k = 0; k < E; ++k) {
-      const int j = lane + 32 * k;
+    for (int k0 = 0; k0 < E; k0 += kV) {
+      const int j = lane_elem<kV>(lane, k0);
+      const int avail = run_avail<Kind>(j, m);
       const size_t i = base + j;
-      int c = 0;
-      if (in_block<Kind>(j, m)) {
-        const float u = stochastic ? uniform01(key, index_base + i) : -1.f;
-        if constexpr (decltype(finite)::value) {
-          c = quant_code_finite(v[k], b, u);
-          if (residual) residual[i] = v[k] - dequant_code_unflagged(c, stored);
-        } else {
-          c = quant_code(v[k], b, u);
-          if (residual) residual[i] = quant_residual(v[k], dequant_code(c, stored, bits));
+      int c[kV];
+      float res[E];
+#pragma unroll
+      for (int u = 0; u < kV; ++u) {
+        c[u] = 0;
+        res[k0 + u] = 0.f;
+        if (u < avail) {
+          const float x = v[k0 + u];
+          const float r01 = stochastic ? uniform01(key, index_base + i + u) : -1.f;
+          if constexpr (decltype(finite)::value) {
+            c[u] = quant_code_finite(x, b, r01);
+            res[k0 + u] = x - dequant_code_unflagged(c[u], stored);
+          } else {
+            c[u] = quant_code(x, b, r01);
+            res[k0 + u] = quant_residual(x, dequant_code(c[u], stored, bits));
+          }
         }
       }
-      store(j, i, c);
+      store_code_run<bits, kV>(codes, i, avail, c, lane);
+      if (residual) store_run<kV>(residual + i, avail, res, k0);
     }
   };
   if (!flagged)
@@ -321,136 +505,82 @@ __device__ __forceinline__ void quantize_values(const float (&v)[E], size_t blk,
     codes_of(std::false_type{});
 }
 
-// Dequantizing. Either a lane takes elements lane, lane + 32, ... of a
-// block (one code load and one store per element), or, with kPairs, two
-// neighbouring elements per step (2 lane and 2 lane + 1, then 2 lane + 64,
-// ...: one load of two int8 codes and one store of two outputs). Both
-// layouts issued about 0.7-0.75 G elements per ms on an H200 whatever the
+// Dequantizing, a run at a time: one load of a run's codes (CodeRun) and
+// one store of its outputs. Element by element (kV = 1) and in pairs, the
+// kernels issued about 0.7-0.75 G elements per ms on an H200 whatever the
 // bytes, so 16-bit outputs (3 bytes an element) reached 57 % of the copy
-// bandwidth against 87 % for float32 one element at a time: instructions,
-// not memory. Pairs need the output aligned to two elements and int8 codes
-// to two bytes (pairs_fit).
+// bandwidth against 87 % for float32: instructions, not memory.
 //
-// A lane's value k sits at element lane_elem(lane, k) of the block.
-template <bool kPairs>
-__device__ __forceinline__ int lane_elem(int lane, int k) {
-  return kPairs ? 2 * (lane + 32 * (k / 2)) + (k & 1) : lane + 32 * k;
-}
-
-template <typename T>
-struct alignas(2 * sizeof(T)) TwoOf {
-  T a, b;
-};
-
 // A lane's codes of one block and the block's scale, loaded before any is
 // used: a store between two loads keeps the second from being issued before
 // the first has returned (the compiler cannot tell that the output and the
 // payload do not overlap).
-template <int E>
+template <int E, int kBits, int kV>
 struct LaneCodes {
-  int c[E];
+  CodeRun<kBits, kV> run[E / kV];
   float stored;
+  __device__ __forceinline__ int code(int k) const { return run[k / kV].code(k % kV); }
 };
 
-template <int E, bool kPairs, typename Kind>
+template <int E, typename Kind>
 __device__ __forceinline__ void load_codes(const uint8_t* payload, const uint8_t* codes, size_t blk, size_t base,
-                                           int m, int lane, LaneCodes<E>& lc) {
+                                           int m, int lane, LaneCodes<E, Kind::kBits, Kind::kV>& lc) {
+  constexpr int kV = Kind::kV;
   lc.stored = reinterpret_cast<const float*>(payload)[blk];
 #pragma unroll
-  for (int k = 0; k < E; k += kPairs ? 2 : 1) {
-    const int j = lane_elem<kPairs>(lane, k);  // even with kPairs: a whole int4 byte
-    lc.c[k] = 0;
-    if constexpr (kPairs) {
-      lc.c[k + 1] = 0;
-      if (in_block<Kind>(j + 1, m)) {
-        if constexpr (Kind::kBits == 8) {
-          const char2 two = *reinterpret_cast<const char2*>(codes + base + j);
-          lc.c[k] = static_cast<int8_t>(two.x);  // whatever char's signedness
-          lc.c[k + 1] = static_cast<int8_t>(two.y);
-        } else {
-          const uint8_t byte = codes[(base + j) / 2];
-          lc.c[k] = code_of_nibble(byte);
-          lc.c[k + 1] = code_of_nibble(static_cast<uint8_t>(byte >> 4));
-        }
-        continue;
-      }
-    }
-    // Only a block's last pair may be cut (n odd).
-    if (in_block<Kind>(j, m)) lc.c[k] = code_of<Kind::kBits>(codes, base + j, j);
+  for (int g = 0; g < E / kV; ++g) {
+    const int j = lane_elem<kV>(lane, g * kV);
+    lc.run[g] = load_code_run<Kind::kBits, kV>(codes, base + j, run_avail<Kind>(j, m));
   }
 }
 
 // The outputs a lane accumulates into, before it stores any.
-template <int E, bool kPairs, typename Kind, typename T>
+template <int E, typename Kind, typename T>
 __device__ __forceinline__ void load_outputs(const T* out, size_t base, int m, int lane, float (&prev)[E]) {
+  constexpr int kV = Kind::kV;
 #pragma unroll
-  for (int k = 0; k < E; k += kPairs ? 2 : 1) {
-    const int j = lane_elem<kPairs>(lane, k);
-    prev[k] = 0.f;
-    if constexpr (kPairs) {
-      prev[k + 1] = 0.f;
-      if (in_block<Kind>(j + 1, m)) {
-        const TwoOf<T> t = *reinterpret_cast<const TwoOf<T>*>(out + base + j);
-        prev[k] = load_acc(t.a);
-        prev[k + 1] = load_acc(t.b);
-        continue;
-      }
-    }
-    if (in_block<Kind>(j, m)) prev[k] = load_acc(out[base + j]);
+  for (int k0 = 0; k0 < E; k0 += kV) {
+    const int j = lane_elem<kV>(lane, k0);
+    load_run<kV>(out + base + j, run_avail<Kind>(j, m), prev, k0);
   }
 }
 
 // out = the decoded values (+ prev, accumulating: a select per element,
 // where a compile-time flag doubled every dequantize kernel's code).
-template <int E, bool kPairs, typename Kind, typename T>
-__device__ __forceinline__ void store_decoded(const LaneCodes<E>& lc, size_t base, int m, int lane, T* out,
-                                              bool accumulate, const float (&prev)[E]) {
+template <int E, typename Kind, typename T>
+__device__ __forceinline__ void store_decoded(const LaneCodes<E, Kind::kBits, Kind::kV>& lc, size_t base, int m,
+                                              int lane, T* out, bool accumulate, const float (&prev)[E]) {
+  constexpr int kV = Kind::kV;
   // The block's flag tested once, not per element (dequant_code's bits).
   float d[E];
   if (!scale_flagged(lc.stored)) {
 #pragma unroll
-    for (int k = 0; k < E; ++k) d[k] = dequant_code_unflagged(lc.c[k], lc.stored);
+    for (int k = 0; k < E; ++k) d[k] = dequant_code_unflagged(lc.code(k), lc.stored);
   } else {
 #pragma unroll
-    for (int k = 0; k < E; ++k) d[k] = dequant_code(lc.c[k], lc.stored, Kind::kBits);
+    for (int k = 0; k < E; ++k) d[k] = dequant_code(lc.code(k), lc.stored, Kind::kBits);
   }
 #pragma unroll
-  for (int k = 0; k < E; k += kPairs ? 2 : 1) {
-    const int j = lane_elem<kPairs>(lane, k);
-    const float v0 = accumulate ? prev[k] + d[k] : d[k];
-    if constexpr (kPairs) {
-      if (in_block<Kind>(j + 1, m)) {
-        TwoOf<T> t;
-        t.a = store_acc<T>(v0);
-        t.b = store_acc<T>(accumulate ? prev[k + 1] + d[k + 1] : d[k + 1]);
-        *reinterpret_cast<TwoOf<T>*>(out + base + j) = t;
-        continue;
-      }
-    }
-    if (in_block<Kind>(j, m)) out[base + j] = store_acc<T>(v0);
+  for (int k = 0; k < E; ++k) d[k] = accumulate ? prev[k] + d[k] : d[k];
+#pragma unroll
+  for (int k0 = 0; k0 < E; k0 += kV) {
+    const int j = lane_elem<kV>(lane, k0);
+    store_run<kV>(out + base + j, run_avail<Kind>(j, m), d, k0);
   }
 }
 
 // One warp dequantizes one block into out (adding to it when accumulating).
-template <int E, bool kPairs, typename T>
+template <int E, int kV, typename T>
 __device__ __forceinline__ void dequantize_block(const uint8_t* payload, const uint8_t* codes, size_t blk, size_t base,
                                                  int m, int lane, int bits, T* out, bool accumulate) {
-  with_block_kind<E>(bits, m, [&](auto kind) {
+  with_block_kind<E, kV>(bits, m, [&](auto kind) {
     using Kind = decltype(kind);
-    LaneCodes<E> lc;
-    load_codes<E, kPairs, Kind>(payload, codes, blk, base, m, lane, lc);
+    LaneCodes<E, Kind::kBits, kV> lc;
+    load_codes<E, Kind>(payload, codes, blk, base, m, lane, lc);
     float prev[E];
-    if (accumulate) load_outputs<E, kPairs, Kind>(out, base, m, lane, prev);
-    store_decoded<E, kPairs, Kind>(lc, base, m, lane, out, accumulate, prev);
+    if (accumulate) load_outputs<E, Kind>(out, base, m, lane, prev);
+    store_decoded<E, Kind>(lc, base, m, lane, out, accumulate, prev);
   });
-}
-
-// Whether the kPairs layout may write `out` (aligned to two elements)
-// from `payload` (int8 codes aligned to two bytes; int4 bytes hold pairs).
-template <typename T>
-inline bool pairs_fit(const void* out, const void* payload, int bits) {
-  return reinterpret_cast<uintptr_t>(out) % (2 * sizeof(T)) == 0 &&
-         (bits == 4 || reinterpret_cast<uintptr_t>(payload) % 2 == 0);
 }
 
 // f(std::integral_constant<int, E>) for a block of 32 * E elements that the
