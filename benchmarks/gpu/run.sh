@@ -10,7 +10,8 @@
 #              TESTS_TIMEOUT s in all, default 420;
 #              CUDA_TESTS= to narrow them)
 #   kernels    the kernel benchmark against the device's copy bandwidth, in
-#              KERNEL_LAUNCHES fresh processes (default 3), summarized
+#              KERNEL_LAUNCHES fresh processes (default 3), summarized,
+#              and one on tensors one element off (KERNEL_OFFSET=0: not)
 #   profile    Nsight Compute's view of pycomm's memory-bound kernels (speed of
 #              light, memory workload, occupancy, launch) on 16M elements:
 #              what to read before changing a kernel (ncu.txt)
@@ -143,8 +144,10 @@ kernels() {
     logs+=("$LOG/kernels_$i.log")
   done
   # The same tensors one element off: the one-element-a-lane kernels
-  # beside the runs of 4 (one launch; not part of the summary).
-  timeout "$(cap "$STEP_TIMEOUT")" "$PY" benchmarks/gpu/kernels.py --offset 2>&1 | tee "$LOG/kernels_offset.log"
+  # beside the runs of 4 (one launch, not summarized; KERNEL_OFFSET=0: none).
+  if [ "${KERNEL_OFFSET:-1}" = 1 ]; then
+    timeout "$(cap "$STEP_TIMEOUT")" "$PY" benchmarks/gpu/kernels.py --offset 2>&1 | tee "$LOG/kernels-offset.log"
+  fi
   clocks "after kernels"
   "$PY" benchmarks/gpu/kernels.py --summarize "${logs[@]}" | tee "$LOG/kernels.log"
 }
@@ -157,8 +160,10 @@ profile() {
   # Demangled names spell template arguments as "(int)8" and "(bool)1", and
   # SumValue has a second argument: patterns match a prefix (on 2026-11-27
   # all but the first matched nothing).
+  # The fused IPC kernel in its group of one rank (kernels.py's last line);
+  # the plain reduce kernel, at its target, is left out.
   local kernels=("InputValue<float>" "SumValue<float" "dequantize_warp_kernel<(\\(int\\))?8, float"
-                 "dequantize_warp_kernel<(\\(int\\))?8, .*BFloat16" "reduce_kernel<float"
+                 "dequantize_warp_kernel<(\\(int\\))?8, .*BFloat16" "ipc_quantized_kernel"
                  "histogram_kernel" "range_count_kernel|kept_write_kernel|gather_kernel|tie_cutoff_kernel")
   : > "$LOG/ncu.txt"
   for k in "${kernels[@]}"; do
