@@ -9,7 +9,7 @@ a CPU rank and back.
 import pytest
 import torch
 
-from group_cases import same_bits
+from group_cases import mismatches, same_bits
 from test_compression_kernels import REDUCE_DTYPES, rand_blocks, reduce_inputs
 
 pytestmark = pytest.mark.cuda
@@ -250,6 +250,41 @@ def test_orthogonalize_matches_cpu(dtype, shape):
 def test_mixed_devices_are_refused():
     with pytest.raises(RuntimeError, match="is on cpu but the input is on cuda"):
         OPS.reduce([torch.randn(8).cuda(), torch.randn(8)], "sum")
+
+
+def test_quantized_ipc_group_of_one_rank_fused_equals_split():
+    """A group of one rank (what kernels.py times and Nsight Compute
+    profiles): the fused kernel's three steps meet no peer, and its results
+    and residuals over 3 steps with error feedback are the kernels per
+    step's bits, aligned and one element off (an aligned copy), on a grid of
+    3 blocks and on the GPU's."""
+    import os
+
+    import pycomm
+    from torch.distributed import HashStore
+
+    def group(kind, blocks=""):
+        os.environ["PYCOMM_IPC_FUSED_BLOCKS"] = blocks
+        try:
+            return pycomm.cuda_ipc.IpcAllReduce(HashStore(), 0, 1, device="cuda:0", buffer_bytes=4 << 20,
+                                                prefix=kind, quantized_kernels=kind, timeout=30)
+        finally:
+            del os.environ["PYCOMM_IPC_FUSED_BLOCKS"]
+
+    split = group("split")
+    for fused in (group("fused"), group("fused", "3")):
+        for codec, dtype, n in ((pycomm.Int8(), torch.float32, 300007), (pycomm.Int4(block=128), torch.bfloat16, 4099),
+                                (pycomm.Int8(block=512, stochastic=True), torch.float16, 70001)):
+            ef_a, ef_b = pycomm.compression.ErrorFeedback(), pycomm.compression.ErrorFeedback()
+            for step in range(3):
+                x = rand_blocks(n, codec.block, 50 + step, dtype).cuda()
+                a = x.clone() if step != 1 else offset_on_gpu(x.cpu())
+                b = x.clone()
+                fused.all_reduce(a, op="avg", compression=codec, error_feedback=ef_a, key="k")
+                split.all_reduce(b, op="avg", compression=codec, error_feedback=ef_b, key="k")
+                assert not mismatches(step, a, b, ef_a, ef_b), (fused.fused_blocks, codec, step)
+        fused.check()
+    split.check()
 
 
 @pytest.fixture(scope="module")
