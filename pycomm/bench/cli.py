@@ -71,7 +71,7 @@ def validate(args: argparse.Namespace) -> List[str]:
     from .runner import DTYPES
 
     if args.dtype not in DTYPES:
-        raise SystemExit(f"pycomm-bench: unknown dtype {args.dtype!r}")
+        raise SystemExit(f"pycomm-bench: unknown dtype {args.dtype!r} (one of {', '.join(DTYPES)})")
     if args.minbytes > args.maxbytes:
         raise SystemExit("pycomm-bench: -b must not exceed -e")
     if args.stepfactor < 2:
