@@ -60,7 +60,7 @@ def test_deepspeed_row_checks_its_sums_and_leaves_no_segment(tmp_path):
     out, port = tmp_path / "rows.json", str(29000 + os.getpid() % 1000)
     env = {**ENV, "MASTER_PORT": port}  # the segments' names carry it: only this run's are looked for
     # A rank once aborted at exit here ("terminate called without an active
-    # exception", 1 CI run in 8, never reproduced in 190 runs since): should
+    # exception", 1 CI run in 8, not reproduced in 189 runs since): should
     # it come back, every thread's Python stack says where the process was.
     env["PYTHONFAULTHANDLER"] = "1"
     r = subprocess.run([sys.executable, "-m", "pycomm.bench", "--nproc", "2", "-b", "4K", "-e", "64K", "-f", "16",
