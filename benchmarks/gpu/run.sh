@@ -182,14 +182,14 @@ overlap() {
 allreduce() {
   local tag=${1:-} w
   # Two runs per world: the kernels that ran on a GPU before, then those
-  # compiled since and not yet run (the fused quantized kernel, the
-  # double-buffered group), so that a failure among the new ones (a sweep
+  # changed since and not yet run (the fused quantized kernel on its new
+  # grid and on the old one), so that a failure among the new ones (a sweep
   # stops at its first) leaves the others' rows whole.
   # int8_g<blocks>: the fused kernel on the grid it had before it sized its
   # grid by the GPU (the group's blocks: 144 / world), beside the default.
-  local ran=${ALLREDUCE_RAN:-one_shot,two_shot,ring,tree,int8_split,gloo} new
+  local ran=${ALLREDUCE_RAN:-one_shot,two_shot,one_shot_db,two_shot_db,ring,tree,int8_split,gloo} new
   for w in 2 4; do
-    new=${ALLREDUCE_NEW:-int8,int4,int8_g$((144 / w)),one_shot_db,two_shot_db}
+    new=${ALLREDUCE_NEW:-int8,int4,int8_g$((144 / w))}
     timeout "$(cap "$STEP_TIMEOUT")" "$PY" benchmarks/gpu/allreduce.py --world "$w" --max-bytes $((256 << 20)) \
       --algorithms "$ran" 2>&1 | tee "$LOG/allreduce_${w}${tag}.log"
     timeout "$(cap "$STEP_TIMEOUT")" "$PY" benchmarks/gpu/allreduce.py --world "$w" --max-bytes $((256 << 20)) \
