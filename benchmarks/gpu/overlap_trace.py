@@ -24,9 +24,10 @@ from typing import Dict, List, Tuple
 
 # pycomm's CUDA kernels (csrc/kernels/cuda, csrc/transport): what the hooks
 # add to a step.
-PYCOMM_KERNELS = ("quantize_kernel", "dequantize_kernel", "store_sum_kernel", "pycomm::", "topk", "fold_kernel",
-                  "histogram_kernel", "choose_kernel", "gather_kernel", "scatter_kernel", "orthogonalize_kernel",
-                  "ipc_all_reduce_kernel", "schedule_kernel", "barrier_kernel")
+PYCOMM_KERNELS = ("quantize_kernel", "quantize_warp_kernel", "dequantize_kernel", "dequantize_warp_kernel", "pycomm::",
+                  "topk", "fold_kernel", "histogram_kernel", "choose_kernel", "gather_kernel", "scatter_kernel",
+                  "orthogonalize_kernel", "ipc_all_reduce_kernel", "ipc_quantized_kernel", "schedule_kernel",
+                  "barrier_kernel")
 
 
 def is_pycomm(name: str) -> bool:
