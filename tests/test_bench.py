@@ -305,7 +305,9 @@ def test_gpu_kernel_benchmark_checks_itself_on_cpu(tmp_path):
     # and top-k speed-up (here the same log twice, and one with a row moved).
     log = str(tmp_path / "kernels_1.log")
     with open(log, "w") as f:
-        f.write(r.stdout)
+        # A GPU launch's last line (the fused IPC kernel), as kernels.py prints it there.
+        f.write(r.stdout + "fused IPC int8 all-reduce, 1 rank, 396 blocks at most: 0.500 ms, 1610 GB/s, "
+                           "42% of copy | #wrong 0\n")
     first = kernels[0]
     share = int(first.rsplit("|", 2)[1].strip().rstrip("%"))
     moved = log + ".2"
@@ -315,10 +317,12 @@ def test_gpu_kernel_benchmark_checks_itself_on_cpu(tmp_path):
                        text=True, env=ENV, timeout=120, cwd=os.path.join(root, "benchmarks", "gpu"))
     assert s.returncode == 0, s.stderr
     summary = s.stdout.splitlines()
-    assert len(summary) == 1 + 10 + 2, s.stdout
+    assert len(summary) == 1 + 10 + 2 + 1, s.stdout
     name = first.split("|")[0].strip()
     row = next(line for line in summary if line.strip().startswith(name))
     assert f"{share}% / {share}% / {share + 7}%" in row and "|        3 |" in row, row
+    fused = next(line for line in summary if line.strip().startswith("fused IPC"))
+    assert "42% / 42% / 42%" in fused and fused.rstrip().endswith("| -"), fused
 
 
 def test_ddp_hooks_summarize_launches(tmp_path):
