@@ -49,6 +49,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable, Hashable, Optional
 
 import torch
@@ -73,6 +74,19 @@ def _ipc_ops() -> frozenset:
     """The reductions the IPC kernels take (what gradients need), as op ids
     (read from the extension on first use, not at import)."""
     return frozenset(REDUCE_OPS[n] for n in ("sum", "avg", "max", "min"))
+
+
+def _fused_blocks_asked(fused_blocks: Optional[int]) -> int:
+    """The fused blocks a rank asks for (0: as the GPU fits), from the
+    argument or else ``PYCOMM_IPC_FUSED_BLOCKS`` (the extension refuses one
+    out of range before the group meets its peers)."""
+    if fused_blocks is not None:
+        return fused_blocks
+    env = os.environ.get("PYCOMM_IPC_FUSED_BLOCKS", "")
+    try:
+        return int(env) if env else 0
+    except ValueError:
+        raise CommError(f"pycomm: PYCOMM_IPC_FUSED_BLOCKS must be a whole number, got {env!r}") from None
 
 
 class IpcAllReduce:
@@ -100,14 +114,21 @@ class IpcAllReduce:
             kernel per step with barriers between them (what other blocks
             always take). The same bits either way; every rank must pass
             the same.
+        fused_blocks: the most thread blocks a launch of the fused kernel
+            takes (1 to 512; default ``PYCOMM_IPC_FUSED_BLOCKS``, else 3 per SM
+            shared by the ranks on one GPU). Ranks may differ: the group takes
+            the least any rank asked for, and never more than 3 per SM
+            (:attr:`fused_blocks` says how many). For measuring.
     """
 
     def __init__(self, store: "torch.distributed.Store", rank: int, world_size: int,
                  device: Optional[torch.device] = None, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
                  round_bytes: Optional[int] = None, prefix: str = "pycomm.ipc", timeout: float = 300.0,
-                 quantized_kernels: str = "fused", double_buffer: bool = False) -> None:
+                 quantized_kernels: str = "fused", double_buffer: bool = False,
+                 fused_blocks: Optional[int] = None) -> None:
         if quantized_kernels not in ("fused", "split"):
             raise CommError(f"pycomm: quantized_kernels must be 'fused' or 'split', got {quantized_kernels!r}")
+        fused_blocks = _fused_blocks_asked(fused_blocks)
         self._fused = quantized_kernels == "fused"
         core = load_core()
         if not core.has_cuda:
@@ -118,7 +139,7 @@ class IpcAllReduce:
                                             bool(double_buffer))
         self.rank, self.world_size = rank, world_size
         self._seq = 1  # the communicator's first sequence number (stochastic rounding keys)
-        store.set(f"{prefix}/{rank}", self._c.handles())
+        store.set(f"{prefix}/{rank}", self._c.handles(fused_blocks))
         keys = [f"{prefix}/{q}" for q in range(world_size)]
         wait_keys(store, keys, timeout, "every rank's CUDA IPC handles")
         with torch.cuda.device(self.device):
@@ -272,8 +293,9 @@ class IpcAllReduce:
         """Thread blocks per launch, at most, of the fused quantized all-reduce:
         3 per SM of the smallest GPU among the ranks, shared by the ranks on one
         GPU (a warp holds one quantization block, so it needs more warps than
-        :attr:`blocks` gives), or fewer where ``PYCOMM_IPC_FUSED_BLOCKS`` asks
-        (the least any rank asked). The same on every rank."""
+        :attr:`blocks` gives), or fewer where ``fused_blocks`` (or
+        ``PYCOMM_IPC_FUSED_BLOCKS``) asks (the least any rank asked). The same
+        on every rank."""
         return self._c.fused_blocks
 
     def check(self) -> None:

@@ -436,18 +436,13 @@ def run_ipc_quantized(rank: int, world: int, name: str, cases: List[tuple], step
     from group_cases import paired_steps, same_accounting, through_communicator
     from harness import make_comm
 
-    import os
-
     comm = make_comm(rank, world, name + ".cpu", timeout=60)
     # "fused_small": each rank asks for a grid of 3 + rank blocks, and the
     # group takes the least (3): warps loop over many quantization blocks.
-    os.environ["PYCOMM_IPC_FUSED_BLOCKS"] = str(3 + rank) if kernels == "fused_small" else ""
-    try:
-        ipc = pycomm.cuda_ipc.IpcAllReduce(worker_store(), rank, world, device="cuda:0", buffer_bytes=4 << 20,
-                                           prefix=name, timeout=60,
-                                           quantized_kernels="split" if kernels == "split" else "fused")
-    finally:
-        del os.environ["PYCOMM_IPC_FUSED_BLOCKS"]
+    ipc = pycomm.cuda_ipc.IpcAllReduce(worker_store(), rank, world, device="cuda:0", buffer_bytes=4 << 20,
+                                       prefix=name, timeout=60,
+                                       quantized_kernels="split" if kernels == "split" else "fused",
+                                       fused_blocks=3 + rank if kernels == "fused_small" else None)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     want = 3 if kernels == "fused_small" else min(512, 3 * sms // world)
     assert ipc.fused_blocks == want, (ipc.fused_blocks, want)

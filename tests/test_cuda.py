@@ -258,21 +258,15 @@ def test_quantized_ipc_group_of_one_rank_fused_equals_split():
     and residuals over 3 steps with error feedback are the kernels per
     step's bits, aligned and one element off (an aligned copy), on a grid of
     3 blocks and on the GPU's."""
-    import os
-
     import pycomm
     from torch.distributed import HashStore
 
-    def group(kind, blocks=""):
-        os.environ["PYCOMM_IPC_FUSED_BLOCKS"] = blocks
-        try:
-            return pycomm.cuda_ipc.IpcAllReduce(HashStore(), 0, 1, device="cuda:0", buffer_bytes=4 << 20,
-                                                prefix=kind, quantized_kernels=kind, timeout=30)
-        finally:
-            del os.environ["PYCOMM_IPC_FUSED_BLOCKS"]
+    def group(kind, blocks=None):
+        return pycomm.cuda_ipc.IpcAllReduce(HashStore(), 0, 1, device="cuda:0", buffer_bytes=4 << 20, prefix=kind,
+                                            quantized_kernels=kind, timeout=30, fused_blocks=blocks)
 
     split = group("split")
-    for fused in (group("fused"), group("fused", "3")):
+    for fused in (group("fused"), group("fused", 3)):
         for codec, dtype, n in ((pycomm.Int8(), torch.float32, 300007), (pycomm.Int4(block=128), torch.bfloat16, 4099),
                                 (pycomm.Int8(block=512, stochastic=True), torch.float16, 70001)):
             ef_a, ef_b = pycomm.compression.ErrorFeedback(), pycomm.compression.ErrorFeedback()
@@ -380,7 +374,7 @@ def test_ipc_quantized_all_reduce_equals_the_cpu_communicator(gpu_pool, world, k
     """Int8/Int4 (round-to-nearest and stochastic, blocks of 64-512, and 96,
     which only the kernel-per-step form takes) through the peers' buffers, as
     one fused kernel (on the grid the GPU fits, and on 3 blocks, the least
-    the ranks' PYCOMM_IPC_FUSED_BLOCKS asked for) and as a kernel per step:
+    the ranks' fused_blocks asked for) and as a kernel per step:
     outputs, worker and server residuals bit for bit the CPU communicator's
     over 3 steps with error feedback, at sizes that leave some thread blocks
     without work and some with several batches, and on outputs not aligned

@@ -8,7 +8,7 @@ against gloo on the same CUDA tensors, nccl-tests style, in one run.
         [--iters 20] [--runs 5]
 
 int8_g72 (int4_g72, any count): the fused kernel on a grid of at most 72
-blocks (PYCOMM_IPC_FUSED_BLOCKS), beside int8's default, 3 blocks per SM
+blocks (IpcAllReduce's fused_blocks), beside int8's default, 3 blocks per SM
 shared by the ranks (the header says how many).
 
 Time per call as nccl-tests measures it: ``--iters`` calls issued back to back
@@ -109,13 +109,10 @@ def worker(rank, world, port, args):
     grids = {}
     for name in names:
         if fused_grid(name) and fused_grid(name)[1] not in grids:
-            os.environ["PYCOMM_IPC_FUSED_BLOCKS"] = str(fused_grid(name)[1])
-            try:
-                grids[fused_grid(name)[1]] = pycomm.cuda_ipc.IpcAllReduce(
-                    store, rank, world, device="cuda:0", buffer_bytes=args.max_bytes,
-                    prefix=f"pycomm.ipc.g{fused_grid(name)[1]}", timeout=30)
-            finally:
-                del os.environ["PYCOMM_IPC_FUSED_BLOCKS"]
+            blocks = fused_grid(name)[1]
+            grids[blocks] = pycomm.cuda_ipc.IpcAllReduce(store, rank, world, device="cuda:0",
+                                                         buffer_bytes=args.max_bytes, prefix=f"pycomm.ipc.g{blocks}",
+                                                         timeout=30, fused_blocks=blocks)
     factor = 2 * (world - 1) / world
     want = world * (world + 1) / 2
     if rank == 0:

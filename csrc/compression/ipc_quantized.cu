@@ -278,8 +278,8 @@ void ipc_quantized_all_reduce(CudaIpcAllReduce& group, const IpcQuantCall& c, cu
                     std::to_string(group.buffer_bytes()) +
                     " (make the group with a larger buffer_bytes)");
   if (c.n == 0) return;
-  // Checked before anything is enqueued: refused on one rank, the call
-  // would leave the peers waiting for it until their timeout.
+  // Checked before anything is enqueued, as the buffer's size is (a call
+  // refused on one rank still leaves its peers to their timeout).
   if (ipc_quantized_fused(c))
     for (const void* p : {c.input, static_cast<const void*>(c.output), static_cast<const void*>(c.worker_residual),
                           static_cast<const void*>(c.server_residual)})

@@ -431,7 +431,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("double_buffer") = false,
            "Allocates the staging buffer and signal block on the current CUDA device.")
       .def_property_readonly("double_buffer", [](const CudaIpcAllReduce& c) { return c.double_buffer(); })
-      .def("handles", [](const CudaIpcAllReduce& c) { return py::bytes(c.handles()); })
+      .def("handles", [](const CudaIpcAllReduce& c, int fused_blocks) { return py::bytes(c.handles(fused_blocks)); },
+           py::arg("fused_blocks") = 0)
       .def("open", &CudaIpcAllReduce::open, py::arg("handles"), py::call_guard<py::gil_scoped_release>())
       .def(
           "all_reduce",

@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 
 #include "../algorithms/schedule.h"
@@ -333,29 +332,20 @@ namespace {
 constexpr size_t kHandlesBytes =
     2 * sizeof(cudaIpcMemHandle_t) + sizeof(ProcessId) + 2 * sizeof(int32_t) + sizeof(cudaUUID_t);
 constexpr size_t kSmsAt = 2 * sizeof(cudaIpcMemHandle_t) + sizeof(ProcessId);
-
-// PYCOMM_IPC_FUSED_BLOCKS: 0 when unset; a malformed value is refused, as a
-// rank that read it otherwise than its peers would launch another grid.
-int32_t fused_blocks_asked() {
-  const char* env = std::getenv("PYCOMM_IPC_FUSED_BLOCKS");
-  if (env == nullptr || *env == '\0') return 0;
-  char* end = nullptr;
-  const long v = std::strtol(env, &end, 10);
-  if (*end != '\0' || v < 1 || v > kIpcFusedMaxBlocks)
-    throw CommError(std::string("pycomm: PYCOMM_IPC_FUSED_BLOCKS must be a whole number from 1 to ") +
-                    std::to_string(kIpcFusedMaxBlocks) + ", got \"" + env + "\"");
-  return static_cast<int32_t>(v);
-}
 }  // namespace
 
-std::string CudaIpcAllReduce::handles() const {
+std::string CudaIpcAllReduce::handles(int fused_blocks) const {
+  if (fused_blocks < 0 || fused_blocks > kIpcFusedMaxBlocks)
+    throw CommError("pycomm: fused_blocks (or PYCOMM_IPC_FUSED_BLOCKS) must be 1 to " +
+                    std::to_string(kIpcFusedMaxBlocks) + " (0: as the GPU fits), got " +
+                    std::to_string(fused_blocks));
   cudaIpcMemHandle_t h[2];
   check(cudaIpcGetMemHandle(&h[0], buffer_), "handle of the staging buffer");
   check(cudaIpcGetMemHandle(&h[1], signal_), "handle of the signal block");
   const ProcessId self = this_process();
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, device_), "device properties");
-  const int32_t ints[2] = {prop.multiProcessorCount, fused_blocks_asked()};
+  const int32_t ints[2] = {prop.multiProcessorCount, fused_blocks};
   return std::string(reinterpret_cast<const char*>(h), sizeof h) +
          std::string(reinterpret_cast<const char*>(&self), sizeof self) +
          std::string(reinterpret_cast<const char*>(ints), sizeof ints) +

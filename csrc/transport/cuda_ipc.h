@@ -124,11 +124,13 @@ class CudaIpcAllReduce {
   CudaIpcAllReduce(const CudaIpcAllReduce&) = delete;
   CudaIpcAllReduce& operator=(const CudaIpcAllReduce&) = delete;
 
-  // This rank's IPC handles (and process id) as bytes, to publish; then
+  // This rank's IPC handles (and process id, its GPU, its SM count and the
+  // most fused blocks it asks for: 1..kIpcFusedMaxBlocks, 0 none; see
+  // KernelView) as bytes, to publish; then
   // open() with every rank's, in rank order (this rank's own entry is not
   // opened). open() starts the watchdog: a peer process gone aborts every
   // wait of this group.
-  std::string handles() const;
+  std::string handles(int fused_blocks = 0) const;
   void open(const std::vector<std::string>& all);
 
   // Makes every wait of this group give up now (and every later call fail),
@@ -180,8 +182,8 @@ class CudaIpcAllReduce {
   // Its grid must be the same on every rank and must fit on the GPU with
   // every other rank's on that GPU (they wait for each other): `sms` is the
   // fewest SMs of any rank's GPU, `ranks_per_gpu` the most ranks on one GPU,
-  // and `fused_blocks` the blocks per launch PYCOMM_IPC_FUSED_BLOCKS asked
-  // for (the least any rank asked; 0: none did), all agreed at open().
+  // and `fused_blocks` the most blocks per launch the ranks asked for in
+  // handles() (the least any rank asked; 0: none did), all agreed at open().
   struct KernelView {
     void* buf[kIpcMaxRanks];
     void* sig[kIpcMaxRanks];

@@ -218,7 +218,6 @@ __device__ inline uint32_t next_epoch(const IpcPeers& p) {
   return epoch;
 }
 
-
 // The kernels' element types and reductions, in one place for every IPC
 // kernel: f(T*) with a null pointer of the element type, and g(Op) with an
 // std::integral_constant of the reduction (avg sums; the caller divides).

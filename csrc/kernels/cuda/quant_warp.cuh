@@ -65,7 +65,7 @@ __device__ __forceinline__ int lane_elem(int lane, int k) {
 // (j < m) compiled to a branch and a reconvergence point per element, in
 // kernels bound by instruction issue; tested per block they are one
 // warp-uniform branch.
-template <int kBits_, bool kFull_, int kV_ = 1>
+template <int kBits_, bool kFull_, int kV_>
 struct BlockKind {
   static constexpr int kBits = kBits_;
   static constexpr bool kFull = kFull_;
