@@ -50,6 +50,10 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    if args.deepspeed:
+        from pycomm.bench.deepspeed_shm import load
+
+        load()  # before the group exists (see load)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world)
     ds = None
@@ -93,6 +97,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None
         q.put((rounds, int(total)))
     for c in comms.values():
         c.close()
+    # Before the interpreter's exit: a group it tears down may abort the process.
+    dist.destroy_process_group()
 
 
 def main() -> int:
@@ -113,6 +119,7 @@ def main() -> int:
     rounds, wrong = q.get(timeout=args.seconds + 600)
     for p in procs:
         p.join()
+    failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
     names = list(POLICIES) + (["deepspeed"] if args.deepspeed else [])
     print(f"| size | regime | rounds | {' | '.join(names)} (algbw GB/s, median) |")
     print("| ---: | --- | ---: |" + " ---: |" * len(names))
@@ -124,7 +131,9 @@ def main() -> int:
                 cells = " | ".join(f"{statistics.median(r[(m, n)] for r in rs):.2f}" for m in names)
                 print(f"| {format_size(n)} | {regime} | {len(rs)} | {cells} |")
     print(f"#wrong: {wrong}")
-    return 1 if wrong else 0
+    if failed:
+        print(f"ranks {failed} exited with codes {[procs[r].exitcode for r in failed]}", file=sys.stderr)
+    return 1 if wrong or failed else 0
 
 
 if __name__ == "__main__":

@@ -60,6 +60,10 @@ def _worker_main(rank: int, port: int, conn) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
     _STATE["store"] = store
     serve(conn, rank)
+    # Not left to the interpreter's exit: a Gloo group torn down there may
+    # abort the process (a worker thread that needs the GIL then).
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def serve(conn, *lead: Any) -> None:

@@ -1,6 +1,7 @@
 """pycomm-bench end to end: the table, JSON rows, the plot, torchrun, bad options."""
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -55,24 +56,45 @@ def test_other_collectives_under_torchrun(collective, tmp_path):
     assert "tree" not in {row["algorithm"] for row in rows} or collective == "broadcast"
 
 
-def test_deepspeed_row_checks_its_sums_and_leaves_no_segment(tmp_path):
+# A rank as torchrun starts one; once the benchmark returned, it lists the
+# threads still running (Linux names them): a process group that outlived
+# destroy_process_group still has its Gloo and store threads.
+RANK_SCRIPT = r"""
+import os, sys
+from pycomm.bench.cli import main
+main(sys.argv[1:])
+tasks = os.listdir("/proc/self/task")
+print("THREADS", *sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks), flush=True)
+"""
+
+
+def test_deepspeed_row_checks_its_sums_and_leaves_no_segment_nor_group(tmp_path):
     pytest.importorskip("deepspeed", reason="the --deepspeed row needs DeepSpeed (pip install deepspeed)")
-    out, port = tmp_path / "rows.json", str(29000 + os.getpid() % 1000)
-    env = {**ENV, "MASTER_PORT": port}  # the segments' names carry it: only this run's are looked for
-    # A rank once aborted at exit here ("terminate called without an active
-    # exception", 1 CI run in 8, not reproduced in 189 runs since): should
-    # it come back, every thread's Python stack says where the process was.
-    env["PYTHONFAULTHANDLER"] = "1"
-    r = subprocess.run([sys.executable, "-m", "pycomm.bench", "--nproc", "2", "-b", "4K", "-e", "64K", "-f", "16",
-                        "-a", "auto", "--no-baseline", "--deepspeed", "--json", str(out)],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
+    out = tmp_path / "rows.json"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    # The segments' names carry the port: only this run's are looked for.
+    env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2", "PYTHONFAULTHANDLER": "1"}
+    args = ["-b", "4K", "-e", "64K", "-f", "16", "-a", "auto", "--no-baseline", "--deepspeed", "--json", str(out)]
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(2)]
+    outputs = [p.communicate(timeout=600)[0] for p in ranks]
+    for p, text in zip(ranks, outputs):
+        assert p.returncode == 0, text
     rows = [row for row in json.loads(out.read_text()) if row["backend"] == "deepspeed"]
     assert {row["size_bytes"] for row in rows} == {4096, 65536} and all(row["wrong"] == 0 for row in rows)
     # DeepSpeed leaves its shared-memory segments behind (~64 MB a rank, kept
     # in memory by /dev/shm); the benchmark unlinks them once every rank mapped them.
     left = [f for f in os.listdir("/dev/shm") if f.startswith("deepspeed_allreduce_buffer_") and f"_{port}_" in f]
     assert left == [], left
+    # DeepSpeed imported after init_process_group would hold the group into
+    # the interpreter's exit, where it aborted the process 1 run in ~15 under
+    # load (a Gloo worker thread needing the GIL then): load() comes first.
+    for text in outputs:
+        threads = next(line.split()[1:] for line in text.splitlines() if line.startswith("THREADS"))
+        assert not [t for t in threads if "gloo" in t or "tcpstore" in t], threads
 
 
 def test_all_to_all_rows_check_every_block(tmp_path):

@@ -129,6 +129,10 @@ def _rank_main(rank: int, world: int, port: Optional[int], args: argparse.Namesp
     # One process per core, like torchrun's default: torch's own thread pool
     # would otherwise compete with the ranks for the cores.
     torch.set_num_threads(1)
+    if args.deepspeed:
+        from .deepspeed_shm import load
+
+        load()  # before the group exists: DeepSpeed must not hold it past destroy_process_group
     if port is not None:
         # DeepSpeed names its segment after the master's address and port.
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

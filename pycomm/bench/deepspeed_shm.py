@@ -9,7 +9,10 @@ rows. DeepSpeed is not a dependency of pycomm: install it for the benchmark
 from __future__ import annotations
 
 import contextlib
+import importlib
+import inspect
 import os
+from types import ModuleType
 from typing import Callable
 
 import torch
@@ -21,9 +24,50 @@ import torch.distributed as dist
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def load() -> ModuleType:
+    """Imports DeepSpeed's communication module; call it before the default
+    group exists (before ``dist.init_process_group``), then :func:`setup`.
+
+    DeepSpeed's torch backend names ``GroupMember.WORLD`` as a default
+    argument, evaluated when its module is imported. Imported after
+    ``init_process_group``, it holds the group past
+    ``destroy_process_group``, until the interpreter's exit; Gloo's worker
+    threads may then need the GIL that the exit no longer gives, and the
+    process aborts ("terminate called without an active exception"; 1 run in
+    ~15 under load). Imported first, the default is None.
+
+    Example::
+
+        ds_comm = load()
+        dist.init_process_group("gloo")
+        all_reduce = setup(local_size=2)
+    """
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed.comm as ds_comm
+
+        # By its full name: the package's attribute "torch" is torch itself.
+        ds_torch = importlib.import_module("deepspeed.comm.torch")
+    except ImportError as e:
+        raise SystemExit("pycomm-bench --deepspeed needs DeepSpeed: pip install deepspeed") from e
+    if _holds_group(ds_torch):
+        raise RuntimeError("pycomm-bench: DeepSpeed was imported after init_process_group: it would keep the "
+                           "default group alive into the interpreter's exit; call deepspeed_shm.load() first")
+    return ds_comm
+
+
+def _holds_group(ds_torch: ModuleType) -> bool:
+    """Whether DeepSpeed's torch backend took a live group as a default argument."""
+    backend = ds_torch.TorchBackend
+    methods = [inspect.unwrap(getattr(backend, name)) for name in ("barrier", "monitored_barrier")
+               if hasattr(backend, name)]  # unwrapped: DeepSpeed decorates them
+    return any(isinstance(d, dist.ProcessGroup) for m in methods for d in (getattr(m, "__defaults__", None) or ()))
+
+
 def setup(local_size: int) -> Callable[[torch.Tensor], None]:
     """Initialises DeepSpeed's communication on the already initialised
-    default group; returns the in-place all-reduce (sum) to time.
+    default group (DeepSpeed loaded by :func:`load` before it); returns the
+    in-place all-reduce (sum) to time.
 
     Example::
 
@@ -33,14 +77,10 @@ def setup(local_size: int) -> Callable[[torch.Tensor], None]:
     # DeepSpeed reads these in its operator's initialize(): the segment is
     # named after the master address and port, and it uses shared memory
     # only when every rank is local (LOCAL_SIZE == world).
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("LOCAL_SIZE", str(local_size))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(os.getpid()))
-    try:
-        import deepspeed.comm as ds_comm
-    except ImportError as e:
-        raise SystemExit("pycomm-bench --deepspeed needs DeepSpeed: pip install deepspeed") from e
+    ds_comm = load()
     if int(os.environ["LOCAL_SIZE"]) != dist.get_world_size():
         raise SystemExit("pycomm-bench --deepspeed: DeepSpeed's shared-memory all-reduce needs every rank on one host")
     ds_comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False)
