@@ -120,7 +120,7 @@ class Communicator(PointToPoint, RegisteredMemory):
         core = load_core()
         store, rank, world_size, group_name = bootstrap.resolve_group(group, store, rank, world_size)
         # What a shrink needs to build this communicator's successor.
-        self._root_store = store
+        self._root: Optional["dist.Store"] = store
         if name is None:
             # Like torch's new_group: the n-th communicator of a group is the
             # n-th on every rank, provided ranks create them in the same order.
@@ -472,8 +472,24 @@ class Communicator(PointToPoint, RegisteredMemory):
         self._c.abort(f"pycomm: rank {self.rank}: {reason}" if name_rank else reason)
 
     def close(self) -> None:
-        """Finish queued collectives and leave; later calls raise CommError."""
+        """Finish queued collectives and leave; later calls raise CommError.
+
+        A closed communicator of one host holds no store: the job's store
+        (a TCPStore's server, and the keys this communicator left there) goes
+        with torch.distributed's group, so that an ``init_process_group`` on
+        the same port after ``destroy_process_group`` starts from an empty
+        store, even while the closed communicator is still referenced.
+        """
         self._c.shutdown()
+        self._root = None
+
+    @property
+    def _root_store(self) -> "dist.Store":
+        """The store this communicator was built from (unprefixed), for
+        :mod:`pycomm.elastic` to build successors from."""
+        if self._root is None:
+            raise CommError("pycomm: this communicator was closed; it no longer holds the job's store")
+        return self._root
 
     def gone_ranks(self) -> List[int]:
         """Ranks known to be gone for good: dead or frozen on this host, or blamed as dead by a failure."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -168,3 +169,51 @@ def regrouped(rank: int, world: int, name: str) -> bool:
         finally:
             dist.destroy_process_group()
     return True
+
+
+def pycomm_threads() -> list:
+    """The names of this process's pycomm threads (Linux)."""
+    tasks = os.listdir("/proc/self/task")
+    names = []
+    for t in tasks:
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return sorted(n for n in names if n.startswith("pycomm-"))
+
+
+def reinit_on_the_same_port(rank: int, world: int, name: str) -> dict:
+    """Two jobs on one port in the same processes, as a notebook or an
+    elastic restart makes them: init, a communicator, close, destroy, and
+    again, while the closed communicators are still referenced. A closed
+    communicator holds no store (whose server would keep the first job's
+    keys for the second) and no thread."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if rank == 0:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            worker_store().set(f"{name}/port", str(s.getsockname()[1]))
+    port = int(worker_store().get(f"{name}/port"))
+    before, kept, out = pycomm_threads(), [], {}
+    for round_ in range(2):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        try:
+            comm = pycomm.Communicator(timeout=20)
+            out[f"running {round_}"] = sorted((Counter(pycomm_threads()) - Counter(before)).elements())
+            t = torch.randn(1000, generator=torch.Generator().manual_seed(rank + 10 * round_))
+            expected = sum(torch.randn(1000, generator=torch.Generator().manual_seed(r + 10 * round_))
+                           for r in range(world))
+            comm.all_reduce(t)
+            out[f"sum {round_}"] = bool(torch.allclose(t, expected, rtol=1e-5, atol=1e-5))
+            comm.close()
+            kept.append(comm)
+            out[f"left {round_}"] = sorted((Counter(pycomm_threads()) - Counter(before)).elements())
+        finally:
+            dist.destroy_process_group()
+    return out

@@ -2,7 +2,8 @@
 dist.ReduceOp, world size 1, bootstrap from torch.distributed, PYCOMM_ALGO."""
 import pytest
 
-from api_cases import async_and_futures, coalesced, default_group, env_algorithm, regrouped, world_of_one
+from api_cases import (async_and_futures, coalesced, default_group, env_algorithm, regrouped, reinit_on_the_same_port,
+                       world_of_one)
 from harness import RankPool
 
 WORLD = 3
@@ -34,6 +35,15 @@ def test_bootstrap_from_default_group(pool):
 
 def test_unnamed_communicators_agree_after_a_new_default_group(pool):
     assert pool.run(regrouped, WORLD, pool.new_name(), timeout=120) == [True] * WORLD
+
+
+def test_a_closed_communicator_holds_no_store_nor_thread(pool):
+    for rank, res in enumerate(pool.run(reinit_on_the_same_port, WORLD, pool.new_name(), timeout=120)):
+        for round_ in range(2):
+            assert res[f"sum {round_}"], (rank, res)
+            # Running, it has its progress thread and its heartbeat (one host).
+            assert {"pycomm-progress", "pycomm-beat"} <= set(res[f"running {round_}"]), (rank, res)
+            assert res[f"left {round_}"] == [], (rank, res)
 
 
 def test_env_algorithm_is_a_preference(pool):

@@ -11,6 +11,7 @@
 
 #include "../algorithms/schedule.h"
 #include "../core/race_window.h"
+#include "../transport/thread_name.h"
 #include "../compression/quantized_allreduce.h"
 #include "../compression/sparse_allreduce.h"
 #include "../transport/futex.h"
@@ -57,7 +58,7 @@ Communicator::Communicator(const CommunicatorOptions& o)
       link_(o.backend ? std::make_shared<C10dLink>(o.backend) : nullptr),
       transports_(topology_of(o, link_)) {
   if (o.backend && o.store) board_ = std::make_shared<StoreBoard>(o.store);
-  progress_ = std::thread([this] { progress_loop(); });
+  progress_ = named_thread("progress", [this] { progress_loop(); });
   // Heartbeats between hosts (this host's peers beat in shared memory).
   std::vector<int> remote;
   for (int r = 0; r < world_; ++r)

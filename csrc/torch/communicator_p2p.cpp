@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "../core/race_window.h"
+#include "../transport/thread_name.h"
 #include "communicator.h"
 #include "tensor_checks.h"
 
@@ -31,7 +32,7 @@ struct Communicator::Lane {
   // `await_data` (incoming lanes over shared memory): waits up to a bound
   // for the next message's bytes; true once they are there.
   using AwaitData = std::function<bool(std::chrono::microseconds)>;
-  Lane(Communicator* comm, AwaitData await) : comm_(comm), await_data(std::move(await)), thread([this] { loop(); }) {}
+  Lane(Communicator* comm, AwaitData await) : comm_(comm), await_data(std::move(await)), thread(named_thread("p2p", [this] { loop(); })) {}
   // Finishes what was queued, then joins.
   ~Lane() {
     {

@@ -6,6 +6,8 @@
 #include <thread>
 #include <vector>
 
+#include "thread_name.h"
+
 namespace pycomm {
 
 namespace {
@@ -97,7 +99,7 @@ std::exception_ptr explain_failure(std::shared_ptr<FailureBoard> board, int rank
         }
       });
   auto cause = task->get_future();
-  std::thread([task] { (*task)(); }).detach();
+  named_thread("blame", [task] { (*task)(); }).detach();
   // A little beyond the walk's own budget: publishing and the last lookup.
   if (cause.wait_for(budget + std::chrono::milliseconds(300)) != std::future_status::ready) return error;
   const std::optional<CommError> root = cause.get();

@@ -19,6 +19,7 @@
 #include "../kernels/reduce.h"
 #include "cuda_ipc_detail.cuh"
 #include "process.h"
+#include "thread_name.h"
 
 namespace pycomm {
 namespace {
@@ -392,7 +393,7 @@ void CudaIpcAllReduce::open(const std::vector<std::string>& all) {
   // its process id at once (its kernels' flags would just stop moving), a
   // zombie counted as dead.
   // 20 ms keeps its cost nil and a survivor's wait short.
-  watch_ = std::thread([this] {
+  watch_ = named_thread("ipcwatch", [this] {
     while (!stop_watch_) {
       for (int q = 0; q < world_; ++q) {
         if (q == rank_) continue;

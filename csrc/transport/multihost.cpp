@@ -9,6 +9,7 @@
 
 #include "../algorithms/tuner.h"
 #include "../kernels/kernels.h"
+#include "thread_name.h"
 #include "layout.h"
 
 namespace pycomm {
@@ -219,7 +220,7 @@ void MultiHostTransport::all_reduce_shard(const CollectiveDesc& d, uint64_t seq)
     size_t reduced = 0, crossed = 0;
     bool stop = false;
     std::exception_ptr cross_error;
-    std::thread helper([&] {
+    std::thread helper = named_thread("cross", [&] {
       try {
         for (size_t k = 0; k < segs.size(); ++k) {
           {

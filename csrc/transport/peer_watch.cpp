@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "../core/race_window.h"
+#include "thread_name.h"
 
 namespace pycomm {
 
@@ -169,8 +170,8 @@ PeerWatch::PeerWatch(PeerWatchConfig config) : s_(std::make_shared<State>()) {
   // Detached: a board that never answers must not hold stop() (or the
   // process) for its own timeout. Each thread keeps the state alive.
   std::shared_ptr<State> s = s_;
-  std::thread([s] { s->beat_loop(); }).detach();
-  std::thread([s] { s->judge_loop(); }).detach();
+  named_thread("hostbeat", [s] { s->beat_loop(); }).detach();
+  named_thread("judge", [s] { s->judge_loop(); }).detach();
 }
 
 PeerWatch::~PeerWatch() { stop(false); }

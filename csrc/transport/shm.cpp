@@ -23,6 +23,7 @@
 
 #include "../core/race_window.h"
 #include "../kernels/kernels.h"
+#include "thread_name.h"
 #include "futex.h"
 #include "layout.h"
 #include "process.h"
@@ -96,7 +97,7 @@ ShmTransport::ShmTransport(const ShmConfig& config)
   // judge (whatever their own bound).
   if (heartbeat_timeout() > 0) {
     controls_[rank_].heartbeat_ns.store(monotonic_ns(), std::memory_order_release);
-    heartbeat_ = std::thread([this] { heartbeat_loop(); });
+    heartbeat_ = named_thread("beat", [this] { heartbeat_loop(); });
   }
 }
 
@@ -215,15 +216,19 @@ uint32_t ShmTransport::abandon_attach() {
   return header_->attached.load(std::memory_order_acquire);
 }
 
-ShmTransport::~ShmTransport() {
-  if (heartbeat_.joinable()) {
-    {
-      std::lock_guard<std::mutex> lk(heartbeat_mu_);
-      heartbeat_stop_ = true;
-    }
-    heartbeat_cv_.notify_all();
-    heartbeat_.join();
+void ShmTransport::stop_heartbeat() {
+  std::lock_guard<std::mutex> once(heartbeat_join_mu_);
+  if (!heartbeat_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lk(heartbeat_mu_);
+    heartbeat_stop_ = true;
   }
+  heartbeat_cv_.notify_all();
+  heartbeat_.join();
+}
+
+ShmTransport::~ShmTransport() {
+  stop_heartbeat();
   if (!base_) return;
   shutdown();
   race_window("shm: before unmapping");
@@ -239,6 +244,9 @@ void ShmTransport::shutdown() {
       futex_wake_all(&controls_[q].round_done);
     }
   }
+  // Peers that see `exited` no longer read the heartbeat: a closed
+  // communicator keeps no thread.
+  stop_heartbeat();
 }
 
 bool ShmTransport::aborted() const {

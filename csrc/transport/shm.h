@@ -232,7 +232,11 @@ class ShmTransport : public Transport {
   // Beats every kHeartbeatPeriod into this rank's control block.
   static constexpr std::chrono::milliseconds kHeartbeatPeriod{100};
   void heartbeat_loop();
+  // Ends the beats (once; any thread): shutdown() needs them no longer,
+  // since peers read `exited` before the heartbeat.
+  void stop_heartbeat();
   std::thread heartbeat_;
+  std::mutex heartbeat_join_mu_;  // one joiner at a time
   std::mutex heartbeat_mu_;
   std::condition_variable heartbeat_cv_;
   bool heartbeat_stop_ = false;

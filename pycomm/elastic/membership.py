@@ -114,7 +114,7 @@ def _fence(comm: "Communicator", why: str, gone: List[int]) -> None:
     by anyone, raises ``why``."""
     kept = _kept(comm)
     comm.abort(why, name_rank=False)
-    comm.close()
+    comm._c.shutdown()  # not close(): a shrink builds the successor from its store
     # Closing leaves the inter-host connections open until the compiled
     # communicator is gone, and a Work or future still held (by DDP, by a
     # caught exception's frames) keeps it alive; a peer on another host
