@@ -216,4 +216,9 @@ def reinit_on_the_same_port(rank: int, world: int, name: str) -> dict:
             out[f"left {round_}"] = sorted((Counter(pycomm_threads()) - Counter(before)).elements())
         finally:
             dist.destroy_process_group()
+        # Every rank past destroy before any rank starts again: one still in
+        # the first job would serve the second its store, first keys and all
+        # (as for any reuse of a port).
+        worker_store().set(f"{name}/done{round_}/{rank}", "1")
+        worker_store().wait([f"{name}/done{round_}/{r}" for r in range(world)])
     return out
