@@ -164,10 +164,19 @@ struct CodeRun {
   }
 };
 
-template <typename W>
-__device__ __forceinline__ uint32_t load_word(const uint8_t* p) {
-  return *reinterpret_cast<const W*>(p);
+// The unsigned word of kBytes (1, 2 or 4) bytes: a whole run's codes in
+// one load or store.
+template <int kBytes>
+using WordOf = std::conditional_t<kBytes == 4, uint32_t, std::conditional_t<kBytes == 2, uint16_t, uint8_t>>;
+
+// Where the codes of element i start, and how many bytes a run of kV takes
+// (int4: whole bytes for runs of 2 or 4; i is even there).
+template <int kBits>
+__device__ __forceinline__ size_t code_byte(size_t i) {
+  return kBits == 8 ? i : i / 2;
 }
+template <int kBits, int kV>
+inline constexpr int kRunBytes = kV * kBits / 8;
 
 // The codes of elements i .. i + kV - 1 (global; i is even where kV > 1,
 // blocks holding an even number of elements), avail of them in the block.
@@ -175,15 +184,11 @@ template <int kBits, int kV>
 __device__ __forceinline__ CodeRun<kBits, kV> load_code_run(const uint8_t* codes, size_t i, int avail) {
   static_assert(kV == 1 || kV == 2 || kV == 4, "runs of 1, 2 or 4");
   if (avail >= kV) {
-    if constexpr (kBits == 8) {
-      using W = std::conditional_t<kV == 4, uint32_t, std::conditional_t<kV == 2, uint16_t, uint8_t>>;
-      return {load_word<W>(codes + i)};
-    } else if constexpr (kV == 4) {
-      return {load_word<uint16_t>(codes + i / 2)};
-    } else if constexpr (kV == 2) {
-      return {load_word<uint8_t>(codes + i / 2)};
+    if constexpr (kRunBytes<kBits, kV> >= 1) {
+      using W = WordOf<kRunBytes<kBits, kV>>;
+      return {static_cast<uint32_t>(*reinterpret_cast<const W*>(codes + code_byte<kBits>(i)))};
     } else {
-      return {static_cast<uint32_t>(codes[i / 2] >> (4 * (i & 1)))};
+      return {static_cast<uint32_t>(codes[i / 2] >> (4 * (i & 1)))};  // an int4 alone: half a byte
     }
   }
   uint32_t raw = 0;
@@ -203,35 +208,27 @@ __device__ __forceinline__ CodeRun<kBits, kV> load_code_run(const uint8_t* codes
 // two blocks); every lane of the warp must call.
 template <int kBits, int kV>
 __device__ __forceinline__ void store_code_run(uint8_t* codes, size_t i, int avail, const int (&c)[kV], int lane) {
-  if constexpr (kBits == 4 && kV == 1) {
+  if constexpr (kRunBytes<kBits, kV> == 0) {
     const int next = __shfl_down_sync(0xffffffffu, c[0], 1);
     if ((lane & 1) == 0 && avail > 0) codes[i / 2] = static_cast<uint8_t>(nibble_of(c[0]) | (nibble_of(next) << 4));
+  } else if (avail >= kV) {
+    uint32_t w = 0;
+#pragma unroll
+    for (int u = 0; u < kV; ++u) {
+      const uint32_t bits = kBits == 8 ? static_cast<uint8_t>(static_cast<int8_t>(c[u])) : nibble_of(c[u]);
+      w |= bits << (kBits * u);
+    }
+    using W = WordOf<kRunBytes<kBits, kV>>;
+    *reinterpret_cast<W*>(codes + code_byte<kBits>(i)) = static_cast<W>(w);
   } else if constexpr (kBits == 8) {
-    if (avail >= kV) {
-      uint32_t w = 0;
 #pragma unroll
-      for (int u = 0; u < kV; ++u) w |= static_cast<uint32_t>(static_cast<uint8_t>(static_cast<int8_t>(c[u]))) << (8 * u);
-      if constexpr (kV == 4) *reinterpret_cast<uint32_t*>(codes + i) = w;
-      else if constexpr (kV == 2) *reinterpret_cast<uint16_t*>(codes + i) = static_cast<uint16_t>(w);
-      else codes[i] = static_cast<uint8_t>(w);
-    } else {
-#pragma unroll
-      for (int u = 0; u < kV; ++u)
-        if (u < avail) reinterpret_cast<int8_t*>(codes)[i + u] = static_cast<int8_t>(c[u]);
-    }
+    for (int u = 0; u < kV; ++u)
+      if (u < avail) reinterpret_cast<int8_t*>(codes)[i + u] = static_cast<int8_t>(c[u]);
   } else {
-    // Int4 runs of 2 or 4: whole bytes in the lane.
-    if (avail >= kV) {
-      uint32_t w = 0;
+    // Int4 runs of 2 or 4 end inside a block on a whole byte too.
 #pragma unroll
-      for (int u = 0; u < kV; ++u) w |= static_cast<uint32_t>(nibble_of(c[u])) << (4 * u);
-      if constexpr (kV == 4) *reinterpret_cast<uint16_t*>(codes + i / 2) = static_cast<uint16_t>(w);
-      else codes[i / 2] = static_cast<uint8_t>(w);
-    } else {
-#pragma unroll
-      for (int u = 0; u < kV; u += 2)
-        if (u < avail) codes[(i + u) / 2] = static_cast<uint8_t>(nibble_of(c[u]) | (nibble_of(c[u + 1]) << 4));
-    }
+    for (int u = 0; u < kV; u += 2)
+      if (u < avail) codes[(i + u) / 2] = static_cast<uint8_t>(nibble_of(c[u]) | (nibble_of(c[u + 1]) << 4));
   }
 }
 
