@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
+import time
 from collections import Counter
 
 import torch
@@ -221,4 +223,62 @@ def reinit_on_the_same_port(rank: int, world: int, name: str) -> dict:
         # (as for any reuse of a port).
         worker_store().set(f"{name}/done{round_}/{rank}", "1")
         worker_store().wait([f"{name}/done{round_}/{r}" for r in range(world)])
+    return out
+
+
+def _wait_for_threads(expected: list, within_s: float = 20.0) -> list:
+    """This process's pycomm threads once they are `expected` (or at the deadline)."""
+    deadline = time.monotonic() + within_s
+    while (now := pycomm_threads()) != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return now
+
+
+def last_reference_in_a_callback(rank: int, world: int, name: str) -> dict:
+    """A future's callback runs on the communicator's own thread (its
+    progress thread; a lane's for point-to-point). A closure there that
+    held the last reference ends the communicator from another thread: the
+    process does not abort (terminate: a thread cannot join itself), and the
+    communicator's threads end. close() inside a callback raises."""
+    before, out = pycomm_threads(), {}
+    # Each callback waits for the gate, opened once its function returned:
+    # the closure then holds the last reference.
+    gate = threading.Event()
+
+    def collective() -> torch.futures.Future:
+        comm = make_comm(rank, world, f"{name}/coll", timeout=30)
+        t = torch.full((1000,), float(rank + 1))
+        return comm.all_reduce(t, async_op=True).get_future().then(
+            lambda f, c=comm: gate.wait(30) and f.value()[0][0].item())
+
+    fut = collective()
+    gate.set()
+    out["collective"] = fut.wait() == world * (world + 1) / 2
+    out["collective threads"] = _wait_for_threads(before) == before
+
+    gate.clear()
+
+    def point_to_point() -> torch.futures.Future:
+        comm = make_comm(rank, world, f"{name}/p2p", timeout=30)
+        if rank == 0:  # the last send's future completes on its lane
+            works = [comm.send(torch.full((10,), float(dst)), dst=dst, async_op=True) for dst in range(1, world)]
+            return works[-1].get_future().then(lambda f, c=comm: gate.wait(30) and f.value() is not None)
+        work = comm.recv(src=0, async_op=True)
+        return work.get_future().then(lambda f, c=comm: gate.wait(30) and f.value()[0].tolist())
+
+    fut = point_to_point()
+    gate.set()
+    got = fut.wait()
+    out["p2p"] = got is True if rank == 0 else got == [float(rank)] * 10
+    out["p2p threads"] = _wait_for_threads(before) == before
+
+    comm = make_comm(rank, world, f"{name}/close", timeout=30)
+    fut = comm.all_reduce(torch.ones(4), async_op=True).get_future().then(lambda f: comm.close())
+    try:
+        fut.wait()
+        out["close in a callback"] = "no error"
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        out["close in a callback"] = "future's callback" in str(e)
+    comm.close()
+    out["close after"] = _wait_for_threads(before) == before
     return out

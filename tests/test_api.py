@@ -2,8 +2,8 @@
 dist.ReduceOp, world size 1, bootstrap from torch.distributed, PYCOMM_ALGO."""
 import pytest
 
-from api_cases import (async_and_futures, coalesced, default_group, env_algorithm, regrouped, reinit_on_the_same_port,
-                       world_of_one)
+from api_cases import (async_and_futures, coalesced, default_group, env_algorithm, last_reference_in_a_callback,
+                       regrouped, reinit_on_the_same_port, world_of_one)
 from harness import RankPool
 
 WORLD = 3
@@ -44,6 +44,12 @@ def test_a_closed_communicator_holds_no_store_nor_thread(pool):
             # Running, it has its progress thread and its heartbeat (one host).
             assert {"pycomm-progress", "pycomm-beat"} <= set(res[f"running {round_}"]), (rank, res)
             assert res[f"left {round_}"] == [], (rank, res)
+
+
+def test_the_last_reference_dropped_in_a_callback_ends_the_communicator(pool):
+    for rank, res in enumerate(pool.run(last_reference_in_a_callback, WORLD, pool.new_name(), timeout=120)):
+        assert res == {"collective": True, "collective threads": True, "p2p": True, "p2p threads": True,
+                       "close in a callback": True, "close after": True}, (rank, res)
 
 
 def test_env_algorithm_is_a_preference(pool):

@@ -12,6 +12,7 @@
 #include "../compression/quantized_allreduce.h"
 #include "../compression/sparse_allreduce.h"
 #include "../transport/program_sim.h"
+#include "../transport/thread_name.h"
 #include "../kernels/quant.h"
 #include "backend.h"
 #include "communicator.h"
@@ -28,9 +29,16 @@ namespace pycomm {
 namespace {
 
 // Joining the progress thread may wait for a future callback that needs the
-// GIL, so never destroy a communicator while holding it.
+// GIL, so never destroy a communicator while holding it. The last reference
+// may also go inside such a callback (a closure that held the communicator),
+// on the communicator's own thread, which can neither join itself nor go on
+// in a destroyed object: another thread ends it then.
 struct GilFreeDelete {
   void operator()(Communicator* c) const {
+    if (c->on_own_thread()) {
+      named_thread("close", [c] { delete c; }).detach();
+      return;
+    }
     if (PyGILState_Check()) {
       py::gil_scoped_release release;
       delete c;

@@ -91,6 +91,9 @@ Communicator::~Communicator() {
 }
 
 void Communicator::shutdown() {
+  if (on_own_thread())
+    throw CommError("pycomm: close() was called from a future's callback, which runs on the communicator's own "
+                    "thread, the one that would finish its queue; close it from another thread");
   {
     std::unique_lock<std::mutex> lk(mu_);
     if (stop_ && !progress_.joinable()) return;

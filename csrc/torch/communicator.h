@@ -144,7 +144,14 @@ class Communicator {
   uint32_t abandon_ready() { return transports_.abandon_ready(); }
 
   // Finishes queued ops, then tells peers this rank is gone. Idempotent.
+  // Not from the communicator's own threads (a future's callback runs
+  // there): it raises CommError, since that thread runs the queue.
   void shutdown();
+  // Whether the calling thread is this communicator's own: its progress
+  // thread or a point-to-point lane's, where futures' callbacks run. Such a
+  // thread can neither join itself nor outlive the object it runs in, so the
+  // last reference dropped there must end the communicator elsewhere.
+  bool on_own_thread() const;
   // Makes the current and later operations fail with `why`. A `blame` that
   // names a rank gone for good (Blame::gone) also ends the waits between
   // hosts in progress at once, instead of at their deadline.
@@ -208,7 +215,7 @@ class Communicator {
   at::Tensor scratch_[2];
   bool scratch_failed_ = false;
 
-  std::mutex lanes_mu_;
+  mutable std::mutex lanes_mu_;
   std::map<std::pair<int, bool>, std::shared_ptr<Lane>> lanes_;  // (peer, incoming)
 
   // Heartbeats between hosts (null on one host, without a store, or with

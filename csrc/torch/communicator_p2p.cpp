@@ -32,7 +32,8 @@ struct Communicator::Lane {
   // `await_data` (incoming lanes over shared memory): waits up to a bound
   // for the next message's bytes; true once they are there.
   using AwaitData = std::function<bool(std::chrono::microseconds)>;
-  Lane(Communicator* comm, AwaitData await) : comm_(comm), await_data(std::move(await)), thread(named_thread("p2p", [this] { loop(); })) {}
+  Lane(Communicator* comm, AwaitData await)
+      : comm_(comm), await_data(std::move(await)), thread(named_thread("p2p", [this] { loop(); })) {}
   // Finishes what was queued, then joins.
   ~Lane() {
     {
@@ -146,6 +147,15 @@ struct Communicator::Lane {
   AwaitData await_data;
   std::thread thread;
 };
+
+bool Communicator::on_own_thread() const {
+  const std::thread::id me = std::this_thread::get_id();
+  if (progress_.get_id() == me) return true;
+  std::lock_guard<std::mutex> lk(lanes_mu_);
+  for (const auto& entry : lanes_)
+    if (entry.second->thread.get_id() == me) return true;
+  return false;
+}
 
 std::pair<MessageChannels*, int> Communicator::p2p_peer(int peer, Collective coll) const {
   const char* dir = coll == Collective::kSend ? "dst" : "src";
