@@ -282,3 +282,30 @@ def last_reference_in_a_callback(rank: int, world: int, name: str) -> dict:
     comm.close()
     out["close after"] = _wait_for_threads(before) == before
     return out
+
+
+def concurrent_closes(rank: int, world: int, name: str, rounds: int = 10) -> dict:
+    """close() from three threads at once, with collectives still queued: the
+    queue finishes with the right sums, one thread closes and the others
+    wait for it (two joins of one thread never returned), nothing is left."""
+    before, sums_right, raised = pycomm_threads(), True, []
+    for i in range(rounds):
+        comm = make_comm(rank, world, f"{name}/{i}", timeout=30)
+        tensors = [torch.full((1 << 16,), float(rank + k)) for k in range(6)]
+        works = [comm.all_reduce(t, async_op=True) for t in tensors]
+
+        def close() -> None:
+            try:
+                comm.close()
+            except Exception as e:  # noqa: BLE001 - reported
+                raised.append(repr(e))
+
+        threads = [threading.Thread(target=close) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for w in works:
+            w.wait()
+        sums_right &= all(bool((t == world * (world - 1) / 2 + world * k).all()) for k, t in enumerate(tensors))
+    return {"sums": sums_right, "raised": raised, "threads": _wait_for_threads(before) == before}

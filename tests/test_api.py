@@ -2,8 +2,8 @@
 dist.ReduceOp, world size 1, bootstrap from torch.distributed, PYCOMM_ALGO."""
 import pytest
 
-from api_cases import (async_and_futures, coalesced, default_group, env_algorithm, last_reference_in_a_callback,
-                       regrouped, reinit_on_the_same_port, world_of_one)
+from api_cases import (async_and_futures, coalesced, concurrent_closes, default_group, env_algorithm,
+                       last_reference_in_a_callback, regrouped, reinit_on_the_same_port, world_of_one)
 from harness import RankPool
 
 WORLD = 3
@@ -50,6 +50,11 @@ def test_the_last_reference_dropped_in_a_callback_ends_the_communicator(pool):
     for rank, res in enumerate(pool.run(last_reference_in_a_callback, WORLD, pool.new_name(), timeout=120)):
         assert res == {"collective": True, "collective threads": True, "p2p": True, "p2p threads": True,
                        "close in a callback": True, "close after": True}, (rank, res)
+
+
+def test_concurrent_closes_finish_the_queue_once(pool):
+    for rank, res in enumerate(pool.run(concurrent_closes, WORLD, pool.new_name(), timeout=120)):
+        assert res == {"sums": True, "raised": [], "threads": True}, (rank, res)
 
 
 def test_env_algorithm_is_a_preference(pool):

@@ -94,6 +94,9 @@ void Communicator::shutdown() {
   if (on_own_thread())
     throw CommError("pycomm: close() was called from a future's callback, which runs on the communicator's own "
                     "thread, the one that would finish its queue; close it from another thread");
+  // One closer at a time: two joins of one thread never return (the second
+  // waits on a thread already gone). A later closer finds it all done.
+  std::lock_guard<std::mutex> closing(shutdown_mu_);
   {
     std::unique_lock<std::mutex> lk(mu_);
     if (stop_ && !progress_.joinable()) return;
@@ -103,12 +106,7 @@ void Communicator::shutdown() {
   cv_.notify_all();
   if (progress_.joinable()) progress_.join();
   // Point-to-point lanes finish what was queued, like the progress thread.
-  std::map<std::pair<int, bool>, std::shared_ptr<Lane>> lanes;
-  {
-    std::lock_guard<std::mutex> lk(lanes_mu_);
-    lanes.swap(lanes_);
-  }
-  lanes.clear();  // each lane finishes its queue, then joins its thread
+  finish_lanes();
   // Peers stop judging this rank before its process may exit.
   if (watch_) watch_->stop(/*leave=*/true);
   race_window("shutdown: before the transports");

@@ -143,7 +143,8 @@ class Communicator {
   bool wait_ready_for(double seconds) { return transports_.wait_ready_for(seconds); }
   uint32_t abandon_ready() { return transports_.abandon_ready(); }
 
-  // Finishes queued ops, then tells peers this rank is gone. Idempotent.
+  // Finishes queued ops, then tells peers this rank is gone. Idempotent;
+  // concurrent callers wait for the one that closes.
   // Not from the communicator's own threads (a future's callback runs
   // there): it raises CommError, since that thread runs the queue.
   void shutdown();
@@ -189,6 +190,8 @@ class Communicator {
   // The channels that reach communicator rank `peer`, and its index there.
   std::pair<MessageChannels*, int> p2p_peer(int peer, Collective coll) const;
   void submit_p2p(int peer, bool incoming, std::shared_ptr<Work> work, bool async_op);
+  // Each lane finishes its queue and joins its thread (shutdown).
+  void finish_lanes();
   void recv_body(Work& work, MessageChannels& channels, int peer, uint32_t tag, bool allocate);
   // Sends `why` to `dst` as a failure message: its receive raises it.
   void send_failure(int dst, const std::string& why, bool async_op);
@@ -215,6 +218,7 @@ class Communicator {
   at::Tensor scratch_[2];
   bool scratch_failed_ = false;
 
+  std::mutex shutdown_mu_;  // held through shutdown(): one closer at a time
   mutable std::mutex lanes_mu_;
   std::map<std::pair<int, bool>, std::shared_ptr<Lane>> lanes_;  // (peer, incoming)
 

@@ -34,8 +34,9 @@ struct Communicator::Lane {
   using AwaitData = std::function<bool(std::chrono::microseconds)>;
   Lane(Communicator* comm, AwaitData await)
       : comm_(comm), await_data(std::move(await)), thread(named_thread("p2p", [this] { loop(); })) {}
-  // Finishes what was queued, then joins.
-  ~Lane() {
+  // Finishes what was queued, then joins (one caller at a time: the
+  // communicator's shutdown, or the destructor after it).
+  void finish() {
     {
       std::lock_guard<std::mutex> lk(mu);
       stopping = true;
@@ -44,6 +45,7 @@ struct Communicator::Lane {
     cv.notify_one();
     if (thread.joinable()) thread.join();
   }
+  ~Lane() { finish(); }
 
   void push(std::shared_ptr<Work> work) {
     {
@@ -147,6 +149,19 @@ struct Communicator::Lane {
   AwaitData await_data;
   std::thread thread;
 };
+
+void Communicator::finish_lanes() {
+  // The lanes stay listed while they finish, so that a callback on one of
+  // them is still known to run on this communicator's thread.
+  std::vector<std::shared_ptr<Lane>> lanes;
+  {
+    std::lock_guard<std::mutex> lk(lanes_mu_);
+    for (const auto& entry : lanes_) lanes.push_back(entry.second);
+  }
+  for (const auto& lane : lanes) lane->finish();
+  std::lock_guard<std::mutex> lk(lanes_mu_);
+  lanes_.clear();
+}
 
 bool Communicator::on_own_thread() const {
   const std::thread::id me = std::this_thread::get_id();
