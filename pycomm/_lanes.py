@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import datetime
+import os
 import queue
 import threading
 import time
@@ -87,6 +89,7 @@ class Lane:
             self.pg = dist.ProcessGroupGloo(store, me, size, delta)
         else:
             raise CommError(f"pycomm.GroupCommunicator: backend must be 'gloo' or 'nccl', got {backend!r}")
+        self.pid = os.getpid()
         self.queue: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
         self.streams: Dict[int, Any] = {}
         self._buffers: Dict[Tuple[str, str], torch.Tensor] = {}
@@ -117,8 +120,35 @@ class Lane:
                 pending()
             pending = finish
 
+    def forked_copy(self) -> bool:
+        """Whether this process is a fork() child of the one that made the
+        lane. fork copies only the calling thread: the lane's thread and its
+        backend's threads stayed with the parent, so a child can neither run
+        its calls nor destroy its backend (``~ProcessGroupGloo`` would wait
+        for those threads forever). The child keeps the backend until it
+        exits, and its calls raise."""
+        return os.getpid() != self.pid
+
+    def refuse_in_fork(self) -> None:
+        """Raises CommError in a fork() child (:meth:`forked_copy`)."""
+        if self.forked_copy():
+            raise CommError(f"pycomm.GroupCommunicator: its group belongs to process {self.pid}, and this process "
+                            f"({os.getpid()}) is a fork() of it: fork copies only the calling thread, so the group's "
+                            f"threads and its place among its peers stayed with process {self.pid}. Call it there; "
+                            "start helper processes with multiprocessing's 'spawn' method, or let them exit without "
+                            "calling it")
+
+    def _keep_in_child(self) -> None:
+        # One reference that is never dropped: the backend outlives the
+        # interpreter's teardown, which would otherwise destroy it.
+        if self.pg is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self.pg))
+
     def close(self) -> None:
         """Finish the queued calls, stop the thread and release the backend."""
+        if self.forked_copy():
+            self._keep_in_child()
+            return
         self.queue.put(None)
         self.thread.join()
         self._buffers.clear()
@@ -135,6 +165,9 @@ class Lane:
             with contextlib.suppress(Exception):
                 pg.abort() if self.nccl else pg.shutdown()
 
+        if self.forked_copy():
+            self._keep_in_child()
+            return
         threading.Thread(target=shut, args=(self.pg,), name="pycomm-group-shutdown", daemon=True).start()
         self.queue.put(None)
 
@@ -191,13 +224,25 @@ def _close_lanes() -> None:
         lane.close()
 
 
+def _after_fork_in_child() -> None:
+    # A thread of the parent may have held the lock at the fork.
+    global _LANES_LOCK
+    _LANES_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def get_lane(key: tuple, make: Callable[[], Lane]) -> Lane:
-    """The lane registered under ``key``, made by ``make()`` on first use."""
+    """The lane registered under ``key``, made by ``make()`` on first use.
+    In a fork() child, a lane made before the fork raises instead
+    (:meth:`Lane.refuse_in_fork`)."""
     with _LANES_LOCK:
         lane = _LANES.get(key)
         if lane is None:
             lane = _LANES[key] = make()
-        return lane
+    lane.refuse_in_fork()
+    return lane
 
 
 def default_lane(ranks: List[int], backend: str, timeout: float) -> Lane:

@@ -1,5 +1,11 @@
 """The Python API: Work and torch futures, issue order, list forms,
 dist.ReduceOp, world size 1, bootstrap from torch.distributed, PYCOMM_ALGO."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
 
 from api_cases import (async_and_futures, coalesced, concurrent_closes, default_group, env_algorithm,
@@ -55,6 +61,41 @@ def test_the_last_reference_dropped_in_a_callback_ends_the_communicator(pool):
 def test_concurrent_closes_finish_the_queue_once(pool):
     for rank, res in enumerate(pool.run(concurrent_closes, WORLD, pool.new_name(), timeout=120)):
         assert res == {"sums": True, "raised": [], "threads": True}, (rank, res)
+
+
+def test_a_forked_child_neither_hangs_nor_touches_the_job():
+    """Each of 2 ranks on the pycomm backend (with a communicator, the default
+    one, registered memory and a GroupCommunicator) forks a child, as
+    checkpoint helpers do. The
+    child's calls raise, naming the fork; close() and destroy_process_group()
+    leave the parent's job alone; the child exits normally (atexit handlers,
+    then every inherited object released). Without the guard the child's
+    all_reduce ran as the parent's next collective in the job's shared memory
+    (the parent's peer raised "ranks disagree"), and a child that only exited
+    hung in ~Communicator (then in ~ProcessGroupGloo of a GroupCommunicator's
+    lane), waiting for the parent's threads. The parents then run 20 rounds
+    of every path on fresh data."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(filter(None, [os.path.dirname(here), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.Popen([sys.executable, os.path.join(here, "fork_script.py")], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR"))
+    try:
+        out, _ = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the job with forked children hung:\n{out}")
+    assert proc.returncode == 0, out
+    reports = sorted((json.loads(line) for line in out.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in reports] == [0, 1], out
+    for r in reports:
+        assert not r["child_hung"] and r["child_exit"] == 0, r
+        seen = r["child"]
+        for call in ("communicator", "registered", "default", "backend", "backend send", "group"):
+            assert seen[call].startswith("CommError: ") and "is a fork() of it" in seen[call], (call, seen[call])
+        assert seen["close"] == "ok" and seen["destroy"] == "ok", seen
+        assert r["parent_rounds_right"] == 20, r
 
 
 def test_env_algorithm_is_a_preference(pool):

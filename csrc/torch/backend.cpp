@@ -106,6 +106,13 @@ C10dBackend::C10dBackend(std::shared_ptr<Communicator> comm, c10::intrusive_ptr<
 }
 
 C10dBackend::~C10dBackend() {
+  // A fork() child's copy: the point-to-point group's threads, like the
+  // communicator's, are the parent's, and destroying it there would wait for
+  // them forever (transport/process.h). Both copies stay undestroyed.
+  if (comm_->forked_copy()) {
+    (void)peer_.release();
+    return;
+  }
   try {
     comm_->shutdown();
   } catch (...) {
@@ -196,6 +203,7 @@ int C10dBackend::root_of(int64_t root, const char* what) {
 }
 
 c10d::Backend& C10dBackend::peer(const char* what) {
+  comm_->refuse_in_fork();  // the group's threads stayed with the parent: it would wait forever
   TORCH_CHECK(peer_, name_of(what), " needs the point-to-point group, which this backend was created without");
   return *peer_;
 }
@@ -578,11 +586,13 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::recvAnysource(std::vector<at::Tensor
 }
 
 void C10dBackend::abort() {
+  if (comm_->forked_copy()) return;  // the parent's group, not this fork's to end
   comm_->abort("pycomm: rank " + std::to_string(getRank()) + ": the process group was aborted");
   if (peer_) peer_->abort();
 }
 
 void C10dBackend::shutdown() {
+  if (comm_->forked_copy()) return;  // the parent's group, not this fork's to end
   comm_->shutdown();
   if (peer_) peer_->shutdown();
 }

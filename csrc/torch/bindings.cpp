@@ -33,8 +33,12 @@ namespace {
 // may also go inside such a callback (a closure that held the communicator),
 // on the communicator's own thread, which can neither join itself nor go on
 // in a destroyed object: another thread ends it then.
+//
+// In a fork() child the copy is left undestroyed: its threads are the
+// parent's, and ending it would wait for them forever (transport/process.h).
 struct GilFreeDelete {
   void operator()(Communicator* c) const {
+    if (c->forked_copy()) return;
     if (c->on_own_thread()) {
       named_thread("close", [c] { delete c; }).detach();
       return;
@@ -45,6 +49,17 @@ struct GilFreeDelete {
     } else {
       delete c;
     }
+  }
+};
+
+// Deletes an object that owns threads, except in a fork() child of the
+// process that made it, where the copy is left as it is (GilFreeDelete says
+// why).
+template <class T>
+struct DeleteInOwnProcess {
+  int32_t owner = current_pid();
+  void operator()(T* p) const {
+    if (!forked_from(owner)) delete p;
   }
 };
 
@@ -434,7 +449,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
 #ifdef PYCOMM_WITH_CUDA
   py::class_<CudaIpcAllReduce, std::shared_ptr<CudaIpcAllReduce>>(m, "CudaIpcAllReduce")
-      .def(py::init<int, int, size_t, size_t, double, bool>(), py::arg("rank"), py::arg("world"),
+      .def(py::init([](int rank, int world, size_t buffer_bytes, size_t round_bytes, double timeout,
+                       bool double_buffer) {
+             return std::shared_ptr<CudaIpcAllReduce>(
+                 new CudaIpcAllReduce(rank, world, buffer_bytes, round_bytes, timeout, double_buffer),
+                 DeleteInOwnProcess<CudaIpcAllReduce>());
+           }),
+           py::arg("rank"), py::arg("world"),
            py::arg("buffer_bytes"), py::arg("round_bytes") = 0, py::arg("timeout") = 300.0,
            py::arg("double_buffer") = false,
            "Allocates the staging buffer and signal block on the current CUDA device.")

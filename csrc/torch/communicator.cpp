@@ -91,6 +91,9 @@ Communicator::~Communicator() {
 }
 
 void Communicator::shutdown() {
+  // A fork() child's copy: the threads and the rank's place among its peers
+  // are the parent's to end.
+  if (forked_copy()) return;
   if (on_own_thread())
     throw CommError("pycomm: close() was called from a future's callback, which runs on the communicator's own "
                     "thread, the one that would finish its queue; close it from another thread");
@@ -145,6 +148,9 @@ void Communicator::declare_silent(int peer, double silent_s, double bound_s) {
 }
 
 void Communicator::abort(const std::string& why, Blame blame) {
+  // A fork() child's copy is unusable already; aborting would end the
+  // parent's job.
+  if (forked_copy()) return;
   race_window("abort: before the transport");
   transports_.top().abort(why, blame);
   race_window("abort: before the failure board");
@@ -189,7 +195,18 @@ void Communicator::abort(const std::string& why, Blame blame) {
 
 // ------------------------------------------------------ progress engine
 
+void Communicator::refuse_in_fork() const {
+  if (!forked_copy()) return;
+  const std::string owner = std::to_string(owner_pid_);
+  throw CommError("pycomm: this communicator (rank " + std::to_string(rank_) + ") belongs to process " + owner +
+                  ", and this process (" + std::to_string(current_pid()) + ") is a fork() of it: fork copies "
+                  "only the calling thread, so the communicator's threads and its place among its peers stayed "
+                  "with process " + owner + ". Call it there; start helper processes with multiprocessing's "
+                  "'spawn' method, or let them exit without calling it");
+}
+
 std::shared_ptr<Work> Communicator::submit(std::shared_ptr<Work> work, bool async_op) {
+  refuse_in_fork();
   std::unique_lock<std::mutex> lk(mu_);
   if (stop_) {
     // Closed after an abort (a shrink replaced it): the abort says why.
@@ -320,6 +337,7 @@ at::Tensor Communicator::empty(at::IntArrayRef sizes, at::ScalarType dtype) {
 }
 
 at::Tensor Communicator::scratch(int slot, size_t bytes) {
+  refuse_in_fork();
   const auto bytes_of = at::TensorOptions().dtype(at::kByte);
   ShmTransport* shm = transports_.local();
   const bool worth = shm && shm->world() > 1 &&

@@ -27,6 +27,7 @@
 #include "../core/collective.h"
 #include "../transport/blame.h"
 #include "../transport/peer_watch.h"
+#include "../transport/process.h"
 #include "../transport/setup.h"
 #include "work.h"
 
@@ -153,6 +154,14 @@ class Communicator {
   // thread can neither join itself nor outlive the object it runs in, so the
   // last reference dropped there must end the communicator elsewhere.
   bool on_own_thread() const;
+  // Whether this process is a fork() child of the one that made the
+  // communicator (transport/process.h says why that matters). There its
+  // calls raise CommError, shutdown() and abort() leave the parent's
+  // communicator alone, and the last reference leaves the copy undestroyed.
+  bool forked_copy() const { return forked_from(owner_pid_); }
+  // Raises CommError saying so in a fork() child, before any lock is taken:
+  // the parent's threads may have held them at the fork.
+  void refuse_in_fork() const;
   // Makes the current and later operations fail with `why`. A `blame` that
   // names a rank gone for good (Blame::gone) also ends the waits between
   // hosts in progress at once, instead of at their deadline.
@@ -198,6 +207,7 @@ class Communicator {
   // The PeerWatch's verdict: `peer`, on another host, stopped beating.
   void declare_silent(int peer, double silent_s, double bound_s);
 
+  const int32_t owner_pid_ = current_pid();
   int rank_ = 0;
   int world_ = 1;
   // Carries the traffic between hosts (null without a backend).

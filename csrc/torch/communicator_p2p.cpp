@@ -188,6 +188,7 @@ std::pair<MessageChannels*, int> Communicator::p2p_peer(int peer, Collective col
 }
 
 void Communicator::submit_p2p(int peer, bool incoming, std::shared_ptr<Work> work, bool async_op) {
+  refuse_in_fork();
   Lane* lane;
   {
     std::lock_guard<std::mutex> lk(lanes_mu_);

@@ -42,9 +42,11 @@ uint64_t pid_namespace_id() {
   return static_cast<uint64_t>(st.st_ino);
 }
 
+int32_t current_pid() { return static_cast<int32_t>(getpid()); }
+
 ProcessId this_process() {
   ProcessId p;
-  p.pid = static_cast<int32_t>(getpid());
+  p.pid = current_pid();
   char state = 0;
   read_proc_stat(p.pid, &state, &p.starttime);
   p.pidns = pid_namespace_id();
