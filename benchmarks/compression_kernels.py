@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import pycomm  # noqa: E402
 from pycomm import compression as C  # noqa: E402
-from pycomm.bootstrap import parse_size  # noqa: E402
+from pycomm._env import parse_size  # noqa: E402
 
 
 def timed(fn, repeats):

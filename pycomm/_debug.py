@@ -30,7 +30,7 @@ import torch
 
 from ._loader import load_core
 from ._version import __version__
-from .bootstrap import format_size as _size
+from ._env import format_size as _size
 
 if TYPE_CHECKING:  # only for annotations: no import cycle with the communicator
     from .communicator import Communicator

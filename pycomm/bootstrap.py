@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from . import _env
 from ._loader import CommError, load_core
 from ._version import __version__
 
@@ -62,41 +63,6 @@ class Topology:
     #: hosts again: the host label given, ``h<host>`` for a layout simulated
     #: with ``local_size``, None for real hosts (found again by name).
     label: Optional[str] = None
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '4096', '64K', '1M', '2G' or '64MB'; ValueError if it is none of those.
-
-    Example::
-
-        parse_size("4M") == 4 << 20
-    """
-    t = text.strip().upper().rstrip("B")
-    mult = 1
-    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
-        if t.endswith(suffix):
-            t, mult = t[:-1], m
-            break
-    return int(float(t) * mult)
-
-
-def format_size(n: int) -> str:
-    """The inverse of :func:`parse_size` for whole units: 65536 -> '64K', 1000 -> '1000'.
-
-    Example::
-
-        format_size(4 << 20) == "4M"
-    """
-    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift}{unit}"
-    return str(n)
-
-
-def env_size(name: str, default: int) -> int:
-    """A byte size from environment variable ``name`` (see :func:`parse_size`), or ``default``."""
-    env = os.environ.get(name)
-    return parse_size(env) if env else default
 
 
 def restart_prefix() -> str:
@@ -395,8 +361,8 @@ def exchange_topology(store: "dist.Store", rank: int, world_size: int, timeout: 
         said = "; ".join(f"{_ranks_text(rs)} {'run' if len(rs) > 1 else 'runs'} {b}" for b, rs in by_build.items())
         raise CommError(f"pycomm: the ranks run builds of pycomm that cannot talk to each other: {said}. "
                         "Install the same pycomm on every host")
-    if local_size is None and os.environ.get("PYCOMM_LOCAL_SIZE"):
-        local_size = int(os.environ["PYCOMM_LOCAL_SIZE"])
+    if local_size is None:
+        local_size = _env.whole("PYCOMM_LOCAL_SIZE", None, minimum=1)
     simulated = local_size is not None and not host_label
     if simulated:
         n = int(local_size)
@@ -449,6 +415,7 @@ def connect(store: "dist.Store", rank: int, world_size: int, *, timeout: float, 
     Raises CommError on a bad setting or a bootstrap that times out.
     """
     core = load_core()
+    _env.whole("PYCOMM_SPIN_US", None, minimum=0)  # read by the extension (transport/shm.cpp): checked here
     if transport not in TRANSPORTS:
         raise CommError(f"pycomm: transport={transport!r} is not one of {', '.join(TRANSPORTS)}")
 
@@ -456,7 +423,7 @@ def connect(store: "dist.Store", rank: int, world_size: int, *, timeout: float, 
     #    this process died.
     store.set(f"proc/{rank}", process_record())
     if stopped_after is None:
-        stopped_after = float(os.environ.get("PYCOMM_HEARTBEAT_S", "") or 5.0) or timeout
+        stopped_after = _env.seconds("PYCOMM_HEARTBEAT_S", 5.0, zero_ok=True) or timeout
     watch = BootstrapWatch(store, rank, world_size, stopped_after, known_peers)
     topo = exchange_topology(store, rank, world_size, timeout, local_size, host_label, watch)
     if transport == "shm" and topo.num_hosts > 1:
@@ -475,7 +442,7 @@ def connect(store: "dist.Store", rank: int, world_size: int, *, timeout: float, 
     shm_name = f"/pycomm.{token}.{min(local_ranks)}"
     key = f"segment/{min(local_ranks)}"
     if round_bytes is None:
-        round_bytes = env_size("PYCOMM_SHM_ROUND_BYTES", DEFAULT_ROUND_BYTES)
+        round_bytes = _env.size("PYCOMM_SHM_ROUND_BYTES", DEFAULT_ROUND_BYTES)
     round_bytes = max(64 * 1024, int(round_bytes) // 4096 * 4096)
 
     # 3. Between hosts: a process group (built before the segment, so a rank
@@ -484,9 +451,9 @@ def connect(store: "dist.Store", rank: int, world_size: int, *, timeout: float, 
     args = dict(rank=rank, world=world_size, timeout=timeout, use_shm=use_shm, local_rank=topo.local_rank,
                 local_size=topo.local_size, shm_name=shm_name, token=token, round_bytes=round_bytes,
                 host=topo.host, host_ranks=topo.host_ranks if use_pg else [], backend=backend,
-                pg_round_bytes=env_size("PYCOMM_PG_ROUND_BYTES", DEFAULT_PG_ROUND_BYTES),
-                pg_window=int(os.environ.get("PYCOMM_PG_WINDOW", DEFAULT_PG_WINDOW)),
-                store=store if use_pg else None, p2p_bytes=env_size("PYCOMM_P2P_BYTES", DEFAULT_P2P_BYTES))
+                pg_round_bytes=_env.size("PYCOMM_PG_ROUND_BYTES", DEFAULT_PG_ROUND_BYTES),
+                pg_window=_env.whole("PYCOMM_PG_WINDOW", DEFAULT_PG_WINDOW, minimum=1),
+                store=store if use_pg else None, p2p_bytes=_env.size("PYCOMM_P2P_BYTES", DEFAULT_P2P_BYTES))
 
     # 4. The host's first rank creates the segment, the others attach.
     if not use_shm:

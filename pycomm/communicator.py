@@ -21,7 +21,7 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import _debug, bootstrap
+from . import _debug, _env, bootstrap
 from . import compression as _compression
 from ._loader import CommError, Work, load_core
 from ._point_to_point import PointToPoint
@@ -144,9 +144,10 @@ class Communicator(PointToPoint, RegisteredMemory):
         self._admitted_upto = 0  # joiners' tickets up to this one were admitted (pycomm.elastic)
         store = bootstrap.key_space(store, name)
         if timeout is None:
-            timeout = float(os.environ.get("PYCOMM_TIMEOUT", bootstrap.DEFAULT_TIMEOUT_S))
+            timeout = _env.seconds("PYCOMM_TIMEOUT", bootstrap.DEFAULT_TIMEOUT_S)
         if isinstance(timeout, datetime.timedelta):
             timeout = timeout.total_seconds()
+        timeout = _env.check_seconds(timeout, "timeout")
         transport = (transport or os.environ.get("PYCOMM_TRANSPORT", "auto")).strip().lower()
         self._settings = dict(round_bytes=round_bytes, transport=transport, bind_cores=bind_cores)
         self._c, topo, self._own_inter_host = bootstrap.connect(
@@ -162,7 +163,7 @@ class Communicator(PointToPoint, RegisteredMemory):
         self.local_size: int = topo.local_size
         self.num_hosts: int = topo.num_hosts
         if bind_cores is None:
-            bind_cores = os.environ.get("PYCOMM_BIND_CORES", "0").strip().lower() in ("1", "true", "yes")
+            bind_cores = _env.flag("PYCOMM_BIND_CORES")
         #: The CPUs this process was bound to (``bind_cores``), or None.
         self.cpus: Optional[List[int]] = (
             bootstrap.bind_cores(topo.local_rank, topo.local_size) if bind_cores else None)
@@ -429,7 +430,7 @@ class Communicator(PointToPoint, RegisteredMemory):
 
     @timeout.setter
     def timeout(self, seconds: float) -> None:
-        self._c.timeout = float(seconds)
+        self._c.timeout = _env.check_seconds(seconds, "timeout")
 
     @property
     def heartbeat_timeout(self) -> float:
@@ -456,7 +457,7 @@ class Communicator(PointToPoint, RegisteredMemory):
 
     @heartbeat_timeout.setter
     def heartbeat_timeout(self, seconds: float) -> None:
-        self._c.heartbeat_timeout = float(seconds)
+        self._c.heartbeat_timeout = _env.check_seconds(seconds, "heartbeat_timeout", zero_ok=True)
 
     def abort(self, reason: str = "aborted by the user", *, name_rank: bool = True) -> None:
         """Make the current and every later collective fail on every rank.

@@ -49,11 +49,11 @@ Example::
 from __future__ import annotations
 
 import functools
-import os
 from typing import Callable, Hashable, Optional
 
 import torch
 
+from . import _env
 from . import compression as _compression
 from ._loader import CommError, load_core
 from ._tables import REDUCE_OPS, CoreTable, Op, reduce_op_id
@@ -82,11 +82,7 @@ def _fused_blocks_asked(fused_blocks: Optional[int]) -> int:
     out of range before the group meets its peers)."""
     if fused_blocks is not None:
         return fused_blocks
-    env = os.environ.get("PYCOMM_IPC_FUSED_BLOCKS", "")
-    try:
-        return int(env) if env else 0
-    except ValueError:
-        raise CommError(f"pycomm: PYCOMM_IPC_FUSED_BLOCKS must be a whole number, got {env!r}") from None
+    return _env.whole("PYCOMM_IPC_FUSED_BLOCKS", 0, minimum=0)
 
 
 class IpcAllReduce:

@@ -38,7 +38,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import bootstrap
+from . import _env, bootstrap
 from ._loader import CommError
 
 logger = logging.getLogger("pycomm")
@@ -143,8 +143,8 @@ class DeadlineAverager:
         self.total_steps = None if total_steps is None else int(total_steps)
         self.lr_scheduler = lr_scheduler
         self.rank, self.world_size, self.ring = rank, world_size, int(ring)
-        self.timeout = float(timeout if timeout is not None else os.environ.get("PYCOMM_TIMEOUT",
-                                                                                   bootstrap.DEFAULT_TIMEOUT_S))
+        self.timeout = (_env.seconds("PYCOMM_TIMEOUT", bootstrap.DEFAULT_TIMEOUT_S) if timeout is None
+                        else _env.check_seconds(timeout, "timeout"))
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         bad = [p.device for p in self._params if p.device.type != "cpu"]
         if bad:

@@ -122,3 +122,66 @@ def test_cuda_ipc_group_settings_are_checked_before_any_gpu_work():
     if not pycomm.load_core().has_cuda:
         with pytest.raises(pycomm.CommError, match="no CUDA support"):
             pycomm.cuda_ipc.IpcAllReduce(store, 0, 1, quantized_kernels="split", double_buffer=True)
+
+
+@pytest.mark.parametrize("name, value, says", [
+    ("PYCOMM_TIMEOUT", "abc", "is not a number of seconds"),
+    ("PYCOMM_TIMEOUT", "-1", "finite number of seconds > 0"),
+    ("PYCOMM_TIMEOUT", "0", "finite number of seconds > 0"),
+    ("PYCOMM_TIMEOUT", "nan", "finite number of seconds > 0"),
+    ("PYCOMM_HEARTBEAT_S", "5s", "is not a number of seconds"),
+    ("PYCOMM_HEARTBEAT_S", "-2", "finite number of seconds >= 0"),
+    ("PYCOMM_SPIN_US", "zz", "is not a whole number"),
+    ("PYCOMM_SPIN_US", "-5", "must be at least 0"),
+    ("PYCOMM_LOCAL_SIZE", "0", "must be at least 1"),
+    ("PYCOMM_SHM_ROUND_BYTES", "-1", "must be a size above 0"),
+    ("PYCOMM_SHM_ROUND_BYTES", "lots", "is not a size in bytes"),
+    ("PYCOMM_PG_ROUND_BYTES", "-3", "must be a size above 0"),
+    ("PYCOMM_P2P_BYTES", "4Q", "is not a size in bytes"),
+    ("PYCOMM_PG_WINDOW", "0", "must be at least 1"),
+    ("PYCOMM_BIND_CORES", "maybe", "is neither on"),
+])
+def test_a_malformed_environment_variable_is_refused_by_name(monkeypatch, name, value, says):
+    """Each variable pycomm reads refuses a value it does not take, naming
+    it, when a communicator is built: before, "5s" turned the heartbeat off,
+    "-1" made every wait time out at once, "abc" raised a bare ValueError."""
+    import torch.distributed as dist
+
+    import pycomm
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(pycomm.CommError, match=f"{name}={value!r}.*{says}".replace("(", r"\(").replace(")", r"\)")):
+        pycomm.Communicator(store=dist.HashStore(), rank=0, world_size=1)
+
+
+def test_timeouts_given_as_arguments_are_checked(monkeypatch):
+    """Explicit timeouts take what the variables take; well-formed values of
+    every variable build a working communicator."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    import pycomm
+
+    for bad in (0, -1, float("nan"), float("inf"), "soon", datetime.timedelta(seconds=-5)):
+        with pytest.raises(pycomm.CommError, match="timeout="):
+            pycomm.Communicator(store=dist.HashStore(), rank=0, world_size=1, timeout=bad)
+    for name, value in [("PYCOMM_TIMEOUT", " 600 "), ("PYCOMM_HEARTBEAT_S", "0"), ("PYCOMM_SPIN_US", "0"),
+                        ("PYCOMM_SHM_ROUND_BYTES", "2M"), ("PYCOMM_P2P_BYTES", "1MB"), ("PYCOMM_PG_WINDOW", "2"),
+                        ("PYCOMM_BIND_CORES", "No"), ("PYCOMM_LOCAL_SIZE", "")]:
+        monkeypatch.setenv(name, value)
+    with pycomm.Communicator(store=dist.HashStore(), rank=0, world_size=1) as comm:
+        assert comm.timeout == 600.0 and comm.cpus is None
+        t = torch.randn(100)
+        want = t.clone()
+        comm.all_reduce(t)
+        assert torch.equal(t, want)
+        comm.timeout = datetime.timedelta(seconds=30).total_seconds()
+        assert comm.timeout == 30.0
+        for bad in (0, -3, float("inf")):
+            with pytest.raises(pycomm.CommError, match="timeout="):
+                comm.timeout = bad
+        comm.heartbeat_timeout = 0  # off
+        with pytest.raises(pycomm.CommError, match="heartbeat_timeout="):
+            comm.heartbeat_timeout = -1

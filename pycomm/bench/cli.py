@@ -11,7 +11,7 @@ import socket
 import sys
 from typing import List, Optional
 
-from ..bootstrap import parse_size as parse_bytes
+from .._env import parse_size as parse_bytes
 from .report import HEADER, format_size, plot, summary, write_json
 
 COLLECTIVES = ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all"]

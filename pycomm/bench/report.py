@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from typing import Dict, List, Optional
 
-from ..bootstrap import format_size
+from .._env import format_size
 
 # nccl-tests' bus-bandwidth factors: the fraction of the data each rank's
 # link must carry for the collective, so that busbw is comparable to the
