@@ -38,6 +38,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_script(name: str, *args: str, timeout: float) -> str:
+    """Runs tests/<name> in a fresh interpreter (its own session, one OpenMP
+    thread, the package on its path) and returns its output; a run past
+    ``timeout`` is killed, with its whole process group, and fails the test."""
+    import pytest
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(filter(None, [os.path.dirname(here), os.environ.get("PYTHONPATH")]))
+    proc = subprocess.Popen([sys.executable, os.path.join(here, name), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR"))
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{name} {' '.join(args)} hung:\n{out}")
+    assert proc.returncode == 0, out
+    return out
+
+
 _STATE: dict = {}  # per worker process: its Store client
 
 

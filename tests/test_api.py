@@ -1,16 +1,12 @@
 """The Python API: Work and torch futures, issue order, list forms,
 dist.ReduceOp, world size 1, bootstrap from torch.distributed, PYCOMM_ALGO."""
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
 from api_cases import (async_and_futures, coalesced, concurrent_closes, default_group, env_algorithm,
                        last_reference_in_a_callback, regrouped, reinit_on_the_same_port, world_of_one)
-from harness import RankPool
+from harness import RankPool, run_script
 
 WORLD = 3
 
@@ -75,18 +71,7 @@ def test_a_forked_child_neither_hangs_nor_touches_the_job():
     hung in ~Communicator (then in ~ProcessGroupGloo of a GroupCommunicator's
     lane), waiting for the parent's threads. The parents then run 20 rounds
     of every path on fresh data."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join(filter(None, [os.path.dirname(here), os.environ.get("PYTHONPATH")]))
-    proc = subprocess.Popen([sys.executable, os.path.join(here, "fork_script.py")], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR"))
-    try:
-        out, _ = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"the job with forked children hung:\n{out}")
-    assert proc.returncode == 0, out
+    out = run_script("fork_script.py", timeout=150)
     reports = sorted((json.loads(line) for line in out.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
     assert [r["rank"] for r in reports] == [0, 1], out
     for r in reports:

@@ -5,7 +5,6 @@ bad states, convergence parity on scikit-learn's digits, and a teardown
 right after a backward that cannot deadlock."""
 import os
 import re
-import signal
 import subprocess
 import sys
 
@@ -16,7 +15,7 @@ import compile_cases
 import hooks_cases
 import overflow_cases
 import pycomm
-from harness import RankPool
+from harness import RankPool, run_script
 from pycomm import hooks
 
 
@@ -470,20 +469,7 @@ def test_teardown_right_after_backward_does_not_deadlock():
     futures from a thread of their own, this hung in every run of 20 (a Gloo
     thread waiting for the GIL to release a callback while the main thread
     joined it); torch's own allreduce_hook still does, now and then."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    script = os.path.join(here, "teardown_script.py")
-    path = os.pathsep.join(filter(None, [os.path.dirname(here), os.environ.get("PYTHONPATH")]))
-    proc = subprocess.Popen([sys.executable, script, "pycomm", "20"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1",
-                                     TORCH_CPP_LOG_LEVEL="ERROR"))
-    try:
-        out, _ = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"a teardown right after backward hung:\n{out}")
-    assert proc.returncode == 0, out
+    out = run_script("teardown_script.py", "pycomm", "20", timeout=120)
     # The two ranks' lines can interleave on the shared stdout.
     assert sorted(re.findall(r"rank (\d): 20 teardowns", out)) == ["0", "1"], out
 
