@@ -172,6 +172,7 @@ def test_compressed_check_catches_a_wrong_result(monkeypatch):
     (["-b", "64M", "-e", "1K"], "-b must not exceed -e"),
     (["-n", "0"], "-n must be at least 1"),
     (["-w", "-1"], "-w must not be negative"),
+    (["--timeout", "0"], "--timeout must be a number of seconds above 0"),
     (["-a", "ring,butterfly"], "unknown algorithm"),
     (["-d", "complex64"], "unknown dtype"),
     (["-b", "12Q"], "bad size"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import math
 import os
 import platform
 import socket
@@ -82,6 +83,8 @@ def validate(args: argparse.Namespace) -> List[str]:
         raise SystemExit("pycomm-bench: -n must be at least 1 (leave it out to choose by size)")
     if args.warmup is not None and args.warmup < 0:
         raise SystemExit("pycomm-bench: -w must not be negative")
+    if not math.isfinite(args.timeout) or args.timeout <= 0:
+        raise SystemExit("pycomm-bench: --timeout must be a number of seconds above 0")
     algos = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     for a in algos:
         if a not in ALGOS:
