@@ -588,6 +588,53 @@ def checkpoint_resume(rank: int, world: int, hook: str, path: str = "auto", mode
             "saved": sum(t is not None for t in ckpt["hook"].get("worker_residuals", []))}
 
 
+def checkpoint_other_world(rank: int, world: int) -> Dict[str, object]:
+    """int8 with error feedback: 2 steps on 4 ranks, then each of ranks 0
+    and 1 resumes its checkpoint in a job of 2 ranks. The bucket's shard has
+    256 elements at both sizes, but other elements at each: the server
+    residual must restart from zero (one step equals, bit for bit, a resume
+    whose checkpoint had none), while relabelled as coming from 2 ranks it
+    is restored (the step differs). The worker residual carries over."""
+    g4, comm4 = _group(4)
+    gen = torch.Generator().manual_seed(5000 + rank)
+    batches = [make_batch("linear", gen) for _ in range(3)]
+    ckpt = None
+    if rank < 4:
+        m = DDP(make_model("linear"), process_group=g4)
+        st = _state("int8", comm4, "auto", g4)
+        m.register_comm_hook(st, HOOKS["int8"])
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        for b in batches[:2]:
+            train_step(m, opt, b)
+        ckpt = {"model": {k: v.clone() for k, v in m.state_dict().items()}, "hook": st.state_dict()}
+    out: Dict[str, object] = {}
+    g2, comm2 = _group(2)
+    if rank >= 2:
+        return out
+    assert ckpt is not None
+    out["saved world"] = ckpt["hook"].get("world_size")
+    out["saved servers"] = len(ckpt["hook"]["server_residuals"])
+
+    def resume(hook_state: Dict[str, object]) -> List[torch.Tensor]:
+        m2 = DDP(make_model("linear"), process_group=g2)
+        m2.load_state_dict(ckpt["model"])
+        st2 = _state("int8", comm2, "auto", g2)
+        st2.load_state_dict(hook_state)
+        m2.register_comm_hook(st2, HOOKS["int8"])
+        train_step(m2, torch.optim.SGD(m2.parameters(), lr=0.05), batches[2])
+        out.setdefault("world after", []).append(st2.state_dict().get("world_size"))
+        return [p.detach().clone() for p in m2.parameters()]
+
+    as_saved = resume(ckpt["hook"])
+    no_server = resume(dict(ckpt["hook"], server_residuals={}))
+    relabelled = resume(dict(ckpt["hook"], world_size=2))
+    no_worker = resume(dict(ckpt["hook"], server_residuals={}, worker_residuals=[]))
+    out["restarts from zero"] = all(torch.equal(a, b) for a, b in zip(as_saved, no_server))
+    out["relabelled restores"] = not all(torch.equal(a, b) for a, b in zip(relabelled, no_server))
+    out["worker carries over"] = not all(torch.equal(a, b) for a, b in zip(no_server, no_worker))
+    return out
+
+
 def sparse_embedding(rank: int, world: int, hook: str, path: str = "auto", device: str = "cpu"
                      ) -> Dict[str, object]:
     """DDP over a model with a sparse embedding, under ``hook``: the

@@ -276,6 +276,13 @@ def test_checkpointed_hook_state_resumes_the_same_training(pool, hook, path):
         assert r["with"] < 0.4 * r["without"], r
 
 
+def test_a_checkpoint_of_another_world_size_restarts_the_server_residual(pool):
+    for r in pool.run(hooks_cases.checkpoint_other_world, 4)[:2]:
+        assert r["saved world"] == 4 and r["saved servers"] == 1, r
+        assert r["restarts from zero"] and r["relabelled restores"] and r["worker carries over"], r
+        assert r["world after"] == [2, 2, 2, 2], r
+
+
 def test_convergence_parity_on_digits(pool, digits_baseline):
     """4 ranks, 500 steps of an MLP on scikit-learn's digits (450 held out):
     int8 within 0.5 and top-k 1 % within 2 accuracy points of DDP without a

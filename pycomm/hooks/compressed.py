@@ -66,6 +66,8 @@ class CompressionState(HookState):
         # server residuals per (bucket index, parameter sizes).
         self._pending_params: List[Optional[torch.Tensor]] = []
         self._pending_server: Dict[Tuple[int, Tuple[int, ...]], torch.Tensor] = {}
+        self._pending_world: Optional[int] = None  # the world size the server residuals come from
+        self._warned_world = False
 
     def state_dict(self) -> Dict[str, Any]:
         """The iteration count and the error-feedback residuals: the worker
@@ -81,7 +83,7 @@ class CompressionState(HookState):
         out = super().state_dict()
         params: List[Optional[torch.Tensor]] = list(self._pending_params) or [None] * len(self._order)
         params += [None] * (len(self._order) - len(params))
-        servers = dict(self._pending_server)
+        servers: Dict[Tuple[int, Tuple[int, ...]], torch.Tensor] = {}
         ef = self.error_feedback
         if ef is not None:
             for pos, pid in enumerate(self._order):
@@ -94,6 +96,13 @@ class CompressionState(HookState):
                 if res.server is not None:
                     servers[(key[0], key[2])] = res.server.detach().clone()
         out["worker_residuals"] = params
+        if servers or self._pending_server:
+            # A server residual holds one shard of its bucket, and the shards
+            # follow the world size: loaded ones not yet restored stay only
+            # if they come from this one (_restore).
+            out["world_size"] = world = self.world_size
+            if self._pending_world in (None, world):
+                servers = {**self._pending_server, **servers}
         out["server_residuals"] = servers
         return out
 
@@ -106,6 +115,7 @@ class CompressionState(HookState):
         self._homes, self._next_homes, self._used_keys = {}, {}, set()
         self._pending_params = list(state.get("worker_residuals", []))
         self._pending_server = {(int(k[0]), tuple(k[1])): v for k, v in state.get("server_residuals", {}).items()}
+        self._pending_world = state.get("world_size")
 
     def _codec(self, want: Optional[type], default: Callable[[], _compression.Codec],
                hook: str) -> _compression.Codec:
@@ -146,11 +156,14 @@ class CompressionState(HookState):
                     if old is not None and home[2] == n:
                         worker[off:off + n].copy_(old.worker[home[1]:home[1] + n])
             else:
-                self._restore(key, worker, server, layout, params)
+                self._restore(key, worker, server, layout, params, comm.world_size)
         return key
 
-    def _restore(self, key, worker, server, layout, params) -> None:
-        """Put a loaded checkpoint's residuals into a new bucket's."""
+    def _restore(self, key, worker, server, layout, params, world: int) -> None:
+        """Put a loaded checkpoint's residuals into a new bucket's. A server
+        residual is one shard of its bucket: it goes back only into a job of
+        the checkpoint's world size (at another, a shard of the same length
+        can cover other elements)."""
         for (off, n, _), p in zip(layout, params):
             pos = self._position.get(id(p))
             saved = self._pending_params[pos] if pos is not None and pos < len(self._pending_params) else None
@@ -162,7 +175,13 @@ class CompressionState(HookState):
                                    "it restarts from zero", pos, saved.numel(), n)
                 self._pending_params[pos] = None
         saved_server = self._pending_server.pop((key[0], key[2]), None)
-        if server is not None and saved_server is not None and saved_server.numel() == server.numel():
+        if saved_server is not None and self._pending_world not in (None, world):
+            if not self._warned_world:
+                self._warned_world = True
+                logger.warning("pycomm.hooks: the checkpoint's server residuals come from %d ranks, this job has %d: "
+                               "they restart from zero (the per-parameter worker residuals carry over)",
+                               self._pending_world, world)
+        elif server is not None and saved_server is not None and saved_server.numel() == server.numel():
             server.copy_(saved_server)
         if not any(t is not None for t in self._pending_params):
             self._pending_params = []
