@@ -125,6 +125,7 @@ class IpcAllReduce:
         if quantized_kernels not in ("fused", "split"):
             raise CommError(f"pycomm: quantized_kernels must be 'fused' or 'split', got {quantized_kernels!r}")
         fused_blocks = _fused_blocks_asked(fused_blocks)
+        timeout = _env.check_seconds(timeout, "timeout")
         self._fused = quantized_kernels == "fused"
         core = load_core()
         if not core.has_cuda:

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from . import _env
 from . import compression as _compression
 from ._lanes import Lane, default_lane, device_backend, get_lane, stream_point, take_lanes
 from ._loader import CommError, load_core
@@ -151,7 +152,7 @@ class GroupCommunicator:
             self.rank = self.ranks.index(me)
             self.world_size = len(self.ranks)
         self.backend = backend
-        self.timeout = float(timeout)
+        self.timeout = _env.check_seconds(timeout, "timeout")
         self._core = load_core()
         # Sequence numbers start and advance as the shared-memory
         # communicator's do (from 1; 2 per quantized call, 1 per top-k call):

@@ -152,6 +152,11 @@ def test_timeouts_given_as_arguments_are_checked(monkeypatch):
     for bad in (0, -1, float("nan"), float("inf"), "soon", datetime.timedelta(seconds=-5)):
         with pytest.raises(pycomm.CommError, match="timeout="):
             pycomm.Communicator(store=dist.HashStore(), rank=0, world_size=1, timeout=bad)
+    for bad in (0, -1, float("nan")):
+        with pytest.raises(pycomm.CommError, match="timeout="):
+            pycomm.GroupCommunicator(store=dist.HashStore(), rank=0, world_size=1, timeout=bad)
+        with pytest.raises(pycomm.CommError, match="timeout="):  # before any GPU work, on any build
+            pycomm.cuda_ipc.IpcAllReduce(dist.HashStore(), 0, 1, timeout=bad)
     for name, value in [("PYCOMM_TIMEOUT", " 600 "), ("PYCOMM_HEARTBEAT_S", "0"), ("PYCOMM_SPIN_US", "0"),
                         ("PYCOMM_SHM_ROUND_BYTES", "2M"), ("PYCOMM_P2P_BYTES", "1MB"), ("PYCOMM_PG_WINDOW", "2"),
                         ("PYCOMM_BIND_CORES", "No"), ("PYCOMM_LOCAL_SIZE", "")]:
