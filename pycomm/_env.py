@@ -1,4 +1,5 @@
-"""pycomm's environment variables and timeouts, read and checked in one place.
+"""pycomm's environment variables, and the arguments that set the same things
+(timeouts, ranks, sizes), read and checked in one place.
 
 A reader returns the variable's value, or ``default`` when it is unset or
 empty, and raises :class:`CommError` naming the variable and what it takes
@@ -14,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import math
+import operator
 import os
 from typing import Optional
 
@@ -39,6 +41,25 @@ def check_seconds(value: object, what: str, *, zero_ok: bool = False) -> float:
         bound = ">= 0 (0: off)" if zero_ok else "> 0"
         raise CommError(f"pycomm: {what}={value!r}: a timeout must be a finite number of seconds {bound}")
     return s
+
+
+def check_whole(value: object, what: str, *, minimum: int) -> int:
+    """``value`` as a whole number >= ``minimum``: an int (or anything with
+    ``__index__``, as numpy's), not a bool, a float or a string.
+
+    Example::
+
+        check_whole(4, "world_size", minimum=1) == 4
+    """
+    if isinstance(value, bool):
+        raise CommError(f"pycomm: {what}={value!r} is not a whole number")
+    try:
+        n = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise CommError(f"pycomm: {what}={value!r} is not a whole number") from None
+    if n < minimum:
+        raise CommError(f"pycomm: {what}={value!r} must be at least {minimum}")
+    return n
 
 
 def _raw(name: str) -> Optional[str]:

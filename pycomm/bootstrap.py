@@ -248,7 +248,11 @@ def resolve_group(group: Optional["dist.ProcessGroup"], store: Optional["dist.St
     if store is not None:
         if rank is None or world_size is None:
             raise CommError("pycomm: pass rank and world_size together with store")
-        return store, int(rank), int(world_size), "store"
+        world_size = _env.check_whole(world_size, "world_size", minimum=1)
+        rank = _env.check_whole(rank, "rank", minimum=0)
+        if rank >= world_size:
+            raise CommError(f"pycomm: rank={rank} is not a rank of a world of {world_size} (0..{world_size - 1})")
+        return store, rank, world_size, "store"
     if not (dist.is_available() and dist.is_initialized()):
         raise CommError(
             "pycomm: torch.distributed is not initialized; call dist.init_process_group(...) first "
@@ -256,7 +260,11 @@ def resolve_group(group: Optional["dist.ProcessGroup"], store: Optional["dist.St
         )
     group = group or dist.group.WORLD
     name = getattr(group, "group_name", None) or str(id(group))
-    return dist.distributed_c10d._get_default_store(), dist.get_rank(group), dist.get_world_size(group), name
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise CommError(f"pycomm: this process (rank {dist.get_rank()}) is not a member of the group "
+                        f"{dist.get_process_group_ranks(group)}; only its members build its communicator")
+    return dist.distributed_c10d._get_default_store(), rank, dist.get_world_size(group), name
 
 
 def _host_key() -> str:
@@ -443,6 +451,8 @@ def connect(store: "dist.Store", rank: int, world_size: int, *, timeout: float, 
     key = f"segment/{min(local_ranks)}"
     if round_bytes is None:
         round_bytes = _env.size("PYCOMM_SHM_ROUND_BYTES", DEFAULT_ROUND_BYTES)
+    else:
+        round_bytes = _env.check_whole(round_bytes, "round_bytes", minimum=1)
     round_bytes = max(64 * 1024, int(round_bytes) // 4096 * 4096)
 
     # 3. Between hosts: a process group (built before the segment, so a rank

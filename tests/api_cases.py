@@ -102,6 +102,17 @@ def default_group(rank: int, world: int, name: str) -> dict:
             u = torch.ones(3)
             c2.all_reduce(u)
             res["second"] = u.tolist() == [float(world)] * 3
+        # A group this rank is not in: its communicator is refused at once there.
+        sub = dist.new_group([0])
+        if rank == 0:
+            with pycomm.Communicator(sub) as c3:
+                res["member"] = c3.world_size == 1
+        else:
+            try:
+                pycomm.Communicator(sub)
+                res["member"] = "built"
+            except pycomm.CommError as e:
+                res["member"] = "is not a member of the group [0]" in str(e)
     finally:
         dist.destroy_process_group()
     return res

@@ -175,3 +175,31 @@ def test_timeouts_given_as_arguments_are_checked(monkeypatch):
         comm.heartbeat_timeout = 0  # off
         with pytest.raises(pycomm.CommError, match="heartbeat_timeout="):
             comm.heartbeat_timeout = -1
+
+
+def test_ranks_and_sizes_given_as_arguments_are_checked():
+    """A rank outside the world, a world below 1, a rank that is not a whole
+    number and a round size below 1 are refused at once, by name: before, a
+    rank out of range waited the whole timeout for ranks that never came, a
+    world of 0 raised "not enough values to unpack", and 0.5 or "0" were
+    taken as rank 0."""
+    import time
+
+    import numpy as np
+    import torch.distributed as dist
+
+    import pycomm
+
+    for kw, says in [(dict(rank=2, world_size=2), "rank=2 is not a rank of a world of 2"),
+                     (dict(rank=-1, world_size=2), "rank=-1 must be at least 0"),
+                     (dict(rank=0, world_size=0), "world_size=0 must be at least 1"),
+                     (dict(rank=0.5, world_size=1), "rank=0.5 is not a whole number"),
+                     (dict(rank="0", world_size=1), "rank='0' is not a whole number"),
+                     (dict(rank=True, world_size=2), "rank=True is not a whole number"),
+                     (dict(rank=0, world_size=1, round_bytes=-5), "round_bytes=-5 must be at least 1")]:
+        start = time.monotonic()
+        with pytest.raises(pycomm.CommError, match=says):
+            pycomm.Communicator(store=dist.HashStore(), timeout=30, **kw)
+        assert time.monotonic() - start < 10, kw  # at once, not at the timeout
+    with pycomm.Communicator(store=dist.HashStore(), rank=np.int64(0), world_size=np.int32(1)) as comm:
+        assert (comm.rank, comm.world_size) == (0, 1)
