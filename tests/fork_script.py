@@ -33,7 +33,7 @@ def _try(fn) -> str:
         return f"{type(e).__name__}: {e}"
 
 
-def child(comm, group, registered, fd: int) -> None:
+def child(comm, group, registered, pending, fd: int) -> None:
     """Runs in the forked child; exits through the interpreter's normal exit."""
     import pycomm
 
@@ -45,6 +45,7 @@ def child(comm, group, registered, fd: int) -> None:
         "backend": _try(lambda: dist.all_reduce(torch.ones(8))),
         "backend send": _try(lambda: dist.send(torch.ones(8), peer)),
         "group": _try(lambda: group.all_reduce(torch.ones(8), compression=pycomm.Int8())),
+        "pending": _try(pending.wait) if pending is not None else "none",
         "close": _try(comm.close),
         "destroy": _try(dist.destroy_process_group),
     }
@@ -69,11 +70,14 @@ def rank_main(rank: int, world: int, port: int) -> None:
     comm.all_reduce(registered)
     dist.barrier()
 
+    # Rank 0's all-reduce is in progress at the fork: rank 1 joins it only
+    # once rank 0's child has finished.
+    pending = comm.all_reduce(torch.full((8,), 1.0 + rank), async_op=True) if rank == 0 else None
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(read)
-        child(comm, group, registered, write)  # ends with sys.exit(0), through multiprocessing's own exit
+        child(comm, group, registered, pending, write)  # ends with sys.exit(0), through multiprocessing's own exit
     os.close(write)
     deadline = time.monotonic() + CHILD_DEADLINE_S
     while True:
@@ -89,6 +93,16 @@ def rank_main(rank: int, world: int, port: int) -> None:
     os.close(read)
     out = {"rank": rank, "child_hung": hung, "child_exit": None if hung else os.waitstatus_to_exitcode(status),
            "child": json.loads(report) if report else None}
+
+    if rank == 0:
+        store.set("child 0 done", "1")
+        pending.wait()
+        out["pending"] = pending.result()[0].tolist() == [3.0] * 8
+    else:
+        store.wait(["child 0 done"])
+        mine = torch.full((8,), 2.0)
+        comm.all_reduce(mine)
+        out["pending"] = mine.tolist() == [3.0] * 8
 
     # The parent's job goes on: every path, fresh data each round.
     right = 0

@@ -36,6 +36,16 @@ double Work::run_seconds() {
 }
 
 bool Work::wait(double timeout_s) {
+  if (forked_from(owner_pid_)) {
+    // The child is alone with its copy: no thread writes done_ here, and mu_
+    // may have been copied locked.
+    if (!done_)
+      throw CommError("pycomm: Work.wait: this " + std::string(collective_name(desc_.coll)) + " was still in "
+                      "progress when this process was made by fork() from process " + std::to_string(owner_pid_) +
+                      "; it completes there, never here");
+    if (error_) std::rethrow_exception(error_);
+    return true;
+  }
   if (help_ && timeout_s < 0 && !is_completed()) help_();
   std::unique_lock<std::mutex> lk(mu_);
   if (timeout_s < 0) {
@@ -51,6 +61,7 @@ bool Work::wait(double timeout_s) {
 }
 
 bool Work::is_completed() {
+  if (forked_from(owner_pid_)) return done_;  // as in wait()
   std::lock_guard<std::mutex> lk(mu_);
   return done_;
 }

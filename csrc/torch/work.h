@@ -19,6 +19,7 @@
 
 #include "../compression/compressed_allreduce.h"
 #include "../core/collective.h"
+#include "../transport/process.h"
 
 namespace pycomm {
 
@@ -82,6 +83,9 @@ class Work {
   // Runs the op on the waiting thread if nobody started it yet (a receive
   // queued on its lane); true if it ran. Set before the op is published.
   std::function<bool()> help_;
+  // The process that made it: in a fork() child, a work pending at the fork
+  // never completes (its thread stayed with the parent; transport/process.h).
+  const int32_t owner_pid_ = current_pid();
   std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;
