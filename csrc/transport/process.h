@@ -30,6 +30,7 @@ uint64_t pid_namespace_id();
 // condition variable a parent thread waited on, never returns; marking its
 // rank exited would end the parent's job). Such objects keep the pid of the
 // process that made them and ask forked_from(owner).
+// current_pid() is a load (kept current across fork() by an atfork handler).
 int32_t current_pid();
 inline bool forked_from(int32_t owner) { return current_pid() != owner; }
 
