@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pycomm
-from harness import join_default_group, make_comm
+from harness import join_default_group, make_comm, worker_store
 from pycomm.pipeline import Pipeline, StageModule, grid
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
@@ -167,6 +167,78 @@ def p2p_errors(rank: int, name: str, **comm_kwargs) -> Dict[str, str]:
         catch("bad_send", lambda: comm.recv(0))
         catch("mismatch", lambda: comm.recv(0, out=torch.empty(3, 2)))
     comm.close()
+    return out
+
+
+def p2p_abort_between_hosts(rank: int, name: str) -> Dict[str, object]:
+    """Two ranks on hosts of their own (simulated), timeout 30 s. An abort's
+    failure message is the last of its stream: every later receive from that
+    rank raises it at once, and a close waits for no send that a failed rank
+    will never take. Each of those waited for the whole timeout: the
+    pipeline's queued receives held its lanes (and the close that joins
+    them), and two aborted ranks each waited at close for the other to take
+    its last messages."""
+    store = worker_store()
+    out: Dict[str, object] = {}
+
+    def both_reached(key: str) -> None:
+        store.add(f"{name}/{key}", 1)
+        while store.add(f"{name}/{key}", 0) < 2:
+            time.sleep(0.01)
+
+    def outcome(key: str, fn) -> None:
+        t0 = time.perf_counter()
+        try:
+            out[key] = ("ok", fn())
+        except pycomm.CommError as e:
+            out[key] = ("error", str(e))
+        out[key + "_s"] = time.perf_counter() - t0
+
+    # 1. Rank 0 sends one message and aborts; rank 1 has three receives
+    # queued: data, rank 0's reason, and one that must raise that reason at
+    # once. Rank 1 then aborts too (as a pipeline's ranks do).
+    comm = make_comm(rank, 2, name + "-a", timeout=30, local_size=1)
+    x = torch.randn(5, generator=torch.Generator().manual_seed(sum(map(ord, name))))  # the same on both ranks
+    if rank == 0:
+        first = comm.recv(1, async_op=True)
+        comm.send(x, 1)
+        comm.abort("rank 0's stage raised", name_rank=False)
+        outcome("first", lambda: first.wait())
+        outcome("second", lambda: comm.recv(1))
+    else:
+        works = [comm.recv(0, async_op=True) for _ in range(3)]
+        outcome("data", lambda: works[0].wait() and float((works[0].result()[0] - x).abs().max()))
+        outcome("reason", lambda: works[1].wait())
+        outcome("after", lambda: works[2].wait())
+        comm.abort("rank 1 stopped", name_rank=False)
+    outcome("close_a", comm.close)
+
+    # 2. Rank 1 takes one of two messages and aborts; rank 0 reads its reason,
+    # then closes while its second message is still untaken (rank 1 stays
+    # up until rank 0 closed, so no broken connection ends the wait).
+    comm = make_comm(rank, 2, name + "-b", timeout=30, local_size=1)
+    if rank == 0:
+        reply = comm.recv(1, async_op=True)
+        comm.send(torch.ones(3), 1)
+        comm.send(torch.ones(3), 1)
+        outcome("reply", lambda: reply.wait())
+        outcome("close_b", comm.close)
+        both_reached("b")
+    else:
+        comm.recv(0)
+        comm.abort("rank 1 took one", name_rank=False)
+        both_reached("b")
+        outcome("close_b", comm.close)
+
+    # 3. Both ranks send a message the other never takes and abort; neither
+    # reads the other's reason (each finds it on the failure board), and both
+    # close at once.
+    comm = make_comm(rank, 2, name + "-c", timeout=30, local_size=1)
+    comm.send(torch.ones(2), 1 - rank)
+    both_reached("c-sent")
+    comm.abort(f"rank {rank} gave up", name_rank=False)
+    both_reached("c-aborted")
+    outcome("close_c", comm.close)
     return out
 
 

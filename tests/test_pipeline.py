@@ -195,6 +195,24 @@ def test_p2p_errors_between_hosts(pool):
     assert "sent tensor 0 as float32[2, 3] but out tensor 0 is float32[3, 2]" in r1["mismatch"], r1
 
 
+def test_an_abort_ends_its_stream_between_hosts(pool):
+    """After an abort's message, later receives raise it at once and closes
+    do not wait for sends a failed rank will never take (each of the four
+    took the 30 s timeout before)."""
+    r0, r1 = pool.run(pipeline_cases.p2p_abort_between_hosts, pool.new_name("p2pend"), world=2)
+    assert r1["data"] == ("ok", 0.0), r1
+    for key in ("reason", "after"):
+        assert r1[key][0] == "error" and "the sender failed: rank 0's stage raised" in r1[key][1], (key, r1)
+        assert r1[key + "_s"] < 10, (key, r1)
+    for key in ("first", "second"):  # rank 1's reason, or rank 0's own abort
+        assert r0[key][0] == "error" and ("rank 1 stopped" in r0[key][1] or "rank 0's stage" in r0[key][1]), r0
+        assert r0[key + "_s"] < 10, (key, r0)
+    assert r0["reply"][0] == "error" and "rank 1 took one" in r0["reply"][1], r0
+    for r in (r0, r1):
+        for key in ("close_a", "close_b", "close_c"):
+            assert r[key][0] == "ok" and r[key + "_s"] < 10, (key, r)
+
+
 def test_pipeline_on_two_hosts_matches_single_process(pool):
     """2 hosts x 2 ranks (simulated): every schedule; the stages of one host
     talk over shared memory, the hop between hosts over the process group."""

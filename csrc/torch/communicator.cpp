@@ -113,7 +113,13 @@ void Communicator::shutdown() {
   // Peers stop judging this rank before its process may exit.
   if (watch_) watch_->stop(/*leave=*/true);
   race_window("shutdown: before the transports");
-  transports_.shutdown();
+  transports_.shutdown([this](int rank) {
+    try {
+      return board_ && board_->lookup(rank).has_value();
+    } catch (const std::exception&) {
+      return false;  // the store is gone: wait for the sends as before
+    }
+  });
 }
 
 double Communicator::heartbeat_timeout() const {
@@ -181,7 +187,7 @@ void Communicator::abort(const std::string& why, Blame blame) {
   peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
   for (int peer : peers) {
     try {
-      send_failure(peer, why, /*async_op=*/true);
+      send_failure(peer, why, /*async_op=*/true, /*last=*/true);
     } catch (const std::exception&) {
       // Shut down already, or the peer is gone: nothing to tell.
     }

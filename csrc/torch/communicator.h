@@ -202,8 +202,9 @@ class Communicator {
   // Each lane finishes its queue and joins its thread (shutdown).
   void finish_lanes();
   void recv_body(Work& work, MessageChannels& channels, int peer, uint32_t tag, bool allocate);
-  // Sends `why` to `dst` as a failure message: its receive raises it.
-  void send_failure(int dst, const std::string& why, bool async_op);
+  // Sends `why` to `dst` as a failure message: its receive raises it (and,
+  // when `last`, every later receive from this rank: it aborted).
+  void send_failure(int dst, const std::string& why, bool async_op, bool last);
   // The PeerWatch's verdict: `peer`, on another host, stopped beating.
   void declare_silent(int peer, double silent_s, double bound_s);
 

@@ -239,7 +239,7 @@ std::shared_ptr<Work> Communicator::send(const std::vector<at::Tensor>& tensors,
     // that the receiver raises now instead of waiting for the timeout.
     const std::string msg = p2p_prefix(Collective::kSend) + why;
     try {
-      send_failure(dst, msg, /*async_op=*/false);
+      send_failure(dst, msg, /*async_op=*/false, /*last=*/false);
     } catch (const CommError&) {
       // The peer is gone too; our own reason is the useful one.
     }
@@ -270,13 +270,13 @@ std::shared_ptr<Work> Communicator::send(const std::vector<at::Tensor>& tensors,
   return work;
 }
 
-void Communicator::send_failure(int dst, const std::string& why, bool async_op) {
+void Communicator::send_failure(int dst, const std::string& why, bool async_op, bool last) {
   const auto target = p2p_peer(dst, Collective::kSend);
   auto work = std::make_shared<Work>();
   work->desc_.coll = Collective::kSend;
   work->desc_.root = dst;
-  work->body_ = [this, channels = target.first, peer = target.second, why](uint64_t seq) {
-    channels->send_failure(peer, why, p2p_context(Collective::kSend, seq, timeout()));
+  work->body_ = [this, channels = target.first, peer = target.second, why, last](uint64_t seq) {
+    channels->send_failure(peer, why, p2p_context(Collective::kSend, seq, timeout()), last);
   };
   submit_p2p(dst, false, std::move(work), async_op);
 }

@@ -63,6 +63,9 @@ bool move_off_cpu(uint32_t cpu) {
 
 constexpr uint32_t kMessageMagic = 0x50325031u;  // "1P2P": a tensor of a message follows
 constexpr uint32_t kFailureMagic = 0x52524550u;  // "PERR": the sender failed; its reason follows
+// A failure header's `tag`: whether the sender's stream ends with it.
+constexpr uint32_t kFailureOnce = 0;  // a send it refused; later messages may follow
+constexpr uint32_t kFailureLast = 1;  // it aborted
 
 // One tensor's description on the wire. No padding holes.
 struct MessageHeader {
@@ -342,9 +345,10 @@ void MessageChannels::send_message(int peer, uint32_t tag, const TensorMeta* met
   }
 }
 
-void MessageChannels::send_failure(int peer, const std::string& why, const OpContext& ctx) {
+void MessageChannels::send_failure(int peer, const std::string& why, const OpContext& ctx, bool last) {
   MessageHeader h{};
   h.magic = kFailureMagic;
+  h.tag = last ? kFailureLast : kFailureOnce;
   h.nbytes = why.size();
   write(peer, &h, sizeof h, ctx);
   write(peer, why.data(), why.size(), ctx);
@@ -357,6 +361,11 @@ void MessageChannels::recv_message(int peer, uint32_t tag, MessageSink& sink, co
     os << "pycomm.recv #" << ctx.seq << " on rank " << self_name() << " from rank " << src << ": ";
     return os.str();
   };
+  {
+    std::lock_guard<std::mutex> lk(ended_mu_);
+    auto it = ended_.find(peer);
+    if (it != ended_.end()) throw CommError(where() + "the sender failed: " + it->second);
+  }
   uint32_t total = 1;
   for (uint32_t i = 0; i < total; ++i) {
     MessageHeader h{};
@@ -364,6 +373,10 @@ void MessageChannels::recv_message(int peer, uint32_t tag, MessageSink& sink, co
     if (h.magic == kFailureMagic) {
       std::string msg(h.nbytes, '\0');
       read(peer, msg.data(), msg.size(), ctx);
+      if (h.tag == kFailureLast) {
+        std::lock_guard<std::mutex> lk(ended_mu_);
+        ended_.emplace(peer, msg);
+      }
       throw CommError(where() + "the sender failed: " + msg);
     }
     // From here on a mismatch leaves the channel out of step with the
@@ -386,6 +399,11 @@ void MessageChannels::recv_message(int peer, uint32_t tag, MessageSink& sink, co
     if (!why.empty()) out_of_step(where() + why);
     if (h.nbytes) read(peer, dst, h.nbytes, ctx);
   }
+}
+
+bool MessageChannels::ended(int peer) const {
+  std::lock_guard<std::mutex> lk(ended_mu_);
+  return ended_.count(peer) != 0;
 }
 
 }  // namespace pycomm

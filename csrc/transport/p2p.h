@@ -64,9 +64,15 @@ class MessageChannels {
                     const OpContext& ctx);
   // A send this rank cannot make still reaches the receiver, as an error
   // message: its recv raises at once instead of waiting for the timeout.
-  void send_failure(int peer, const std::string& why, const OpContext& ctx);
+  // `last`: this rank aborted and sends `peer` nothing more, so every later
+  // receive from it raises `why` at once too (a receive waiting for bytes
+  // that never come would hold its lane, and the communicator's close that
+  // joins it, for the whole timeout).
+  void send_failure(int peer, const std::string& why, const OpContext& ctx, bool last);
   // Receives the next message from `peer` into what `sink` places.
   void recv_message(int peer, uint32_t tag, MessageSink& sink, const OpContext& ctx);
+  // Whether `peer`'s stream ended with its abort's failure message (read).
+  bool ended(int peer) const;
 
   // The byte streams: `write` returns once the receiver's side holds (or
   // has taken) the bytes; `read` returns the next `n` bytes `peer` wrote.
@@ -87,6 +93,10 @@ class MessageChannels {
   // The communicator's rank of stream peer `peer`, and of this rank.
   virtual int name(int peer) const = 0;
   virtual int self_name() const = 0;
+
+ private:
+  mutable std::mutex ended_mu_;
+  std::map<int, std::string> ended_;  // stream peer -> its last failure message
 };
 
 struct ChannelSegment;

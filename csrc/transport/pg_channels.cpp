@@ -31,12 +31,13 @@ PgChannels::~PgChannels() {
       if (p.work && !p.work->done()) p.bytes.release();
 }
 
-void PgChannels::flush(double timeout_s) {
+void PgChannels::flush(double timeout_s, const std::function<bool(int)>& failed) {
   std::lock_guard<std::mutex> lk(send_mu_);
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                             std::chrono::duration<double>(timeout_s));
   for (auto& [peer, queue] : pending_) {
+    if (queue.empty() || ended(peer) || (failed && failed(peer))) continue;  // the destructor keeps them
     for (auto& p : queue) {
       if (std::chrono::steady_clock::now() >= deadline || !wait_transfer(*p.work, deadline).empty())
         return;  // the destructor keeps what is still pending

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -27,6 +28,7 @@
 #include <vector>
 
 #include "p2p.h"
+
 #include "process_group.h"
 
 namespace pycomm {
@@ -50,7 +52,12 @@ class PgChannels : public MessageChannels {
 
   // Waits (at most `timeout_s` in all) until every posted send was taken by
   // its receiver; gives up silently after that (the receiver then fails).
-  void flush(double timeout_s);
+  // Sends to a peer that failed are not waited for: its stream to this rank
+  // ended with its abort's message, or `failed(peer)` says so (the failure
+  // board). A failed rank posts no more receives, so they would hold this
+  // close for the whole timeout, and two failed ranks each waiting for the
+  // other's receive would both be held.
+  void flush(double timeout_s, const std::function<bool(int)>& failed);
 
   void write(int peer, const void* data, size_t n, const OpContext& ctx) override;
   void read(int peer, void* data, size_t n, const OpContext& ctx) override;

@@ -107,10 +107,10 @@ uint32_t Transports::abandon_ready() {
   return local_ ? local_->abandon_attach() : 0;
 }
 
-void Transports::shutdown() {
+void Transports::shutdown(const std::function<bool(int)>& failed) {
   // Sends to other hosts may still wait for their receivers (see
   // pg_channels.h); leaving now would close the connections under them.
-  if (remote_p2p_) remote_p2p_->flush(timeout());
+  if (remote_p2p_) remote_p2p_->flush(timeout(), failed);
   if (p2p_) p2p_->close();
   if (local_) local_->shutdown();
 }

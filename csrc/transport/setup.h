@@ -7,6 +7,7 @@
 // topology, and the communicator's timeout.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -82,7 +83,8 @@ class Transports {
   uint32_t abandon_ready();
   // Tells peers this rank is gone (after the caller finished its queued
   // operations): unlinks channel names nobody mapped, marks the rank exited.
-  void shutdown();
+  // `failed(rank)`: whether a rank of another host failed (PgChannels::flush).
+  void shutdown(const std::function<bool(int)>& failed = {});
 
  private:
   int world_;
