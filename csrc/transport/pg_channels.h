@@ -28,7 +28,6 @@
 #include <vector>
 
 #include "p2p.h"
-
 #include "process_group.h"
 
 namespace pycomm {
