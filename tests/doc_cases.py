@@ -115,14 +115,10 @@ def _all_done(rank: int, world: int, key: str, timeout_s: float = 30.0) -> None:
     the harness's own Store: a rank that tears its process group down while a
     peer still receives the last collective's data leaves that peer waiting
     (a script that exits has the same race; its processes rarely outlive it)."""
-    import datetime
+    from harness import all_reached
 
-    from harness import worker_store
-
-    store = worker_store()
-    store.set(f"{key}/{rank}", "1")
     with contextlib.suppress(Exception):  # a peer that failed: its own error is the report
-        store.wait([f"{key}/{r}" for r in range(world)], datetime.timedelta(seconds=timeout_s))
+        all_reached(rank, world, key, timeout_s)
 
 
 def run_example(rank: int, world: int, code: str, setup: str, env: Dict[str, str], port: int, where: str) -> str:

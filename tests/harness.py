@@ -109,6 +109,15 @@ def worker_store():
     return _STATE["store"]
 
 
+def all_reached(rank: int, world: int, key: str, timeout_s: float = 30.0) -> None:
+    """Waits until ranks 0..world-1 all reached ``key``, through the pool's
+    Store (no collective: the communicators under test may be aborted);
+    raises after ``timeout_s``."""
+    store = worker_store()
+    store.set(f"{key}/{rank}", "1")
+    store.wait([f"{key}/{r}" for r in range(world)], datetime.timedelta(seconds=timeout_s))
+
+
 def join_default_group(rank: int, world: int, name: str) -> None:
     """Joins this worker to a default Gloo group of the pool's ranks (once per worker)."""
     if not dist.is_initialized():

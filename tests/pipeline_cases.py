@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pycomm
-from harness import join_default_group, make_comm, worker_store
+from harness import all_reached, join_default_group, make_comm
 from pycomm.pipeline import Pipeline, StageModule, grid
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
@@ -178,13 +178,10 @@ def p2p_abort_between_hosts(rank: int, name: str) -> Dict[str, object]:
     pipeline's queued receives held its lanes (and the close that joins
     them), and two aborted ranks each waited at close for the other to take
     its last messages."""
-    store = worker_store()
     out: Dict[str, object] = {}
 
     def both_reached(key: str) -> None:
-        store.add(f"{name}/{key}", 1)
-        while store.add(f"{name}/{key}", 0) < 2:
-            time.sleep(0.01)
+        all_reached(rank, 2, f"{name}/{key}")
 
     def outcome(key: str, fn) -> None:
         t0 = time.perf_counter()
