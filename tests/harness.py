@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from typing import Any, Callable, List, Optional
 
@@ -112,10 +113,17 @@ def worker_store():
 def all_reached(rank: int, world: int, key: str, timeout_s: float = 30.0) -> None:
     """Waits until ranks 0..world-1 all reached ``key``, through the pool's
     Store (no collective: the communicators under test may be aborted);
-    raises after ``timeout_s``."""
+    raises after ``timeout_s``. Polls rather than ``store.wait``: a blocking
+    call on the store object a communicator was built from holds up its
+    heartbeats between hosts, and its peers would declare this rank silent."""
     store = worker_store()
     store.set(f"{key}/{rank}", "1")
-    store.wait([f"{key}/{r}" for r in range(world)], datetime.timedelta(seconds=timeout_s))
+    keys = [f"{key}/{r}" for r in range(world)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every rank of {world} reached {key!r} within {timeout_s} s")
+        time.sleep(0.005)
 
 
 def join_default_group(rank: int, world: int, name: str) -> None:

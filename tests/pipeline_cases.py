@@ -236,6 +236,35 @@ def p2p_abort_between_hosts(rank: int, name: str) -> Dict[str, object]:
     comm.abort(f"rank {rank} gave up", name_rank=False)
     both_reached("c-aborted")
     outcome("close_c", comm.close)
+
+    # 4. Rank 1 takes rank 0's message and aborts; rank 0 never receives from
+    # it, so rank 1's reason stays untaken: its close gives up on it after a
+    # grace instead of the whole timeout. Rank 0 closes once rank 1 did.
+    comm = make_comm(rank, 2, name + "-d", timeout=30, local_size=1)
+    if rank == 0:
+        comm.send(torch.ones(3), 1)
+        both_reached("d")
+        outcome("close_d", comm.close)
+    else:
+        comm.recv(0)
+        comm.abort("rank 1 quit", name_rank=False)
+        outcome("close_d", comm.close)
+        both_reached("d")
+
+    # 5. Rank 0 aborts after a send; once rank 1 read the reason, a send to
+    # rank 0 raises it at once (it used to be queued for a rank that
+    # receives nothing more).
+    comm = make_comm(rank, 2, name + "-e", timeout=30, local_size=1)
+    if rank == 0:
+        comm.send(torch.ones(3), 1)
+        comm.abort("rank 0 quit", name_rank=False)
+        both_reached("e")
+    else:
+        comm.recv(0)
+        outcome("reason_e", lambda: comm.recv(0))
+        outcome("send_e", lambda: comm.send(torch.ones(1 << 16), 0))
+        both_reached("e")
+    outcome("close_e", comm.close)
     return out
 
 

@@ -196,9 +196,10 @@ def test_p2p_errors_between_hosts(pool):
 
 
 def test_an_abort_ends_its_stream_between_hosts(pool):
-    """After an abort's message, later receives raise it at once and closes
-    do not wait for sends a failed rank will never take (each of the four
-    took the 30 s timeout before)."""
+    """After an abort's message, later receives and sends raise it at once,
+    and closes do not wait for sends a failed rank will never take, nor for
+    an aborted rank's reason no peer takes (each took the 30 s timeout, and
+    the send was queued, before)."""
     r0, r1 = pool.run(pipeline_cases.p2p_abort_between_hosts, pool.new_name("p2pend"), world=2)
     assert r1["data"] == ("ok", 0.0), r1
     for key in ("reason", "after"):
@@ -208,8 +209,11 @@ def test_an_abort_ends_its_stream_between_hosts(pool):
         assert r0[key][0] == "error" and ("rank 1 stopped" in r0[key][1] or "rank 0's stage" in r0[key][1]), r0
         assert r0[key + "_s"] < 10, (key, r0)
     assert r0["reply"][0] == "error" and "rank 1 took one" in r0["reply"][1], r0
+    assert r1["reason_e"][0] == "error" and "the sender failed: rank 0 quit" in r1["reason_e"][1], r1
+    assert r1["send_e"][0] == "error" and "rank 0 failed and receives nothing more: rank 0 quit" in r1["send_e"][1], r1
+    assert r1["send_e_s"] < 10, r1
     for r in (r0, r1):
-        for key in ("close_a", "close_b", "close_c"):
+        for key in ("close_a", "close_b", "close_c", "close_d", "close_e"):
             assert r[key][0] == "ok" and r[key + "_s"] < 10, (key, r)
 
 

@@ -330,6 +330,10 @@ int ShmChannels::self_name() const { return shm_.name(shm_.rank_); }
 
 void MessageChannels::send_message(int peer, uint32_t tag, const TensorMeta* metas, const void* const* data,
                                uint32_t count, const OpContext& ctx) {
+  if (auto why = ended_reason(peer))
+    throw CommError("pycomm.send #" + std::to_string(ctx.seq) + " on rank " + std::to_string(self_name()) +
+                    " to rank " + std::to_string(name(peer)) + ": rank " + std::to_string(name(peer)) +
+                    " failed and receives nothing more: " + *why);
   for (uint32_t i = 0; i < count; ++i) {
     const TensorMeta& m = metas[i];
     MessageHeader h{};
@@ -361,11 +365,7 @@ void MessageChannels::recv_message(int peer, uint32_t tag, MessageSink& sink, co
     os << "pycomm.recv #" << ctx.seq << " on rank " << self_name() << " from rank " << src << ": ";
     return os.str();
   };
-  {
-    std::lock_guard<std::mutex> lk(ended_mu_);
-    auto it = ended_.find(peer);
-    if (it != ended_.end()) throw CommError(where() + "the sender failed: " + it->second);
-  }
+  if (auto why = ended_reason(peer)) throw CommError(where() + "the sender failed: " + *why);
   uint32_t total = 1;
   for (uint32_t i = 0; i < total; ++i) {
     MessageHeader h{};
@@ -376,6 +376,7 @@ void MessageChannels::recv_message(int peer, uint32_t tag, MessageSink& sink, co
       if (h.tag == kFailureLast) {
         std::lock_guard<std::mutex> lk(ended_mu_);
         ended_.emplace(peer, msg);
+        any_ended_.store(true, std::memory_order_relaxed);
       }
       throw CommError(where() + "the sender failed: " + msg);
     }
@@ -401,9 +402,17 @@ void MessageChannels::recv_message(int peer, uint32_t tag, MessageSink& sink, co
   }
 }
 
-bool MessageChannels::ended(int peer) const {
+bool MessageChannels::ended(int peer) const { return ended_reason(peer).has_value(); }
+
+std::optional<std::string> MessageChannels::ended_reason(int peer) const {
+  // Relaxed is enough: a stream's end is read on the lane that reads that
+  // stream (which set it, under the lock), or raced by a send that may as
+  // well have come a moment earlier.
+  if (!any_ended_.load(std::memory_order_relaxed)) return std::nullopt;
   std::lock_guard<std::mutex> lk(ended_mu_);
-  return ended_.count(peer) != 0;
+  auto it = ended_.find(peer);
+  if (it == ended_.end()) return std::nullopt;
+  return it->second;
 }
 
 }  // namespace pycomm

@@ -23,6 +23,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -60,6 +61,9 @@ class MessageSink {
 class MessageChannels {
  public:
   virtual ~MessageChannels() = default;
+  // Raises at once when `peer`'s stream to this rank ended with its abort
+  // (ended()): it receives nothing more, and the bytes would wait for it
+  // until the close.
   void send_message(int peer, uint32_t tag, const TensorMeta* metas, const void* const* data, uint32_t count,
                     const OpContext& ctx);
   // A send this rank cannot make still reaches the receiver, as an error
@@ -95,6 +99,12 @@ class MessageChannels {
   virtual int self_name() const = 0;
 
  private:
+  // `peer`'s last failure message, if its stream ended.
+  std::optional<std::string> ended_reason(int peer) const;
+
+  // Every send and receive asks whether its peer ended; until one did (an
+  // abort, so almost never) the answer is one relaxed load, not a lock.
+  std::atomic<bool> any_ended_{false};
   mutable std::mutex ended_mu_;
   std::map<int, std::string> ended_;  // stream peer -> its last failure message
 };

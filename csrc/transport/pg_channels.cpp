@@ -1,5 +1,6 @@
 #include "pg_channels.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <sstream>
@@ -17,6 +18,12 @@ constexpr size_t kStagedRead = 256;
 // holds (4 MiB) is too little for a pipeline's step of activations, whose
 // receives are all posted at the start of the step anyway.
 constexpr size_t kMaxPendingBytes = size_t(256) << 20;
+// How long the close of a rank that aborted waits for its sends to be taken.
+// What it sent last is the abort's reason: a peer already waiting in a
+// receive takes it within milliseconds; one that never receives from this
+// rank again would hold the close for the whole timeout, and learns the
+// reason from the failure board anyway.
+constexpr double kAbortedFlushS = 2.0;
 
 }  // namespace
 
@@ -32,6 +39,10 @@ PgChannels::~PgChannels() {
 }
 
 void PgChannels::flush(double timeout_s, const std::function<bool(int)>& failed) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (aborted_) timeout_s = std::min(timeout_s, kAbortedFlushS);
+  }
   std::lock_guard<std::mutex> lk(send_mu_);
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(

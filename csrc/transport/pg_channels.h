@@ -55,7 +55,8 @@ class PgChannels : public MessageChannels {
   // ended with its abort's message, or `failed(peer)` says so (the failure
   // board). A failed rank posts no more receives, so they would hold this
   // close for the whole timeout, and two failed ranks each waiting for the
-  // other's receive would both be held.
+  // other's receive would both be held. After this rank's own abort it waits
+  // 2 s at most: its peers may never receive from it again.
   void flush(double timeout_s, const std::function<bool(int)>& failed);
 
   void write(int peer, const void* data, size_t n, const OpContext& ctx) override;
