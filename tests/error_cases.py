@@ -9,7 +9,7 @@ from typing import List, Optional
 import torch
 
 import pycomm
-from harness import make_comm
+from harness import all_reached, make_comm
 
 
 def _outcome(fn) -> Optional[str]:
@@ -123,6 +123,39 @@ def late_peer(rank: int, world: int, name: str, timeout: float, **comm_kwargs) -
     elapsed = time.monotonic() - t0
     comm.close()
     return err, elapsed
+
+
+def abort_between_hosts(rank: int, world: int, name: str, aborter: int, receiver: int, **comm_kwargs) -> dict:
+    """Rank `aborter` sends `receiver` (on another host) a message, then
+    aborts while every other rank waits in an all-reduce (timeout 30 s).
+    Returns each rank's outcome of that all-reduce and of a later one, how
+    long each took, the message as received after the abort, and the close's
+    time."""
+    comm = make_comm(rank, world, name, timeout=30, **comm_kwargs)
+    comm.all_reduce(torch.ones(8))
+    x = torch.randn(6, generator=torch.Generator().manual_seed(world))  # the same on every rank
+    out: dict = {}
+    if rank == aborter:
+        comm.send(x, receiver)
+        all_reached(rank, world, f"{name}/waiting")
+        time.sleep(0.2)  # the others are inside their all-reduce
+        comm.abort("rank %d's step raised" % rank, name_rank=False)
+    else:
+        work = comm.all_reduce(torch.ones(1 << 12), async_op=True)
+        all_reached(rank, world, f"{name}/waiting")
+        t0 = time.monotonic()
+        out["current"] = _outcome(work.wait)
+        out["current_s"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        out["later"] = _outcome(lambda: comm.all_reduce(torch.ones(8)))
+        out["later_s"] = time.monotonic() - t0
+        if rank == receiver:  # sent before the abort: still delivered
+            out["message"] = float((comm.recv(aborter) - x).abs().max())
+    all_reached(rank, world, f"{name}/done")
+    t0 = time.monotonic()
+    comm.close()
+    out["close_s"] = time.monotonic() - t0
+    return out
 
 
 def stream_until_killed(rank: int, world: int, name: str, victim: int, after: int, timeout: float,

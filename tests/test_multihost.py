@@ -22,7 +22,7 @@ import torch
 import pycomm
 from collective_cases import check_reduction, make_input, matrix_failures, sweep
 from compressed_cases import run_all_to_all, run_cases, run_mismatch
-from error_cases import late_peer, mismatch, stream_until_killed
+from error_cases import abort_between_hosts, late_peer, mismatch, stream_until_killed
 from harness import RankPool, no_private_mounts
 from multihost_cases import STREAM_KINDS, STREAM_SIZES, mixed_stream, topology
 
@@ -167,6 +167,26 @@ def test_late_peer_times_out_on_time(pool8, kw):
     assert err0 and "Timed out waiting" in err0 and "rank 1" in err0, err0
     assert elapsed0 < timeout + 1.0, elapsed0
     assert results[1][0], "the late rank went on as if nothing happened"
+
+
+@pytest.mark.parametrize("kw,world,aborter,receiver", [(dict(transport="pg"), 3, 1, 2), (dict(local_size=1), 2, 0, 1),
+                                                        (dict(local_size=2), 4, 0, 2)], ids=["pg", "2x1", "2x2"])
+def test_an_abort_fails_every_host_at_once(pool8, kw, world, aborter, receiver):
+    """A rank that aborts fails the all-reduce its peers on other hosts wait
+    in, and their later ones, with its reason, within about a beat period
+    (the heartbeat board's mark), as it does on its own host: they waited for
+    the whole timeout (30 s) before. What it sent before the abort is still
+    delivered, and every close is prompt."""
+    out = pool8.run(abort_between_hosts, world, pool8.new_name(), aborter, receiver, world=world, timeout=120, **kw)
+    reason = f"rank {aborter}'s step raised"
+    for rank, r in enumerate(out):
+        assert r["close_s"] < 5, (rank, r)
+        if rank == aborter:
+            continue
+        for key in ("current", "later"):
+            assert r[key] and r[key].startswith("CommError: ") and reason in r[key], (rank, key, r)
+            assert r[key + "_s"] < 10, (rank, key, r)
+    assert out[receiver]["message"] == 0.0, out[receiver]
 
 
 @pytest.mark.parametrize("kw,world,victim", [(dict(transport="pg"), 3, 1), (dict(local_size=2), 4, 2)],

@@ -80,6 +80,7 @@ Communicator::Communicator(const CommunicatorOptions& o)
   w.peers = std::move(remote);
   w.bound_s = bound;
   w.on_silent = [this](int peer, double silent_s, double bound_s) { declare_silent(peer, silent_s, bound_s); };
+  w.on_failed = [this](int peer) { peer_aborted(peer); };
   watch_ = std::make_unique<PeerWatch>(std::move(w));
 }
 
@@ -153,6 +154,18 @@ void Communicator::declare_silent(int peer, double silent_s, double bound_s) {
   abort(os.str(), Blame{FailureKind::kSilent, peer});
 }
 
+void Communicator::peer_aborted(int peer) {
+  CommError error("pycomm: rank " + std::to_string(peer) + " aborted (its reason is not on the failure board); "
+                  "seen by rank " + std::to_string(rank_));
+  try {
+    if (auto report = board_ ? board_->lookup(peer) : std::nullopt) decode_failure(*report, &error);
+  } catch (const std::exception&) {
+    // The store is gone: say what is known.
+  }
+  transports_.top().abort(error.what(), error.blame());
+  if (link_) link_->interrupt(PeerLink::Waits::kCollectives);
+}
+
 void Communicator::abort(const std::string& why, Blame blame) {
   // A fork() child's copy is unusable already; aborting would end the
   // parent's job.
@@ -171,32 +184,37 @@ void Communicator::abort(const std::string& why, Blame blame) {
       // The store is gone: the messages below are all that is left.
     }
   }
-  PgChannels* remote = transports_.remote_p2p();
-  if (!remote) return;
-  // Ranks of other hosts learn of an abort from shared memory no more: every
-  // remote rank this one exchanged messages with gets the reason as its next
-  // message (queued behind what was already sent, so the stream stays in
-  // step), and its receive raises at once instead of waiting for the timeout.
-  std::vector<int> peers;
-  {
-    std::lock_guard<std::mutex> lk(lanes_mu_);
-    for (const auto& [key, lane] : lanes_)
-      if (p2p_peer(key.first, Collective::kSend).first == remote) peers.push_back(key.first);
-  }
-  std::sort(peers.begin(), peers.end());
-  peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
-  for (int peer : peers) {
-    try {
-      send_failure(peer, why, /*async_op=*/true, /*last=*/true);
-    } catch (const std::exception&) {
-      // Shut down already, or the peer is gone: nothing to tell.
+  // Then the mark that makes the peers' judges look there (after the report,
+  // so that they find it): their collectives stop waiting for this rank.
+  if (watch_) watch_->mark_failed();
+  if (PgChannels* remote = transports_.remote_p2p()) {
+    // Ranks of other hosts learn of an abort from shared memory no more:
+    // every remote rank this one exchanged messages with gets the reason as
+    // its next message (queued behind what was already sent, so the stream
+    // stays in step), and its receive raises at once instead of waiting for
+    // the timeout.
+    std::vector<int> peers;
+    {
+      std::lock_guard<std::mutex> lk(lanes_mu_);
+      for (const auto& [key, lane] : lanes_)
+        if (p2p_peer(key.first, Collective::kSend).first == remote) peers.push_back(key.first);
     }
+    std::sort(peers.begin(), peers.end());
+    peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
+    for (int peer : peers) {
+      try {
+        send_failure(peer, why, /*async_op=*/true, /*last=*/true);
+      } catch (const std::exception&) {
+        // Shut down already, or the peer is gone: nothing to tell.
+      }
+    }
+    // Receives from other hosts stop waiting (this rank's own lanes).
+    remote->abort(why, blame);
   }
-  // Receives from other hosts stop waiting (this rank's own lanes).
-  remote->abort(why, blame);
-  // A rank gone for good will not answer: wake the waits between hosts now
-  // (they raise `why`, see PgTransport::abort) rather than at their deadline.
-  if (blame.gone() && link_) link_->interrupt();
+  // Wake the collectives' waits between hosts now (they raise `why`, see
+  // PgTransport::abort) rather than at their deadline; a rank gone for good
+  // will not answer messages either.
+  if (link_) link_->interrupt(blame.gone() ? PeerLink::Waits::kAll : PeerLink::Waits::kCollectives);
 }
 
 // ------------------------------------------------------ progress engine

@@ -162,9 +162,11 @@ class Communicator {
   // Raises CommError saying so in a fork() child, before any lock is taken:
   // the parent's threads may have held them at the fork.
   void refuse_in_fork() const;
-  // Makes the current and later operations fail with `why`. A `blame` that
-  // names a rank gone for good (Blame::gone) also ends the waits between
-  // hosts in progress at once, instead of at their deadline.
+  // Makes the current and later operations fail with `why`, here and (through
+  // the segment, the failure board and the heartbeat board's mark) on every
+  // rank. The collectives' waits between hosts in progress end at once; a
+  // `blame` that names a rank gone for good (Blame::gone) ends the messages'
+  // waits too, instead of at their deadline.
   void abort(const std::string& why, Blame blame = {});
 
   int rank() const { return rank_; }
@@ -207,6 +209,11 @@ class Communicator {
   void send_failure(int dst, const std::string& why, bool async_op, bool last);
   // The PeerWatch's verdict: `peer`, on another host, stopped beating.
   void declare_silent(int peer, double silent_s, double bound_s);
+  // The PeerWatch's news: `peer`, on another host, aborted. This rank's
+  // collectives fail with its reason (the failure board's), as they do at
+  // once on its own host; messages from it end with its stream instead, so
+  // that what it sent before is still delivered.
+  void peer_aborted(int peer);
 
   const int32_t owner_pid_ = current_pid();
   int rank_ = 0;

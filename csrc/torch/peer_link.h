@@ -24,24 +24,32 @@ class C10dLink : public PeerLink {
 
   std::shared_ptr<Transfer> send(const void* data, size_t bytes, int peer, uint32_t tag) override {
     std::vector<at::Tensor> t{view(const_cast<void*>(data), bytes)};
-    return track(std::make_shared<C10dTransfer>(backend_->send(t, peer, static_cast<int>(tag))));
+    return track(std::make_shared<C10dTransfer>(backend_->send(t, peer, static_cast<int>(tag)), tag));
   }
 
   std::shared_ptr<Transfer> recv(void* data, size_t bytes, int peer, uint32_t tag) override {
     std::vector<at::Tensor> t{view(data, bytes)};
-    return track(std::make_shared<C10dTransfer>(backend_->recv(t, peer, static_cast<int>(tag))));
+    return track(std::make_shared<C10dTransfer>(backend_->recv(t, peer, static_cast<int>(tag)), tag));
   }
 
   // Work::abort() on Gloo's send and receive wakes the wait in progress, or
   // the next one, which returns false; the transfer stays posted and the
-  // connection stays up.
-  void interrupt() override {
+  // connection stays up. Messages' transfers that are spared stay tracked.
+  void interrupt(Waits which) override {
+    const uint32_t messages = pg_p2p_tag();
     std::vector<std::shared_ptr<C10dTransfer>> live;
     {
       std::lock_guard<std::mutex> lk(mu_);
-      for (auto& w : live_)
-        if (auto t = w.lock()) live.push_back(std::move(t));
-      live_.clear();
+      std::vector<std::weak_ptr<C10dTransfer>> spared;
+      for (auto& w : live_) {
+        auto t = w.lock();
+        if (!t) continue;
+        if (which == Waits::kCollectives && t->tag() == messages)
+          spared.push_back(t);
+        else
+          live.push_back(std::move(t));
+      }
+      live_ = std::move(spared);
     }
     for (auto& t : live) t->interrupt();
   }
@@ -49,7 +57,8 @@ class C10dLink : public PeerLink {
  private:
   class C10dTransfer : public Transfer {
    public:
-    explicit C10dTransfer(c10::intrusive_ptr<c10d::Work> work) : work_(std::move(work)) {}
+    C10dTransfer(c10::intrusive_ptr<c10d::Work> work, uint32_t tag) : work_(std::move(work)), tag_(tag) {}
+    uint32_t tag() const { return tag_; }
     bool wait(std::chrono::milliseconds timeout) override {
       const bool ok = work_->wait(timeout);
       if (ok) completed_ = true;
@@ -68,6 +77,7 @@ class C10dLink : public PeerLink {
 
    private:
     c10::intrusive_ptr<c10d::Work> work_;
+    const uint32_t tag_;
     std::atomic<bool> completed_{false};
     std::atomic<bool> interrupted_{false};
   };

@@ -45,6 +45,7 @@ struct PeerWatch::State {
   // callback runs and none will.
   std::mutex verdict_mu;
   bool closed = false;
+  std::atomic<bool> failed{false};  // mark_failed() was called
 
   // Sleeps one beat period; false once stop() was called.
   bool sleep_period() {
@@ -76,7 +77,7 @@ struct PeerWatch::State {
       int rank;
       int64_t value = 0;
       Clock::time_point changed;
-      bool done = false;  // declared silent, left or opted out
+      bool done = false;  // declared silent or failed, left or opted out
     };
     std::vector<Peer> peers;
     std::vector<int> ranks;
@@ -110,11 +111,27 @@ struct PeerWatch::State {
       }
       // 1. Declared silent by a peer: this rank is out (it was frozen), however
       //    late the news.
-      if (ok && own < BeatBoard::kSilencedBelow) {
-        deliver(c.rank, 0);
+      if (ok && BeatBoard::silenced(own)) {
+        deliver([&] {
+          if (c.on_silent) c.on_silent(c.rank, 0, bound_s.load());
+        });
         break;
       }
-      // 2. Trust this read only if the board answered in time, we were not
+      // 2. A peer that marked itself failed aborted: a fact it wrote itself,
+      //    however stale this read, so no freshness test applies.
+      bool stopped = false;
+      for (Peer& p : peers) {
+        if (!ok || p.done || !BeatBoard::failed(p.value)) continue;
+        p.done = true;
+        if (!deliver([&] {
+              if (c.on_failed) c.on_failed(p.rank);
+            })) {
+          stopped = true;
+          break;
+        }
+      }
+      if (stopped) break;
+      // 3. Trust this read only if the board answered in time, we were not
       //    held up ourselves, and our own beats are landing; otherwise start
       //    every peer's clock again (late verdicts, never false ones).
       const bool own_fresh = t1 - own_changed <= seconds(bound / 2) + slack;
@@ -122,7 +139,7 @@ struct PeerWatch::State {
         for (Peer& p : peers) p.changed = t1;
         continue;
       }
-      // 3. Judge every peer that beat at least once and is still watched;
+      // 4. Judge every peer that beat at least once and is still watched;
       //    follow a verdict another rank wrote.
       for (Peer& p : peers) {
         if (p.done) continue;
@@ -130,7 +147,7 @@ struct PeerWatch::State {
           p.done = true;
           continue;
         }
-        const bool declared = p.value < BeatBoard::kSilencedBelow;
+        const bool declared = BeatBoard::silenced(p.value);
         if (!declared && (bound <= 0 || p.value <= 0 || t1 - p.changed <= seconds(bound))) continue;
         p.done = true;
         if (!declared) {
@@ -140,18 +157,23 @@ struct PeerWatch::State {
             // The others judge it themselves.
           }
         }
-        if (!deliver(p.rank, declared ? 0 : std::chrono::duration<double>(t1 - p.changed).count())) break;
+        const double silent_s = declared ? 0 : std::chrono::duration<double>(t1 - p.changed).count();
+        if (!deliver([&] {
+              if (c.on_silent) c.on_silent(p.rank, silent_s, bound_s.load());
+            }))
+          break;
       }
     }
     finished();
   }
 
-  // Hands a verdict to the callback; false once stop() was called.
-  bool deliver(int rank, double silent_s) {
+  // Hands a verdict to its callback; false once stop() was called.
+  template <typename Call>
+  bool deliver(Call&& call) {
     race_window("peer watch: verdict");
     std::lock_guard<std::mutex> lk(verdict_mu);
     if (closed) return false;
-    if (c.on_silent) c.on_silent(rank, silent_s, bound_s.load());
+    call();
     return true;
   }
 };
@@ -182,6 +204,15 @@ void PeerWatch::set_bound(double seconds) {
   s_->bound_s.store(std::max(0.0, seconds));
 }
 
+void PeerWatch::mark_failed() {
+  if (s_->failed.exchange(true)) return;
+  try {
+    s_->c.board->mark(s_->c.rank, BeatBoard::kFailed);
+  } catch (const std::exception&) {
+    // Peers then learn of it as before: from their own waits.
+  }
+}
+
 void PeerWatch::stop(bool leave) {
   {
     std::lock_guard<std::mutex> lk(s_->mu);
@@ -201,7 +232,9 @@ void PeerWatch::stop(bool leave) {
   }
   // Only a board that answered the threads is worth a last write: one that
   // does not would hold this call for its own timeout.
-  if (leave && finished) {
+  // A rank that aborted stays marked failed: its peers may not have read it
+  // yet, and a left rank is one they stop judging.
+  if (leave && finished && !s_->failed.load()) {
     try {
       s_->c.board->mark(s_->c.rank, BeatBoard::kLeft);
     } catch (const std::exception&) {

@@ -17,6 +17,10 @@
 // is judged only once it beat at least once, and never after it left (its
 // communicator closed) or opted out (PYCOMM_HEARTBEAT_S=0 at its start).
 //
+// A rank that aborts marks its own counter failed: its peers' judges pass
+// that on at their next read, so that ranks of other hosts stop waiting for
+// it (a collective there would wait for the whole timeout otherwise).
+//
 // A verdict is written on the board (the peer's counter marked silenced):
 // every other watcher then declares the same peer at once, and the peer
 // itself, if it was only frozen and wakes up, reads that it was declared
@@ -53,11 +57,17 @@ class BeatBoard {
   // beats a frozen rank still adds once it wakes keep it below kSilencedBelow.
   static constexpr int64_t kSilenced = -(int64_t{1} << 40);
   static constexpr int64_t kSilencedBelow = -(int64_t{1} << 39);
+  // The rank aborted (its reason is on the failure board, blame.h). Further
+  // below still, for the same reason: its beat thread goes on adding.
+  static constexpr int64_t kFailed = -(int64_t{1} << 50);
+  static constexpr int64_t kFailedBelow = -(int64_t{1} << 49);
+  static constexpr bool failed(int64_t v) { return v < kFailedBelow; }
+  static constexpr bool silenced(int64_t v) { return v >= kFailedBelow && v < kSilencedBelow; }
 
   virtual ~BeatBoard() = default;
   // Adds one to `rank`'s counter.
   virtual void beat(int rank) = 0;
-  // Sets `rank`'s counter to kLeft, kOptedOut or kSilenced.
+  // Sets `rank`'s counter to kLeft, kOptedOut, kSilenced or kFailed.
   virtual void mark(int rank, int64_t mark) = 0;
   // The counters of `ranks`, in that order (0 for a rank that never beat).
   virtual std::vector<int64_t> read(const std::vector<int>& ranks) = 0;
@@ -73,6 +83,9 @@ struct PeerWatchConfig {
   // with this rank's own number when a peer declared this rank silent.
   // Never called once stop() returned.
   std::function<void(int peer, double silent_s, double bound_s)> on_silent;
+  // Called once per peer that marked itself failed (mark_failed), on the
+  // judge's thread, also while the bound is 0. Never once stop() returned.
+  std::function<void(int peer)> on_failed;
 };
 
 class PeerWatch {
@@ -87,6 +100,11 @@ class PeerWatch {
   // still beats). Safe from any thread; the beat period follows it.
   double bound() const;
   void set_bound(double seconds);
+  // Tells the peers' judges that this rank aborted (they read why on the
+  // failure board): within a beat period they stop waiting for it, as the
+  // ranks of its host do at once. Blocks like one write to the board (on the
+  // caller's thread); throws nothing. stop() then leaves the mark in place.
+  void mark_failed();
   // Stops both threads (waiting at most about a second for a board that
   // does not answer; the threads then finish on their own and call nobody)
   // and, with `leave`, marks this rank as left so that peers stop judging

@@ -142,9 +142,9 @@ CommError PgTransport::unreachable(int peer, const std::string& error) const {
                    Blame{FailureKind::kWaiting, name(peer)});
 }
 
-void PgTransport::throw_if_peer_gone() {
+void PgTransport::throw_if_broken() {
   std::lock_guard<std::mutex> lk(broken_mu_);
-  if (broken_ && broken_->blame().gone()) throw *broken_;
+  if (broken_) throw *broken_;
 }
 
 void PgTransport::wait(TransferPtr& work, int peer, const char* what, const Ctx& ctx) {
@@ -152,13 +152,13 @@ void PgTransport::wait(TransferPtr& work, int peer, const char* what, const Ctx&
   // Checked after `work` was posted and before waiting: an abort that comes
   // later also interrupts the link (PeerLink::interrupt), which wakes this
   // wait, and then says why.
-  throw_if_peer_gone();
+  throw_if_broken();
   const std::string error = wait_transfer(*work, ctx.deadline);
   if (error.empty()) {
     work.reset();
     return;
   }
-  throw_if_peer_gone();
+  throw_if_broken();
   std::ostringstream os;
   os << "pycomm: " << collective_name(ctx.desc->coll) << " #" << ctx.seq;
   if (std::chrono::steady_clock::now() >= ctx.deadline) {
@@ -172,10 +172,7 @@ void PgTransport::wait(TransferPtr& work, int peer, const char* what, const Ctx&
 }
 
 void PgTransport::run(const CollectiveDesc& desc, uint64_t seq) {
-  {
-    std::lock_guard<std::mutex> lk(broken_mu_);
-    if (broken_) throw *broken_;
-  }
+  throw_if_broken();
   Ctx ctx;
   ctx.desc = &desc;
   ctx.seq = seq;

@@ -55,11 +55,16 @@ class PeerLink {
   // connection to `peer` is gone). `tag` is below 2^31.
   virtual std::shared_ptr<Transfer> send(const void* data, size_t bytes, int peer, uint32_t tag) = 0;
   virtual std::shared_ptr<Transfer> recv(void* data, size_t bytes, int peer, uint32_t tag) = 0;
+  // Which transfers interrupt() wakes: all, or only the collectives' (a
+  // peer's abort ends the collectives; its messages end with its stream,
+  // pg_channels.h, and those of other peers go on).
+  enum class Waits { kAll, kCollectives };
   // Wakes every wait on a transfer posted so far (it returns false, now or
   // when it starts); what was posted stays posted. For a peer declared
-  // gone while ranks wait for it: the failure is final, the waits need not
-  // last until their deadline. Backends that cannot leave waits to time out.
-  virtual void interrupt() {}
+  // gone, or one that aborted, while ranks wait for it: the failure is
+  // final, the waits need not last until their deadline. Backends that
+  // cannot leave waits to time out.
+  virtual void interrupt(Waits which) { (void)which; }
 };
 
 struct PgConfig {
@@ -101,11 +106,11 @@ class PgTransport : public Transport {
   int world() const override { return world_; }
   double timeout() const { return timeout_s_.load(std::memory_order_relaxed); }
   void set_timeout(double seconds) { timeout_s_.store(seconds, std::memory_order_relaxed); }
-  // Makes this rank's later operations fail with `why` (peers learn of it
-  // from their own waits; see the reliability notes in README). With a
-  // blame that names a rank gone for good (Blame::gone) the operation in
-  // progress fails too, at its next wait: the caller then interrupts the
-  // link so that a wait in progress ends now.
+  // Makes this rank's operations fail with `why`: later ones at once, the
+  // one in progress at its next wait (peers learn of it from the failure
+  // board's mark, peer_watch.h, or from their own waits). The caller then
+  // interrupts the link so that a wait in progress ends now, not at its
+  // deadline.
   void abort(const std::string& why, Blame blame = {}) override;
 
  private:
@@ -128,8 +133,8 @@ class PgTransport : public Transport {
   TransferPtr recv(void* data, size_t bytes, int peer, uint32_t tag);
   CommError unreachable(int peer, const std::string& error) const;
   void wait(TransferPtr& work, int peer, const char* what, const Ctx& ctx);
-  // Throws the abort that declared a peer gone, if there was one.
-  void throw_if_peer_gone();
+  // Throws the abort or failure that ended this transport, if there was one.
+  void throw_if_broken();
   int name(int r) const { return names_[r]; }
 
   std::shared_ptr<PeerLink> link_;
