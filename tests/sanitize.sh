@@ -71,20 +71,21 @@ if [[ $only_options == 1 ]]; then
   if [[ ${PYCOMM_LONG:-} == 1 ]]; then
     set -- "$@" tests/test_errors.py tests/test_reliability.py tests/test_elastic.py tests/test_ft_ddp.py \
       tests/test_ft_pipeline.py tests/test_registered.py tests/test_straggler.py tests/test_pipeline.py \
-      -k "not convergence and (not test_pipeline or errors or raises or abort_ends or two_hosts or larger_than)"
+      tests/test_multihost.py -k "not convergence and (not test_pipeline or errors or raises or abort_ends \
+      or two_hosts or larger_than) and (not test_multihost or abort_fails or killed_rank or late_peer)"
     if [[ $kind == address ]]; then
       export PYCOMM_FUZZ_EXAMPLES=${PYCOMM_FUZZ_EXAMPLES:-10000} PYCOMM_TRIALS_8=${PYCOMM_TRIALS_8:-200}
     fi
   else
     # CI: every error test, the kill, freeze, shrink, mismatch, soak and fuzz
     # tests at CI's counts, deaths inside a bootstrap, a pipeline stage that
-    # raises, an abort's last message between hosts (63 tests, ~5 minutes;
-    # the fault-tolerant DDP and pipeline trainings and the other simulated
-    # hosts are left to PYCOMM_LONG).
+    # raises, an abort's last message between hosts, an abort's mark on
+    # the heartbeat board (66 tests, ~5 minutes; the fault-tolerant DDP and
+    # pipeline trainings and the other simulated hosts are left to PYCOMM_LONG).
     set -- "$@" tests/test_errors.py tests/test_reliability.py tests/test_elastic.py tests/test_registered.py \
-      tests/test_pipeline.py -k "test_errors or peer_death_random or 8_ranks or fuzzed or mismatch_matrix \
-      or soak or survivors_shrink or frozen_rank_is_declared or second_death or busy_rank \
-      or newcomer_that_fails or before_attaching \
+      tests/test_pipeline.py tests/test_multihost.py -k "test_errors or peer_death_random or 8_ranks or fuzzed \
+      or mismatch_matrix or soak or survivors_shrink or frozen_rank_is_declared or second_death or busy_rank \
+      or newcomer_that_fails or before_attaching or abort_fails_every_host \
       or kill_9_with_registered or (test_pipeline and (raises or abort_ends) and not two_hosts)"
   fi
 fi
