@@ -460,7 +460,9 @@ class Communicator(PointToPoint, RegisteredMemory):
         self._c.heartbeat_timeout = _env.check_seconds(seconds, "heartbeat_timeout", zero_ok=True)
 
     def abort(self, reason: str = "aborted by the user", *, name_rank: bool = True) -> None:
-        """Make the current and every later collective fail on every rank.
+        """Make the current and every later collective fail on every rank: at
+        once on this host, within a heartbeat period on the others (through
+        the Store; at their timeout with ``PYCOMM_HEARTBEAT_S=0``).
 
         The error reads ``"pycomm: rank <r>: <reason>"``; with
         ``name_rank=False`` it is ``reason`` as given (for a reason that already
