@@ -186,10 +186,7 @@ void Communicator::abort(const std::string& why, Blame blame) {
   }
   // Then the mark that makes the peers' judges look there (after the report,
   // so that they find it): their collectives stop waiting for this rank.
-  // Not when the peers declared this rank silent (it was frozen and woke):
-  // their mark says more (gone for good), and this one would overwrite it.
-  const bool declared_silent = blame.kind == FailureKind::kSilent && blame.rank == rank_;
-  if (watch_ && !declared_silent) watch_->mark_failed();
+  if (watch_) watch_->mark_failed();
   if (PgChannels* remote = transports_.remote_p2p()) {
     // Ranks of other hosts learn of an abort from shared memory no more:
     // every remote rank this one exchanged messages with gets the reason as

@@ -207,6 +207,14 @@ void PeerWatch::set_bound(double seconds) {
 void PeerWatch::mark_failed() {
   if (s_->failed.exchange(true)) return;
   try {
+    // Not over a peer's verdict: a rank declared silent (frozen, then woke)
+    // is gone for good to its peers, which an abort's mark would overwrite.
+    // Checked on the board itself, not by the reason of the abort: the rank
+    // may abort for another reason before its judge read the verdict. (A
+    // verdict written between this read and the mark is lost: the peer that
+    // wrote it declared this rank already, and the others now read an abort.)
+    const std::vector<int64_t> own = s_->c.board->read({s_->c.rank});
+    if (!own.empty() && BeatBoard::silenced(own[0])) return;
     s_->c.board->mark(s_->c.rank, BeatBoard::kFailed);
   } catch (const std::exception&) {
     // Peers then learn of it as before: from their own waits.

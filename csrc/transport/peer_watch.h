@@ -104,6 +104,7 @@ class PeerWatch {
   // failure board): within a beat period they stop waiting for it, as the
   // ranks of its host do at once. Blocks like one write to the board (on the
   // caller's thread); throws nothing. stop() then leaves the mark in place.
+  // Marks nothing when a peer declared this rank silent: that verdict stays.
   void mark_failed();
   // Stops both threads (waiting at most about a second for a board that
   // does not answer; the threads then finish on their own and call nobody)

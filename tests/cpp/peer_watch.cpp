@@ -3,7 +3,8 @@
 // is declared silent once, by every other rank, within the bound; the
 // frozen rank itself, whose own beats do not land, judges nobody, and reads
 // that it was declared; a rank
-// that left or opted out, or never beat, is never judged; a board slower
+// that left or opted out, or never beat, is never judged; an abort's mark
+// reaches the peers, but never over a verdict; a board slower
 // than a beat period gives no verdicts; stop() returns within about a
 // second even when the board never answers, and no verdict comes after it.
 // Built with -fsanitize=thread by tests/test_cpp.py (a bound changed while
@@ -250,6 +251,50 @@ void stop_does_not_wait_for_a_board_that_hangs() {
   CHECK(v.count() == 0);
 }
 
+// An abort's mark reaches the peer's judge (on_failed, once) and stays
+// when the aborted rank leaves; a rank its peers declared silent marks
+// nothing when it aborts: their verdict (gone for good) stays.
+void an_abort_is_marked_unless_the_rank_was_declared() {
+  auto board = std::make_shared<MemoryBoard>();
+  Verdicts v;
+  std::mutex mu;
+  std::vector<int> failed;
+  auto with_failed = [&](int rank, std::vector<int> peers) {
+    PeerWatchConfig c;
+    c.board = board;
+    c.rank = rank;
+    c.peers = std::move(peers);
+    c.bound_s = 0.2;
+    c.on_silent = v.for_judge(rank);
+    c.on_failed = [&](int peer) {
+      std::lock_guard<std::mutex> lk(mu);
+      failed.push_back(peer);
+    };
+    return std::make_unique<PeerWatch>(std::move(c));
+  };
+  auto a = with_failed(0, {1});
+  auto b = with_failed(1, {0});
+  sleep_s(0.1);
+  b->mark_failed();
+  b->mark_failed();  // once is what counts
+  sleep_s(0.3);      // a beat period at 0.2 s is 40 ms
+  b->stop(/*leave=*/true);
+  CHECK(BeatBoard::failed(board->read({1})[0]));
+  a->stop(true);
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    CHECK(failed == std::vector<int>{1});
+  }
+  CHECK(v.count() == 0);
+  // Rank 2 was declared silent by its peers (before its judge read it).
+  board->mark(2, BeatBoard::kSilenced);
+  auto c = with_failed(2, {0});
+  c->mark_failed();
+  CHECK(BeatBoard::silenced(board->read({2})[0]));
+  c->stop(/*leave=*/false);
+  CHECK(BeatBoard::silenced(board->read({2})[0]));
+}
+
 }  // namespace
 
 int main() {
@@ -260,6 +305,7 @@ int main() {
   left_opted_out_and_silent_from_the_start_are_not_judged();
   slow_board_gives_no_verdict();
   stop_does_not_wait_for_a_board_that_hangs();
+  an_abort_is_marked_unless_the_rank_was_declared();
   std::printf("ok\n");
   return 0;
 }
