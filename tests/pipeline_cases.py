@@ -265,6 +265,34 @@ def p2p_abort_between_hosts(rank: int, name: str) -> Dict[str, object]:
         outcome("send_e", lambda: comm.send(torch.ones(1 << 16), 0))
         both_reached("e")
     outcome("close_e", comm.close)
+
+    # 6. Rank 1 waits for a first message from rank 0, which aborts before it
+    # sent any: the reason reaches rank 1 unasked, and its receive raises at
+    # once (it waited for the whole timeout: no stream carried the reason).
+    comm = make_comm(rank, 2, name + "-f", timeout=30, local_size=1)
+    if rank == 0:
+        both_reached("f")
+        time.sleep(0.2)  # rank 1 is inside its receive
+        comm.abort("rank 0 failed before it sent", name_rank=False)
+        both_reached("f-raised")
+    else:
+        work = comm.recv(0, async_op=True)
+        both_reached("f")
+        outcome("first_f", lambda: work.wait())
+        both_reached("f-raised")
+    outcome("close_f", comm.close)
+
+    # 7. Rank 0 aborts with no message exchanged, and rank 1 never receives:
+    # the unasked reason does not hold rank 0's close (2 s, the bound for
+    # an aborted rank's sends) while rank 1 is still up.
+    comm = make_comm(rank, 2, name + "-g", timeout=30, local_size=1)
+    if rank == 0:
+        comm.abort("rank 0 quit", name_rank=False)
+        outcome("close_g", comm.close)
+        both_reached("g")
+    else:
+        both_reached("g")
+        outcome("close_g", comm.close)
     return out
 
 

@@ -197,6 +197,7 @@ def test_p2p_errors_between_hosts(pool):
 
 def test_an_abort_ends_its_stream_between_hosts(pool):
     """After an abort's message, later receives and sends raise it at once,
+    a receive from a rank that aborted before it sent anything raises too,
     and closes do not wait for sends a failed rank will never take, nor for
     an aborted rank's reason no peer takes (each took the 30 s timeout, and
     the send was queued, before)."""
@@ -212,8 +213,11 @@ def test_an_abort_ends_its_stream_between_hosts(pool):
     assert r1["reason_e"][0] == "error" and "the sender failed: rank 0 quit" in r1["reason_e"][1], r1
     assert r1["send_e"][0] == "error" and "rank 0 failed and receives nothing more: rank 0 quit" in r1["send_e"][1], r1
     assert r1["send_e_s"] < 10, r1
+    assert r1["first_f"][0] == "error" and "the sender failed: rank 0 failed before it sent" in r1["first_f"][1], r1
+    assert r1["first_f_s"] < 10, r1
+    assert r0["close_g_s"] < 1.5, r0  # not the 2 s an aborted rank's sends may wait
     for r in (r0, r1):
-        for key in ("close_a", "close_b", "close_c", "close_d", "close_e"):
+        for key in ("close_a", "close_b", "close_c", "close_d", "close_e", "close_f", "close_g"):
             assert r[key][0] == "ok" and r[key + "_s"] < 10, (key, r)
 
 

@@ -187,30 +187,7 @@ void Communicator::abort(const std::string& why, Blame blame) {
   // Then the mark that makes the peers' judges look there (after the report,
   // so that they find it): their collectives stop waiting for this rank.
   if (watch_) watch_->mark_failed();
-  if (PgChannels* remote = transports_.remote_p2p()) {
-    // Ranks of other hosts learn of an abort from shared memory no more:
-    // every remote rank this one exchanged messages with gets the reason as
-    // its next message (queued behind what was already sent, so the stream
-    // stays in step), and its receive raises at once instead of waiting for
-    // the timeout.
-    std::vector<int> peers;
-    {
-      std::lock_guard<std::mutex> lk(lanes_mu_);
-      for (const auto& [key, lane] : lanes_)
-        if (p2p_peer(key.first, Collective::kSend).first == remote) peers.push_back(key.first);
-    }
-    std::sort(peers.begin(), peers.end());
-    peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
-    for (int peer : peers) {
-      try {
-        send_failure(peer, why, /*async_op=*/true, /*last=*/true);
-      } catch (const std::exception&) {
-        // Shut down already, or the peer is gone: nothing to tell.
-      }
-    }
-    // Receives from other hosts stop waiting (this rank's own lanes).
-    remote->abort(why, blame);
-  }
+  abort_remote_p2p(why, blame);
   // Wake the collectives' waits between hosts now (they raise `why`, see
   // PgTransport::abort) rather than at their deadline; a rank gone for good
   // will not answer messages either.

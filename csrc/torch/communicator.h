@@ -207,6 +207,9 @@ class Communicator {
   // Sends `why` to `dst` as a failure message: its receive raises it (and,
   // when `last`, every later receive from this rank: it aborted).
   void send_failure(int dst, const std::string& why, bool async_op, bool last);
+  // Communicator::abort's part between hosts: the reason to every remote
+  // rank as its stream's last message, and this rank's receives stopped.
+  void abort_remote_p2p(const std::string& why, Blame blame);
   // The PeerWatch's verdict: `peer`, on another host, stopped beating.
   void declare_silent(int peer, double silent_s, double bound_s);
   // The PeerWatch's news: `peer`, on another host, aborted. This rank's

@@ -281,6 +281,46 @@ void Communicator::send_failure(int dst, const std::string& why, bool async_op, 
   submit_p2p(dst, false, std::move(work), async_op);
 }
 
+void Communicator::abort_remote_p2p(const std::string& why, Blame blame) {
+  PgChannels* remote = transports_.remote_p2p();
+  if (!remote) return;
+  // Ranks of other hosts learn of an abort from shared memory no more:
+  // every remote rank gets the reason as the last message of this rank's
+  // stream to it, and its receive raises at once instead of waiting for the
+  // timeout. Where a lane carries messages (the pair exchanged some), the
+  // reason is queued behind them, so the stream stays in step; every other
+  // remote rank gets it unasked, as its stream's only message, for a
+  // receive it may be waiting in already.
+  std::vector<int> peers, unasked;
+  {
+    std::lock_guard<std::mutex> lk(lanes_mu_);
+    for (const auto& [key, lane] : lanes_)
+      if (p2p_peer(key.first, Collective::kSend).first == remote) peers.push_back(key.first);
+  }
+  std::sort(peers.begin(), peers.end());
+  peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
+  for (int peer = 0; peer < world_; ++peer)
+    if (peer != rank_ && !std::binary_search(peers.begin(), peers.end(), peer) &&
+        p2p_peer(peer, Collective::kSend).first == remote)
+      unasked.push_back(peer);
+  for (int peer : peers) {
+    try {
+      send_failure(peer, why, /*async_op=*/true, /*last=*/true);
+    } catch (const std::exception&) {
+      // Shut down already, or the peer is gone: nothing to tell.
+    }
+  }
+  for (int peer : unasked) {
+    try {
+      remote->send_unasked_failure(peer, why, p2p_context(Collective::kSend, 0, timeout()));
+    } catch (const std::exception&) {
+      // As above.
+    }
+  }
+  // Receives from other hosts stop waiting (this rank's own lanes).
+  remote->abort(why, blame);
+}
+
 std::shared_ptr<Work> Communicator::recv(const std::vector<at::Tensor>& out, int src, uint32_t tag, bool async_op) {
   const auto target = p2p_peer(src, Collective::kRecv);
   MessageChannels* channels = target.first;

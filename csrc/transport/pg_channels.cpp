@@ -25,6 +25,10 @@ constexpr size_t kMaxPendingBytes = size_t(256) << 20;
 // reason from the failure board anyway.
 constexpr double kAbortedFlushS = 2.0;
 
+// Set while this thread writes send_unasked_failure's message (a lane
+// thread writing to another peer at the same time is not affected).
+thread_local bool t_unasked = false;
+
 }  // namespace
 
 PgChannels::PgChannels(std::shared_ptr<PeerLink> link, int rank)
@@ -49,14 +53,31 @@ void PgChannels::flush(double timeout_s, const std::function<bool(int)>& failed)
                             std::chrono::duration<double>(timeout_s));
   for (auto& [peer, queue] : pending_) {
     if (queue.empty() || ended(peer) || (failed && failed(peer))) continue;  // the destructor keeps them
+    bool unasked = false;
     for (auto& p : queue) {
+      if (p.unasked) {  // not waited for: the destructor keeps it
+        unasked = true;
+        continue;
+      }
       if (std::chrono::steady_clock::now() >= deadline || !wait_transfer(*p.work, deadline).empty())
         return;  // the destructor keeps what is still pending
       p.work.reset();
     }
+    if (unasked) continue;
     queue.clear();
     pending_bytes_[peer] = 0;
   }
+}
+
+void PgChannels::send_unasked_failure(int peer, const std::string& why, const OpContext& ctx) {
+  t_unasked = true;
+  try {
+    send_failure(peer, why, ctx, /*last=*/true);
+  } catch (...) {
+    t_unasked = false;
+    throw;
+  }
+  t_unasked = false;
 }
 
 void PgChannels::abort(const std::string& why, Blame blame) {
@@ -145,6 +166,7 @@ void PgChannels::write(int peer, const void* data, size_t n, const OpContext& ct
   p.bytes.reset(new char[n ? n : 1]);
   if (n) std::memcpy(p.bytes.get(), data, n);
   p.n = n;
+  p.unasked = t_unasked;
   try {
     p.work = link_->send(p.bytes.get(), n, peer, tag_);
   } catch (const std::exception& e) {

@@ -59,6 +59,12 @@ class PgChannels : public MessageChannels {
   // 2 s at most: its peers may never receive from it again.
   void flush(double timeout_s, const std::function<bool(int)>& failed);
 
+  // This rank's abort reason, as the last message of its stream to `peer`,
+  // a rank it never exchanged a message with (no lane carries one): a
+  // receive `peer` has waiting, or posts while this rank lives, raises it at
+  // once instead of waiting for its timeout. Unasked, so flush() does not
+  // wait for it: most such peers never receive from this rank.
+  void send_unasked_failure(int peer, const std::string& why, const OpContext& ctx);
   void write(int peer, const void* data, size_t n, const OpContext& ctx) override;
   void read(int peer, void* data, size_t n, const OpContext& ctx) override;
 
@@ -73,6 +79,7 @@ class PgChannels : public MessageChannels {
     TransferPtr work;
     std::unique_ptr<char[]> bytes;
     size_t n = 0;
+    bool unasked = false;  // send_unasked_failure's: flush() does not wait for it
   };
   void check_broken();
   // A transfer the backend refused to post: the connection to `peer` is gone.
