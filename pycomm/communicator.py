@@ -82,7 +82,9 @@ class Communicator(PointToPoint, RegisteredMemory):
             hosts (its rank r must be this communicator's rank r). Default: a
             private Gloo group on the bootstrap Store, so pycomm's traffic
             never interleaves with yours. Set ``GLOO_SOCKET_IFNAME`` to pick
-            its network interface, as for any Gloo group.
+            its network interface, as for any Gloo group. A communicator that
+            aborted may leave transfers posted on the group (its last
+            messages among them): give the one that replaces it a new group.
         bind_cores: bind every thread of this process to its local rank's
             share of the CPUs (``pycomm.bootstrap.bind_cores``; default off, or
             ``PYCOMM_BIND_CORES=1``), as DeepSpeed's ``--bind_cores_to_rank``:
