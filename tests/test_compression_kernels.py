@@ -569,7 +569,6 @@ def test_arch_thresholds_choose_a_ptx_per_path(tmp_path):
     src.write_text("#if __CUDA_ARCH__ > 860\n#endif\n")
     with pytest.raises(AssertionError, match="as >= or <"):
         arch_thresholds([str(src)])
-    assert ARCHS[0] == LOWEST_ARCH and arch_thresholds(CUDA_SOURCES) - {a for a in ARCHS} <= set(range(LOWEST_ARCH))
 
 
 @pytest.fixture(scope="module")
