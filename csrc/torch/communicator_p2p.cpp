@@ -2,6 +2,7 @@
 // thread) per direction and peer, over shared-memory channels within the
 // host and the process group's channels between hosts (the same protocol).
 #include <algorithm>
+#include <set>
 #include <sstream>
 
 #include "../core/race_window.h"
@@ -291,30 +292,20 @@ void Communicator::abort_remote_p2p(const std::string& why, Blame blame) {
   // reason is queued behind them, so the stream stays in step; every other
   // remote rank gets it unasked, as its stream's only message, for a
   // receive it may be waiting in already.
-  std::vector<int> peers, unasked;
+  std::set<int> laned;  // ranks with a lane, either way
   {
     std::lock_guard<std::mutex> lk(lanes_mu_);
-    for (const auto& [key, lane] : lanes_)
-      if (p2p_peer(key.first, Collective::kSend).first == remote) peers.push_back(key.first);
+    for (const auto& [key, lane] : lanes_) laned.insert(key.first);
   }
-  std::sort(peers.begin(), peers.end());
-  peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
-  for (int peer = 0; peer < world_; ++peer)
-    if (peer != rank_ && !std::binary_search(peers.begin(), peers.end(), peer) &&
-        p2p_peer(peer, Collective::kSend).first == remote)
-      unasked.push_back(peer);
-  for (int peer : peers) {
+  for (int peer = 0; peer < world_; ++peer) {
+    if (peer == rank_ || p2p_peer(peer, Collective::kSend).first != remote) continue;
     try {
-      send_failure(peer, why, /*async_op=*/true, /*last=*/true);
+      if (laned.count(peer))
+        send_failure(peer, why, /*async_op=*/true, /*last=*/true);
+      else
+        remote->send_unasked_failure(peer, why, p2p_context(Collective::kSend, 0, timeout()));
     } catch (const std::exception&) {
       // Shut down already, or the peer is gone: nothing to tell.
-    }
-  }
-  for (int peer : unasked) {
-    try {
-      remote->send_unasked_failure(peer, why, p2p_context(Collective::kSend, 0, timeout()));
-    } catch (const std::exception&) {
-      // As above.
     }
   }
   // Receives from other hosts stop waiting (this rank's own lanes).
