@@ -535,8 +535,9 @@ def _compile_all(cmds):
 # spills, launch bounds) is ptxas' to check: PYCOMM_LONG=1 and the GPU's own
 # build compile as shipped, optimized, with Hopper's machine code.
 LOWEST_ARCH = 80  # compute capability x 10, as in compute_80
-CUDA_SOURCES = sorted(p for ext in ("cu", "cuh", "h")
-                      for p in glob.glob(os.path.join(ROOT, "csrc", "**", f"*.{ext}"), recursive=True))
+# CUDA_FILES and every header they may include.
+CUDA_SOURCES = CUDA_FILES + sorted(p for ext in ("cuh", "h")
+                                   for p in glob.glob(os.path.join(ROOT, "csrc", "**", f"*.{ext}"), recursive=True))
 
 
 def arch_thresholds(paths):
@@ -587,7 +588,8 @@ def cuda_objects(tmp_path_factory):
 @pytest.mark.skipif(not HAS_NVCC, reason="nvcc not installed")
 @pytest.mark.parametrize("path", CUDA_FILES, ids=[os.path.basename(p) for p in CUDA_FILES])
 def test_cuda_kernels_compile(path, cuda_objects):
-    """The CUDA kernels build with nvcc alone (no torch headers), as PTX for every path they choose by architecture (ARCHS)."""
+    """The CUDA kernels build with nvcc alone (no torch headers), as PTX for
+    every path they choose by architecture (ARCHS)."""
     rc, err, obj = cuda_objects[path]
     assert rc == 0, err[-4000:]
     assert os.path.getsize(obj) > 0
