@@ -245,6 +245,47 @@ def _wait_for_threads(expected: list, within_s: float = 20.0) -> list:
     return now
 
 
+class _Inline(Exception):
+    """A callback ran on the thread that attached it: its future had completed first."""
+
+
+def _on_comm_thread(rank: int, world: int, name: str, attempt) -> object:
+    """``attempt(sub_name, hold)`` builds a communicator and returns a future
+    whose callback is ``hold(value)``; returns what the callback returned.
+
+    A future that completed before ``.then()`` runs its callback at once, on
+    the caller's thread: such an attempt proves nothing (and its gate would
+    never open), so every rank tries again, all together, with a new
+    communicator, until no rank's callback ran inline (ranks that start at
+    the same moment often finish a collective that fast)."""
+    store, me = worker_store(), threading.get_ident()
+    for i in range(20):
+        gate = threading.Event()
+
+        def hold(value):
+            if threading.get_ident() == me:
+                raise _Inline()
+            gate.wait(30)  # opened once attempt() returned: the closure holds the last reference
+            return value()
+
+        fut = attempt(f"{name}/{i}", hold)
+        gate.set()
+        result, error, inline = None, None, False
+        try:
+            result = fut.wait()
+        except Exception as e:  # noqa: BLE001 - an inline run, or the result under test
+            inline = "_Inline" in str(e)
+            error = None if inline else e
+        store.set(f"{name}/{i}/inline/{rank}", "1" if inline else "0")
+        keys = [f"{name}/{i}/inline/{r}" for r in range(world)]
+        store.wait(keys)
+        if all(v == b"0" for v in store.multi_get(keys)):
+            if error is not None:
+                raise error
+            return result
+    raise AssertionError("every attempt's future completed before its callback was attached")
+
+
 def last_reference_in_a_callback(rank: int, world: int, name: str) -> dict:
     """A future's callback runs on the communicator's own thread (its
     progress thread; a lane's for point-to-point). A closure there that
@@ -252,45 +293,44 @@ def last_reference_in_a_callback(rank: int, world: int, name: str) -> dict:
     process does not abort (terminate: a thread cannot join itself), and the
     communicator's threads end. close() inside a callback raises."""
     before, out = pycomm_threads(), {}
-    # Each callback waits for the gate, opened once its function returned:
-    # the closure then holds the last reference.
-    gate = threading.Event()
 
-    def collective() -> torch.futures.Future:
-        comm = make_comm(rank, world, f"{name}/coll", timeout=30)
+    def collective(sub, hold) -> torch.futures.Future:
+        comm = make_comm(rank, world, sub, timeout=30)
         t = torch.full((1000,), float(rank + 1))
         return comm.all_reduce(t, async_op=True).get_future().then(
-            lambda f, c=comm: gate.wait(30) and f.value()[0][0].item())
+            lambda f, c=comm: hold(lambda: f.value()[0][0].item()))
 
-    fut = collective()
-    gate.set()
-    out["collective"] = fut.wait() == world * (world + 1) / 2
+    out["collective"] = _on_comm_thread(rank, world, f"{name}/coll", collective) == world * (world + 1) / 2
     out["collective threads"] = _wait_for_threads(before) == before
 
-    gate.clear()
-
-    def point_to_point() -> torch.futures.Future:
-        comm = make_comm(rank, world, f"{name}/p2p", timeout=30)
+    def point_to_point(sub, hold) -> torch.futures.Future:
+        comm = make_comm(rank, world, sub, timeout=30)
         if rank == 0:  # the last send's future completes on its lane
             works = [comm.send(torch.full((10,), float(dst)), dst=dst, async_op=True) for dst in range(1, world)]
-            return works[-1].get_future().then(lambda f, c=comm: gate.wait(30) and f.value() is not None)
+            return works[-1].get_future().then(lambda f, c=comm: hold(lambda: f.value() is not None))
         work = comm.recv(src=0, async_op=True)
-        return work.get_future().then(lambda f, c=comm: gate.wait(30) and f.value()[0].tolist())
+        return work.get_future().then(lambda f, c=comm: hold(lambda: f.value()[0].tolist()))
 
-    fut = point_to_point()
-    gate.set()
-    got = fut.wait()
+    got = _on_comm_thread(rank, world, f"{name}/p2p", point_to_point)
     out["p2p"] = got is True if rank == 0 else got == [float(rank)] * 10
     out["p2p threads"] = _wait_for_threads(before) == before
 
-    comm = make_comm(rank, world, f"{name}/close", timeout=30)
-    fut = comm.all_reduce(torch.ones(4), async_op=True).get_future().then(lambda f: comm.close())
+    comms = []
+
+    def close_in_callback(sub, hold) -> torch.futures.Future:
+        comms.append(make_comm(rank, world, sub, timeout=30))
+        comm = comms[-1]
+        return comm.all_reduce(torch.ones(4), async_op=True).get_future().then(
+            lambda f: hold(lambda: comm.close()))
+
     try:
-        fut.wait()
+        _on_comm_thread(rank, world, f"{name}/close", close_in_callback)
         out["close in a callback"] = "no error"
     except Exception as e:  # noqa: BLE001 - the message is the result
         out["close in a callback"] = "future's callback" in str(e)
-    comm.close()
+    for comm in comms:
+        comm.close()
+    comms.clear()
     out["close after"] = _wait_for_threads(before) == before
     return out
 
