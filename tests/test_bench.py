@@ -178,9 +178,21 @@ def test_compressed_check_catches_a_wrong_result(monkeypatch):
     (["-b", "12Q"], "bad size"),
     (["--deepspeed", "-o", "max"], "op sum on float32, bfloat16 or float16 only"),
 ])
-def test_bad_options(args, words):
-    r = bench(*args)
-    assert r.returncode != 0 and words in (r.stdout + r.stderr)
+def test_bad_options(args, words, capsys):
+    """Refused before any rank starts; in this process (a CLI run per case
+    cost seconds of imports each; the next test runs the command itself)."""
+    from pycomm.bench.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code not in (0, None)
+    captured = capsys.readouterr()
+    assert words in captured.out + captured.err + str(e.value.code)
+
+
+def test_a_bad_option_fails_the_command():
+    r = bench("-b", "64M", "-e", "1K")
+    assert r.returncode != 0 and "-b must not exceed -e" in r.stderr
 
 
 BIND_SCRIPT = r"""
