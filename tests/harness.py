@@ -161,12 +161,14 @@ class RankPool:
         """Workers fork from the session's server (torch and pycomm imported
         there once, no thread started: safe to fork), and take the test's
         environment as it is now. With ``env`` (variables that torch or pycomm
-        may read as they are imported) or ``fresh``, each worker starts in a
-        fresh interpreter instead (seconds per worker)."""
+        may read as they are imported), ``fresh`` or PYCOMM_RANK_START=spawn,
+        each worker starts in a fresh interpreter instead (seconds per worker)."""
         self.nprocs = nprocs
         self.port = free_port()
         self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False)
-        fresh = fresh or bool(env)
+        # PYCOMM_RANK_START=spawn (tests/sanitize.sh thread): ThreadSanitizer
+        # turns itself off in a forked child, as for the zygote's ranks.
+        fresh = fresh or bool(env) or os.environ.get("PYCOMM_RANK_START") == "spawn"
         ctx = mp.get_context("spawn" if fresh else "forkserver")
         if not fresh:
             ctx.set_forkserver_preload(["torch", "pycomm", "harness"])
