@@ -293,6 +293,21 @@ def p2p_abort_between_hosts(rank: int, name: str) -> Dict[str, object]:
     else:
         both_reached("g")
         outcome("close_g", comm.close)
+
+    # 8. Rank 0 aborts and closes before rank 1 posts a receive from it: the
+    # receive raises at once, with rank 0's reason (its unasked message, or
+    # its closed connection explained by the failure board), as does the
+    # next one.
+    comm = make_comm(rank, 2, name + "-h", timeout=30, local_size=1)
+    if rank == 0:
+        comm.abort("rank 0 failed and left", name_rank=False)
+        outcome("close_h", comm.close)
+        both_reached("h")
+    else:
+        both_reached("h")
+        outcome("late_h", lambda: comm.recv(0))
+        outcome("again_h", lambda: comm.recv(0))
+        outcome("close_h", comm.close)
     return out
 
 

@@ -198,7 +198,7 @@ def test_p2p_errors_between_hosts(pool):
 def test_an_abort_ends_its_stream_between_hosts(pool):
     """After an abort's message, later receives and sends raise it at once,
     a receive from a rank that aborted before it sent anything raises too,
-    and closes do not wait for sends a failed rank will never take, nor for
+    as does one posted after the aborted rank closed, and closes do not wait for sends a failed rank will never take, nor for
     an aborted rank's reason no peer takes (each took the 30 s timeout, and
     the send was queued, before)."""
     r0, r1 = pool.run(pipeline_cases.p2p_abort_between_hosts, pool.new_name("p2pend"), world=2)
@@ -216,8 +216,11 @@ def test_an_abort_ends_its_stream_between_hosts(pool):
     assert r1["first_f"][0] == "error" and "the sender failed: rank 0 failed before it sent" in r1["first_f"][1], r1
     assert r1["first_f_s"] < 10, r1
     assert r0["close_g_s"] < 1.5, r0  # not the 2 s an aborted rank's sends may wait
+    for key in ("late_h", "again_h"):  # its reason, or its closed connection explained by the failure board
+        assert r1[key][0] == "error" and "rank 0 failed and left" in r1[key][1], (key, r1)
+        assert r1[key + "_s"] < 10, (key, r1)
     for r in (r0, r1):
-        for key in ("close_a", "close_b", "close_c", "close_d", "close_e", "close_f", "close_g"):
+        for key in ("close_a", "close_b", "close_c", "close_d", "close_e", "close_f", "close_g", "close_h"):
             assert r[key][0] == "ok" and r[key + "_s"] < 10, (key, r)
 
 
