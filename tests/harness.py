@@ -23,6 +23,7 @@ import time
 import traceback
 from typing import Any, Callable, List, Optional
 
+import torch
 import torch.distributed as dist
 
 
@@ -161,14 +162,19 @@ class RankPool:
         """Workers fork from the session's server (torch and pycomm imported
         there once, no thread started: safe to fork), and take the test's
         environment as it is now. With ``env`` (variables that torch or pycomm
-        may read as they are imported), ``fresh`` or PYCOMM_RANK_START=spawn,
-        each worker starts in a fresh interpreter instead (seconds per worker)."""
+        may read as they are imported), ``fresh``, PYCOMM_RANK_START=spawn or
+        a GPU, each worker starts in a fresh interpreter instead (seconds per
+        worker)."""
         self.nprocs = nprocs
         self.port = free_port()
         self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False)
         # PYCOMM_RANK_START=spawn (tests/sanitize.sh thread): ThreadSanitizer
-        # turns itself off in a forked child, as for the zygote's ranks.
-        fresh = fresh or bool(env) or os.environ.get("PYCOMM_RANK_START") == "spawn"
+        # turns itself off in a forked child, as for the zygote's ranks. With
+        # a GPU, as before: whatever the server's imports do to CUDA, a child
+        # forked after CUDA was initialised cannot use it (and with the GPU
+        # machine's 16 cores fresh interpreters start side by side anyway).
+        fresh = (fresh or bool(env) or os.environ.get("PYCOMM_RANK_START") == "spawn"
+                 or torch.cuda.is_available())
         ctx = mp.get_context("spawn" if fresh else "forkserver")
         if not fresh:
             ctx.set_forkserver_preload(["torch", "pycomm", "harness"])

@@ -285,9 +285,7 @@ def test_quantized_ipc_group_of_one_rank_fused_equals_split():
 def gpu_pool():
     from harness import RankPool
 
-    # Fresh interpreters: a worker forked after CUDA was initialised in its
-    # parent cannot use the GPU, and the pool's server is shared.
-    pool = RankPool(4, fresh=True)
+    pool = RankPool(4)
     yield pool
     pool.close()
 
@@ -453,7 +451,7 @@ def ddp_pool():
     import hooks_cases
     from harness import RankPool
 
-    pool = RankPool(4, fresh=True)  # as gpu_pool
+    pool = RankPool(4)
     pool.run(hooks_cases.init_default, 4, pool.new_name("cudahooks"))
     yield pool
     pool.close()
