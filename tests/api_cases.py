@@ -251,7 +251,8 @@ class _Inline(Exception):
 
 def _on_comm_thread(rank: int, world: int, name: str, attempt) -> object:
     """``attempt(sub_name, hold)`` builds a communicator and returns a future
-    whose callback is ``hold(value)``; returns what the callback returned.
+    whose callback returns ``hold(fn)``, which waits until ``attempt``
+    returned, then calls ``fn``; returns what the callback returned.
 
     A future that completed before ``.then()`` runs its callback at once, on
     the caller's thread: such an attempt proves nothing (and its gate would

@@ -73,8 +73,8 @@ class RankError(AssertionError):
 
 def _worker_main(rank: int, port: int, conn, environ: Optional[dict] = None) -> None:
     if environ is not None:
-        # Forked from the server: the environment it was started with, not the
-        # test's now (a spawned worker inherits that one).
+        # Forked from the server, which holds the environment of the moment it
+        # started: the test's as it is now instead, as a spawned worker has.
         os.environ.clear()
         os.environ.update(environ)
     # A rank that hangs is asked for every thread's stack (RankPool.stacks).
@@ -158,13 +158,12 @@ class RankPool:
     function ``fn(rank, *args)`` on ranks ``0..world-1`` and returns the
     results in rank order."""
 
-    def __init__(self, nprocs: int, env: Optional[dict] = None, fresh: bool = False) -> None:
+    def __init__(self, nprocs: int, env: Optional[dict] = None) -> None:
         """Workers fork from the session's server (torch and pycomm imported
         there once, no thread started: safe to fork), and take the test's
         environment as it is now. With ``env`` (variables that torch or pycomm
-        may read as they are imported), ``fresh``, PYCOMM_RANK_START=spawn or
-        a GPU, each worker starts in a fresh interpreter instead (seconds per
-        worker)."""
+        may read as they are imported), PYCOMM_RANK_START=spawn or a GPU, each
+        worker starts in a fresh interpreter instead (seconds per worker)."""
         self.nprocs = nprocs
         self.port = free_port()
         self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False)
@@ -173,8 +172,7 @@ class RankPool:
         # a GPU, as before: whatever the server's imports do to CUDA, a child
         # forked after CUDA was initialised cannot use it (and with the GPU
         # machine's 16 cores fresh interpreters start side by side anyway).
-        fresh = (fresh or bool(env) or os.environ.get("PYCOMM_RANK_START") == "spawn"
-                 or torch.cuda.is_available())
+        fresh = bool(env) or os.environ.get("PYCOMM_RANK_START") == "spawn" or torch.cuda.is_available()
         ctx = mp.get_context("spawn" if fresh else "forkserver")
         if not fresh:
             ctx.set_forkserver_preload(["torch", "pycomm", "harness"])
