@@ -79,8 +79,6 @@ def _worker_main(rank: int, port: int, conn, environ: Optional[dict] = None) -> 
         os.environ.update(environ)
     # A rank that hangs is asked for every thread's stack (RankPool.stacks).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    import torch
-
     # Up to 8 ranks share 2 cores: torch's own intra-op thread pool (whose
     # threads busy-wait) would turn every reference computation into a fight
     # for the cores.

@@ -1,7 +1,6 @@
 // Point-to-point messages of the communicator: one lane (a queue and a
 // thread) per direction and peer, over shared-memory channels within the
 // host and the process group's channels between hosts (the same protocol).
-#include <algorithm>
 #include <set>
 #include <sstream>
 
