@@ -73,26 +73,28 @@ def check_reduction(out: torch.Tensor, xs: List[torch.Tensor], op: str, dtype: t
     return None
 
 
-def sweep(rank: int, world: int, name: str, coll: str, algos: List[str],
+def sweep(rank: int, world: int, name: str, coll: str, algos: List[str], dtypes: Optional[List[torch.dtype]] = None,
           **comm_kwargs) -> List[Tuple[str, Optional[str], str]]:
-    """Runs every (algorithm, dtype, count, op) case of one collective; returns
-    (case, error or None, digest of the result) per case. ``comm_kwargs`` go
-    to the Communicator (e.g. transport="pg", local_size=2)."""
+    """Runs every (algorithm, dtype, count, op) case of one collective (the
+    dtypes of ``dtypes``, default all); returns (case, error or None, digest
+    of the result) per case. ``comm_kwargs`` go to the Communicator (e.g.
+    transport="pg", local_size=2)."""
     kwargs = dict(round_bytes=64 * 1024, timeout=60)
     kwargs.update(comm_kwargs)
     comm = make_comm(rank, world, name, **kwargs)
     results = []
     for algo in algos:
-        results += sweep_on(comm, rank, world, coll, algo, seed=len(results))
+        results += sweep_on(comm, rank, world, coll, algo, seed=len(results), dtypes=dtypes or DTYPES)
     comm.close()
     return results
 
 
-def sweep_on(comm, rank: int, world: int, coll: str, algo: str, seed: int = 0) -> List[Tuple[str, Optional[str], str]]:
+def sweep_on(comm, rank: int, world: int, coll: str, algo: str, seed: int = 0,
+             dtypes: List[torch.dtype] = DTYPES) -> List[Tuple[str, Optional[str], str]]:
     """Every (dtype, count, op) case of one collective and algorithm on
     ``comm`` (a Communicator, or anything with its collective methods)."""
     results = []
-    for dtype in DTYPES:
+    for dtype in dtypes:
         ops = ops_for(dtype) if coll in ("all_reduce", "reduce_scatter") else ["-"]
         for count in COUNTS + ([LARGE_COUNT] if dtype in LARGE_DTYPES else []):
             for op in ops:

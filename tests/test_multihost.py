@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import pycomm
-from collective_cases import check_reduction, make_input, matrix_failures, sweep
+from collective_cases import DTYPES, check_reduction, make_input, matrix_failures, sweep
 from compressed_cases import run_all_to_all, run_cases, run_mismatch
 from error_cases import abort_between_hosts, late_peer, mismatch, stream_until_killed
 from harness import RankPool, no_private_mounts
@@ -37,6 +37,21 @@ ALGOS = {
 PG_WORLDS = [1, 2, 3, 5]
 # (hosts, ranks per host)
 LAYOUTS = [(2, 2), (3, 2), (2, 3), (2, 4), (4, 1)]
+LONG = os.environ.get("PYCOMM_LONG") == "1"
+
+
+def matrix_dtypes(layout: int, coll: str):
+    """The dtypes one (layout, collective) case sweeps. PYCOMM_LONG=1: all.
+    CI: float32 (every op, the largest count) and one more, turning with the
+    layout and the collective, so that each collective crosses hosts in every
+    dtype and each layout in four of the five others: what a layout changes
+    (who is a leader, how shards fall at every count) is the same code for
+    every dtype, and the dtypes' own reductions are swept in full on one host
+    (test_collectives) and here on the process group at world 5."""
+    if LONG:
+        return DTYPES
+    others = DTYPES[1:]
+    return [DTYPES[0], others[(layout + list(ALGOS).index(coll)) % len(others)]]
 
 
 def _assert_matrix(per_rank):
@@ -47,14 +62,17 @@ def _assert_matrix(per_rank):
 @pytest.mark.parametrize("coll", list(ALGOS))
 @pytest.mark.parametrize("world", PG_WORLDS)
 def test_matrix_over_the_process_group(pool8, coll, world):
-    _assert_matrix(pool8.run(sweep, world, pool8.new_name(), coll, ALGOS[coll], world=world, transport="pg"))
+    dtypes = DTYPES if world == PG_WORLDS[-1] else matrix_dtypes(PG_WORLDS.index(world), coll)
+    _assert_matrix(pool8.run(sweep, world, pool8.new_name(), coll, ALGOS[coll], dtypes, world=world, transport="pg"))
 
 
 @pytest.mark.parametrize("coll", list(ALGOS))
 @pytest.mark.parametrize("hosts,local", LAYOUTS)
 def test_matrix_on_simulated_hosts(pool8, coll, hosts, local):
     world = hosts * local
-    _assert_matrix(pool8.run(sweep, world, pool8.new_name(), coll, ALGOS[coll], world=world, local_size=local))
+    dtypes = matrix_dtypes(LAYOUTS.index((hosts, local)), coll)
+    _assert_matrix(pool8.run(sweep, world, pool8.new_name(), coll, ALGOS[coll], dtypes, world=world,
+                             local_size=local))
 
 
 def test_topology_and_tuner_choices(pool8):
