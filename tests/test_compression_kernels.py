@@ -596,18 +596,15 @@ def test_cuda_kernels_compile(path, cuda_objects):
 
 
 @pytest.mark.skipif(not HAS_NVCC, reason="nvcc not installed")
-def test_cuda_layers_link_without_torch(cuda_objects, tmp_path):
+def test_cuda_layers_link_without_torch(cuda_objects, torch_free_objects, tmp_path):
     """Every torch-free layer, CUDA files included, links into one shared
     library with no undefined symbol but the CUDA runtime's: what a CUDA build
     needs from them is all there, checked where no CUDA torch can build the
-    extension (the C++ files at -O0, side by side)."""
-    cpu = [p for layer in ("core", "kernels", "algorithms", "transport", "compression")
-           for p in sorted(glob.glob(os.path.join(ROOT, "csrc", layer, "**", "*.cpp"), recursive=True))]
-    objs = [str(tmp_path / f"{i}.o") for i in range(len(cpu))]
-    cmds = [["g++", "-c", "-std=c++17", "-O0", "-fPIC", "-I", os.path.join(ROOT, "csrc"), src, "-o", obj]
-            for src, obj in zip(cpu, objs)]
-    for src, (rc, err) in zip(cpu, _compile_all(cmds)):
+    extension (the C++ files at -O0, compiled once for this and test_layers)."""
+    objs = []
+    for src, (rc, err, obj) in torch_free_objects.items():
         assert rc == 0, f"{src}: {err[-3000:]}"
+        objs.append(obj)
     for src in CUDA_FILES:
         assert cuda_objects[src][0] == 0, f"{src} did not compile (test_cuda_kernels_compile says why)"
     # Where nvcc itself links the CUDA runtime from (it may be a wrapper script).
