@@ -1,6 +1,7 @@
 """Errors, not hangs: bad input, ranks that disagree, a late peer and a dead
 peer all raise pycomm.CommError on every rank, with a message naming the
 cause, and nothing is left behind in /dev/shm."""
+import json
 import os
 import subprocess
 import sys
@@ -134,58 +135,106 @@ def test_killed_rank_is_named_by_every_survivor():
     assert not leaked, leaked
 
 
-ROOM_SCRIPT = r"""
-import os, sys, torch, torch.distributed as dist, pycomm
-dist.init_process_group("gloo")
-say = lambda text: os.write(1, (text + "\n").encode())  # one write: the ranks share the pipe
-try:
-    if sys.argv[1] == "deadline":  # 1M float32 in each of 2 + 2 slots: 16 MiB
-        p = torch.nn.Parameter(torch.zeros(1 << 20))
-        pycomm.DeadlineAverager(torch.optim.SGD([p], lr=1.0), deadline=0.01, ring=2)
-        say(f"RESULT {dist.get_rank()} no error")
-        raise SystemExit(1)
-    comm = pycomm.Communicator()
-    t = torch.ones(1 << 16)
-    comm.all_reduce(t)
-    if comm.rank == 0:
-        comm.send(t, 1)
-    else:
-        comm.recv(0, out=t)
-    say(f"RESULT {dist.get_rank()} ok")
-except pycomm.CommError as e:
-    say(f"RESULT {dist.get_rank()} CommError {e}")
+# In a mount namespace of its own, one process imports torch and pycomm once
+# and, per case, mounts a small tmpfs at /dev/shm, forks two ranks that try a
+# communicator (or DeadlineAverager's shared file), then lists what is left
+# and unmounts: a launch per case (torchrun and three interpreters) took ~9 s
+# of imports for ~1 s of test.
+ROOM_DRIVER = r"""
+import json, os, signal, socket, subprocess, sys
+import torch, torch.distributed as dist, pycomm
+
+
+def rank_main(mode):
+    dist.init_process_group("gloo")
+    try:
+        if mode == "deadline":  # 1M float32 in each of 2 + 2 slots: 16 MiB
+            p = torch.nn.Parameter(torch.zeros(1 << 20))
+            pycomm.DeadlineAverager(torch.optim.SGD([p], lr=1.0), deadline=0.01, ring=2)
+            return "no error"
+        comm = pycomm.Communicator()
+        t = torch.ones(1 << 16)
+        comm.all_reduce(t)
+        if comm.rank == 0:
+            comm.send(t, 1)
+        else:
+            comm.recv(0, out=t)
+        return "ok"
+    except pycomm.CommError as e:
+        return f"CommError {e}"
+
+
+out = {}
+for case, mount, mode in json.loads(sys.argv[1]):
+    subprocess.run(["mount", "-t", "tmpfs", "-o", mount, "tmpfs", "/dev/shm"], check=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = []
+    for rank in range(2):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(port))
+            try:
+                said = rank_main(mode)
+            except BaseException as e:
+                said = f"{type(e).__name__}: {e}"
+            os.write(w, said.encode())
+            os._exit(0)
+        os.close(w)
+        ranks.append((pid, r))
+    said = []
+    for pid, r in ranks:
+        with os.fdopen(r, "rb") as f:
+            text = f.read().decode()  # to the rank's end (the test's timeout bounds a hang)
+        status = os.waitpid(pid, 0)[1]
+        if os.WIFSIGNALED(status):
+            text += f" [killed by {signal.Signals(os.WTERMSIG(status)).name}]"
+        said.append(text)
+    out[case] = {"said": said, "left": sorted(os.listdir("/dev/shm"))}
+    subprocess.run(["umount", "/dev/shm"], check=True)
+print("ROOM " + json.dumps(out), flush=True)
 """
 
-
-@pytest.mark.parametrize("mount,fails,mode,advice", [
+ROOM_CASES = [
     ("size=1m", "cannot size shared memory segment", "comm", "/dev/shm more room"),
     ("size=3m", "cannot size point-to-point segment", "comm", "/dev/shm more room"),
     ("size=8m", "cannot take 16777216 bytes", "deadline", "/dev/shm more room"),
     ("ro,size=8m", "Read-only file system", "comm", "PYCOMM_TRANSPORT=pg"),
-])
-def test_no_room_in_dev_shm_is_an_error_on_every_rank_not_a_crash(tmp_path, mount, fails, mode, advice):
+]
+
+
+@pytest.fixture(scope="module")
+def no_room():
+    """What each ROOM_CASES case's ranks said, and what they left in /dev/shm."""
+    why = no_private_mounts()
+    if why:
+        pytest.skip(why)
+    # The segment takes ~2 MiB with these sizes, a point-to-point ring ~1 MiB.
+    env = {**os.environ, "PYCOMM_SHM_ROUND_BYTES": "256K", "PYCOMM_P2P_BYTES": "1M", "PYCOMM_TIMEOUT": "60",
+           "OMP_NUM_THREADS": "1"}
+    cases = json.dumps([(i, mount, mode) for i, (mount, _, mode, _) in enumerate(ROOM_CASES)])
+    r = subprocess.run(["unshare", "-m", sys.executable, "-c", ROOM_DRIVER, cases], capture_output=True, text=True,
+                       env=env, timeout=300)
+    line = next((line for line in r.stdout.splitlines() if line.startswith("ROOM ")), None)
+    assert line and r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return {int(case): res for case, res in json.loads(line[len("ROOM "):]).items()}
+
+
+@pytest.mark.parametrize("case", range(len(ROOM_CASES)), ids=["-".join(c) for c in ROOM_CASES])
+def test_no_room_in_dev_shm_is_an_error_on_every_rank_not_a_crash(no_room, case):
     """/dev/shm as small as a container's: ranks raise CommError saying so, at
     setup (the collective segment) or at the first message (a point-to-point
     ring; DeadlineAverager's shared file when built); before, a tmpfs that could
     not back a page killed them with SIGBUS. A read-only /dev/shm is named too."""
-    why = no_private_mounts()
-    if why:
-        pytest.skip(why)
-    script = tmp_path / "room.py"
-    script.write_text(ROOM_SCRIPT)
-    # The segment takes ~2 MiB with these sizes, a point-to-point ring ~1 MiB.
-    env = {**os.environ, "PYCOMM_SHM_ROUND_BYTES": "256K", "PYCOMM_P2P_BYTES": "1M", "PYCOMM_TIMEOUT": "60"}
-    launch = f"{sys.executable} -m torch.distributed.run --standalone --nproc-per-node 2 {script} {mode}"
-    r = subprocess.run(["unshare", "-m", "sh", "-c",
-                        f"mount -t tmpfs -o {mount} tmpfs /dev/shm && {launch}; echo LEFT $(ls /dev/shm)"],
-                       capture_output=True, text=True, env=env, timeout=120)
-    out = r.stdout + r.stderr
-    results = {int(line.split()[1]): line for line in r.stdout.splitlines() if line.startswith("RESULT")}
-    assert sorted(results) == [0, 1], out[-3000:]
-    assert "SIGBUS" not in out
-    for rank, line in results.items():
-        assert "CommError" in line, line
-    said = " ".join(results.values())
+    _, fails, _, advice = ROOM_CASES[case]
+    said, left = no_room[case]["said"], no_room[case]["left"]
+    for rank, text in enumerate(said):
+        assert text.startswith("CommError") and "killed by" not in text, (rank, text)
+    said = " ".join(said)
     # The rank that hit the full tmpfs says so and what to do; its peer is not left waiting.
     assert fails in said and advice in said.replace("Give", "give"), said
-    assert "LEFT \n" in r.stdout or r.stdout.rstrip().endswith("LEFT"), r.stdout[-500:]
+    assert left == [], left
