@@ -21,9 +21,11 @@ def bench(*args, launcher=(sys.executable, "-m", "pycomm.bench"), timeout=300):
 
 def test_sweep_table_json_and_plot(tmp_path):
     out, png = tmp_path / "rows.json", tmp_path / "plot.png"
-    r = bench("--nproc", "2", "-b", "1K", "-e", "256K", "-f", "16", "--json", str(out), "--plot", str(png))
+    r = bench("--nproc", "2", "-b", "1K", "-e", "256K", "-f", "16", "--json", str(out), "--plot", str(png),
+              "--bind-cores")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "size(B)" in r.stdout and "busbw(GB/s)" in r.stdout and "#wrong" in r.stdout
+    assert "cores bound: rank 0 on [" in r.stdout, r.stdout  # --bind-cores, said in the header
     rows = json.loads(out.read_text())
     sizes = sorted({row["size_bytes"] for row in rows})
     assert sizes == [1024, 16384, 262144]
@@ -228,12 +230,6 @@ def test_bind_cores_binds_every_thread_to_its_share():
     assert out["bound"] == out["main"] == out["early"] == [out["allowed"][-1]], out
 
 
-def test_bench_binds_cores_when_asked():
-    r = bench("--nproc", "2", "-b", "4K", "-e", "4K", "--no-baseline", "-a", "ring", "--bind-cores")
-    assert r.returncode == 0, r.stderr
-    assert "cores bound: rank 0 on [" in r.stdout, r.stdout
-
-
 def test_gpu_nccl_script_checks_itself_on_cpu():
     """benchmarks/gpu/nccl_one_gpu.py runs on a GPU machine only when one is
     lent (its ``nccl`` stage): its checks run here on CPU tensors over Gloo
@@ -313,7 +309,7 @@ def test_gpu_allreduce_traffic_model():
     assert mod.traffic(core, "gloo", 2, 1 << 20, 0) == 0
 
 
-def test_gpu_kernel_benchmark_checks_itself_on_cpu(tmp_path):
+def test_gpu_kernel_benchmark_checks_itself_on_cpu(tmp_path, capsys):
     """benchmarks/gpu/kernels.py (the GPU kernels against the copy bandwidth,
     float32 and bfloat16, and top-k at two sizes) runs on a GPU machine only
     when one is lent: here it runs on CPU tensors at a small size, so a broken
@@ -329,13 +325,15 @@ def test_gpu_kernel_benchmark_checks_itself_on_cpu(tmp_path):
     assert len(kernels) == 10 and all(line.rsplit("|", 1)[1].strip() == "0" for line in kernels), r.stdout
     topk = [line for line in r.stdout.splitlines() if line.startswith("top-k")]
     assert len(topk) == 1 and topk[0].endswith("#wrong 0"), r.stdout
-    # --offset: the same rows on tensors one element off, checked the same way.
-    off = subprocess.run([sys.executable, "kernels.py", "--device", "cpu", "--elems", "65536", "--repeats", "1",
-                          "--offset"], capture_output=True, text=True, env=ENV, timeout=300,
-                         cwd=os.path.join(root, "benchmarks", "gpu"))
-    assert off.returncode == 0, off.stdout[-3000:] + off.stderr[-3000:]
-    rows_off = [line for line in off.stdout.splitlines() if ", offset)" in line]
-    assert len(rows_off) == 10 and all(line.rsplit("|", 1)[1].strip() == "0" for line in rows_off), off.stdout
+    # The script's other modes in this process (the launch above checked how
+    # it starts). --offset: the same rows on tensors one element off, checked
+    # the same way.
+    kernels_py = _gpu_script("kernels")
+    capsys.readouterr()
+    kernels_py.main(["--device", "cpu", "--elems", "65536", "--repeats", "1", "--offset"])
+    off = capsys.readouterr().out
+    rows_off = [line for line in off.splitlines() if ", offset)" in line]
+    assert len(rows_off) == 10 and all(line.rsplit("|", 1)[1].strip() == "0" for line in rows_off), off
     # --summarize: min / median / max over launches' logs, one row per kernel
     # and top-k speed-up (here the same log twice, and one with a row moved).
     log = str(tmp_path / "kernels_1.log")
@@ -348,11 +346,10 @@ def test_gpu_kernel_benchmark_checks_itself_on_cpu(tmp_path):
     moved = log + ".2"
     with open(moved, "w") as f:
         f.write(r.stdout.replace(first, first.replace(f"{share:6d}%", f"{share + 7:6d}%")))
-    s = subprocess.run([sys.executable, "kernels.py", "--summarize", log, log, moved], capture_output=True,
-                       text=True, env=ENV, timeout=120, cwd=os.path.join(root, "benchmarks", "gpu"))
-    assert s.returncode == 0, s.stderr
-    summary = s.stdout.splitlines()
-    assert len(summary) == 1 + 10 + 2 + 1, s.stdout
+    kernels_py.main(["--summarize", log, log, moved])
+    out = capsys.readouterr().out
+    summary = out.splitlines()
+    assert len(summary) == 1 + 10 + 2 + 1, out
     name = first.split("|")[0].strip()
     row = next(line for line in summary if line.strip().startswith(name))
     assert f"{share}% / {share}% / {share + 7}%" in row and "|        3 |" in row, row

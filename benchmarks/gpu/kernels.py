@@ -191,14 +191,14 @@ def summarize(paths) -> str:
     return "\n".join(lines)
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--elems", type=int, default=64 << 20)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--device", default="cuda")
     p.add_argument("--summarize", nargs="+", metavar="LOG", help="summarize these launches' logs instead")
     p.add_argument("--offset", action="store_true", help="tensors one element off: one element a lane")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.summarize:
         print(summarize(args.summarize))
         return
