@@ -261,11 +261,12 @@ def test_two_jobs_on_one_host_do_not_interfere(pool4):
 
 def test_segments_are_private_and_unguessable(pool4):
     """A segment exists by name only while ranks attach: catch one by having
-    rank 0 wait for a peer that cannot attach."""
+    rank 0 wait for a peer that cannot attach (4 s: the checks below take
+    milliseconds once the segment shows)."""
     before = rc.shm_entries()
     result = {}
     t = threading.Thread(target=lambda: result.update(
-        out=pool4.run(rc.creator_waits, 2, pool4.new_name("private"), 10.0, world=2)))
+        out=pool4.run(rc.creator_waits, 2, pool4.new_name("private"), 4.0, world=2)))
     t.start()
     found, deadline = set(), time.monotonic() + 30
     while not found and time.monotonic() < deadline:
