@@ -4,6 +4,7 @@ the pipelines run on pycomm communicators over subsets of the pool."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Dict, List
 
@@ -168,6 +169,40 @@ def p2p_errors(rank: int, name: str, **comm_kwargs) -> Dict[str, str]:
         catch("mismatch", lambda: comm.recv(0, out=torch.empty(3, 2)))
     comm.close()
     return out
+
+
+def p2p_sender_killed_before_the_receiver_attached(rank: int, name: str) -> Dict[str, object]:
+    """Rank 1 sends to rank 0 (creating their channel's segment and leaving
+    the message in its ring) and is killed with SIGKILL before rank 0
+    receives, so its own close never runs. Rank 0 never maps the segment;
+    its close must remove the name, which nobody else can."""
+    from harness import worker_store
+
+    comm = make_comm(rank, 2, name, timeout=30)
+    store = worker_store()
+    before = {f for f in os.listdir("/dev/shm") if f.startswith("pycomm.")}
+    if rank == 1:
+        comm.send(torch.randn(64), 0)
+        store.set(f"{name}/sent", str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    store.wait([f"{name}/sent"])
+    pid = int(store.get(f"{name}/sent"))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.01)
+    channel = sorted(f for f in os.listdir("/dev/shm") if f.startswith("pycomm.") and ".p2p." in f and f not in before)
+    comm.close()
+    return {"peer_gone": not _alive(pid), "channel": channel,
+            "left": [f for f in channel if os.path.exists("/dev/shm/" + f)]}
+
+
+def _alive(pid: int) -> bool:
+    """False once `pid` is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def p2p_abort_between_hosts(rank: int, name: str) -> Dict[str, object]:

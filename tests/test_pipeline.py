@@ -238,6 +238,23 @@ def test_pipeline_on_two_hosts_matches_single_process(pool):
     assert cases == 4 * len(pipeline_cases.SCHEDULES) * 5 * 2
 
 
+def test_a_sender_killed_before_its_receiver_attached_leaves_no_segment():
+    """kill -9 of a rank whose message waits, unread, in a channel it created:
+    the receiver's close removes the channel's name (a pool of its own, as
+    the killed worker does not come back)."""
+    pool = RankPool(2)
+    try:
+        out = pool.run_expect(pipeline_cases.p2p_sender_killed_before_the_receiver_attached, pool.new_name("p2pk"),
+                              world=2, timeout=60)
+    finally:
+        pool.close()
+    assert out[1] == ("dead", None), out[1]
+    status, r0 = out[0]
+    assert status == "ok", r0
+    assert r0["peer_gone"] and len(r0["channel"]) == 1 and r0["channel"][0].endswith(".p2p.1.0"), r0
+    assert r0["left"] == [], r0
+
+
 def test_p2p_both_directions_at_once_larger_than_the_ring(pool):
     assert pool.run(pipeline_cases.p2p_crossing_large, pool.new_name("p2px"), world=2) == [True, True]
 

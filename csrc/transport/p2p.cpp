@@ -136,6 +136,22 @@ void ShmChannels::close() {
   std::lock_guard<std::mutex> lk(mu_);
   for (auto& [key, ch] : channels_)
     if (ch.seg->attached.load() < 2) shm_unlink(ch.name.c_str());
+  // A peer killed between creating a channel with this rank (its send, or
+  // its receive posted first) and this rank mapping it leaves a name nobody
+  // else would remove. Every channel name between this rank and a peer that
+  // this rank did not map goes too: the names carry this communicator's
+  // token, and the only other process that could have mapped one is that
+  // peer, which created it and keeps its mapping.
+  const int me = shm_.rank();
+  for (int peer = 0; peer < shm_.world(); ++peer) {
+    if (peer == me) continue;
+    for (const auto& [src, dst] : {std::make_pair(peer, me), std::make_pair(me, peer)})
+      if (channels_.find({src, dst}) == channels_.end()) shm_unlink(channel_name(src, dst).c_str());
+  }
+}
+
+std::string ShmChannels::channel_name(int src, int dst) const {
+  return prefix_ + "." + std::to_string(shm_.name(src)) + "." + std::to_string(shm_.name(dst));
 }
 
 ShmChannels::Channel& ShmChannels::channel(int src, int dst, const OpContext& ctx) {
@@ -144,7 +160,7 @@ ShmChannels::Channel& ShmChannels::channel(int src, int dst, const OpContext& ct
   if (it != channels_.end()) return it->second;
 
   Channel ch;
-  ch.name = prefix_ + "." + std::to_string(shm_.name(src)) + "." + std::to_string(shm_.name(dst));
+  ch.name = channel_name(src, dst);
   ch.size = kPage + capacity_;
   // 1. Create it, or attach if the peer came first. O_EXCL and 0600 as for
   //    the collective segment: never adopt somebody else's.

@@ -134,7 +134,8 @@ class ShmChannels : public MessageChannels {
   // be another thread).
   bool await_readable(int peer, std::chrono::microseconds max_wait, const OpContext& ctx);
 
-  // Unlinks channel names a peer never mapped (it never talked to us).
+  // Unlinks channel names a peer never mapped (it never talked to us, or
+  // died first), and those of channels with this rank it never mapped.
   void close();
 
  protected:
@@ -151,6 +152,7 @@ class ShmChannels : public MessageChannels {
     std::string name;
   };
   Channel& channel(int src, int dst, const OpContext& ctx);
+  std::string channel_name(int src, int dst) const;
   template <typename Ready>
   void wait(std::atomic<uint32_t>* word, std::atomic<uint32_t>* waiters, const std::atomic<uint32_t>& peer_cpu,
             int peer, const OpContext& ctx, const char* what, Ready ready);
