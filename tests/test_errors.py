@@ -136,17 +136,19 @@ def test_killed_rank_is_named_by_every_survivor():
 
 
 # In a mount namespace of its own, one process imports torch and pycomm once
-# and, per case, mounts a small tmpfs at /dev/shm, forks two ranks that try a
+# and, per case, mounts a small tmpfs at /dev/shm, forks a store process (it
+# outlives the ranks, as torchrun's does) and two ranks that try a
 # communicator (or DeadlineAverager's shared file), then lists what is left
 # and unmounts: a launch per case (torchrun and three interpreters) took ~9 s
 # of imports for ~1 s of test.
 ROOM_DRIVER = r"""
-import json, os, signal, socket, subprocess, sys
+import json, os, signal, subprocess, sys
 import torch, torch.distributed as dist, pycomm
 
 
-def rank_main(mode):
-    dist.init_process_group("gloo")
+def rank_main(mode, rank, port):
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, is_master=False), rank=rank,
+                            world_size=2)
     try:
         if mode == "deadline":  # 1M float32 in each of 2 + 2 slots: 16 MiB
             p = torch.nn.Parameter(torch.zeros(1 << 20))
@@ -167,19 +169,27 @@ def rank_main(mode):
 out = {}
 for case, mount, mode in json.loads(sys.argv[1]):
     subprocess.run(["mount", "-t", "tmpfs", "-o", mount, "tmpfs", "/dev/shm"], check=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port_r, port_w = os.pipe()
+    stop_r, stop_w = os.pipe()
+    store_pid = os.fork()
+    if store_pid == 0:  # the store: serves until the driver closes stop_w
+        os.close(stop_w)
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        os.write(port_w, str(store.port).encode())
+        os.read(stop_r, 1)
+        os._exit(0)
+    os.close(port_w), os.close(stop_r)
+    port = int(os.read(port_r, 16))
+    os.close(port_r)
     ranks = []
     for rank in range(2):
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
-            os.close(r)
-            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(port))
+            os.close(r), os.close(stop_w)
+            os.environ["LOCAL_RANK"] = str(rank)
             try:
-                said = rank_main(mode)
+                said = rank_main(mode, rank, port)
             except BaseException as e:
                 said = f"{type(e).__name__}: {e}"
             os.write(w, said.encode())
@@ -194,6 +204,8 @@ for case, mount, mode in json.loads(sys.argv[1]):
         if os.WIFSIGNALED(status):
             text += f" [killed by {signal.Signals(os.WTERMSIG(status)).name}]"
         said.append(text)
+    os.close(stop_w)
+    os.waitpid(store_pid, 0)
     out[case] = {"said": said, "left": sorted(os.listdir("/dev/shm"))}
     subprocess.run(["umount", "/dev/shm"], check=True)
 print("ROOM " + json.dumps(out), flush=True)
