@@ -73,7 +73,7 @@ def check_reduction(out: torch.Tensor, xs: List[torch.Tensor], op: str, dtype: t
     return None
 
 
-def sweep(rank: int, world: int, name: str, coll: str, algos: List[str], dtypes: Optional[List[torch.dtype]] = None,
+def sweep(rank: int, world: int, name: str, coll: str, algos: List[str], dtypes: List[torch.dtype] = DTYPES,
           **comm_kwargs) -> List[Tuple[str, Optional[str], str]]:
     """Runs every (algorithm, dtype, count, op) case of one collective (the
     dtypes of ``dtypes``, default all); returns (case, error or None, digest
@@ -84,7 +84,7 @@ def sweep(rank: int, world: int, name: str, coll: str, algos: List[str], dtypes:
     comm = make_comm(rank, world, name, **kwargs)
     results = []
     for algo in algos:
-        results += sweep_on(comm, rank, world, coll, algo, seed=len(results), dtypes=dtypes or DTYPES)
+        results += sweep_on(comm, rank, world, coll, algo, seed=len(results), dtypes=dtypes)
     comm.close()
     return results
 

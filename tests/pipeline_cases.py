@@ -197,12 +197,11 @@ def p2p_sender_killed_before_the_receiver_attached(rank: int, name: str) -> Dict
 
 
 def _alive(pid: int) -> bool:
-    """False once `pid` is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    """False once `pid` is gone or a zombie (its state read as the bootstrap reads it)."""
+    from pycomm.bootstrap import _proc_stat
+
+    stat = _proc_stat(pid)
+    return stat is not None and stat[0] != "Z"
 
 
 def p2p_abort_between_hosts(rank: int, name: str) -> Dict[str, object]:
