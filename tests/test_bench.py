@@ -42,20 +42,32 @@ def test_sweep_table_json_and_plot(tmp_path):
     assert png.stat().st_size > 10_000
 
 
-@pytest.mark.parametrize("collective", ["reduce_scatter", "all_gather", "broadcast"])
-def test_other_collectives_under_torchrun(collective, tmp_path):
+def test_other_collectives_under_torchrun(tmp_path):
+    """Three collectives in one torchrun launch (-c takes a list): a table
+    each, every row checked, busbw by each collective's factor."""
     out = tmp_path / "rows.json"
-    r = bench("-c", collective, "-b", "4K", "-e", "64K", "-f", "16", "-d", "bfloat16", "--json", str(out),
+    colls = ["reduce_scatter", "all_gather", "broadcast"]
+    r = bench("-c", ",".join(colls), "-b", "4K", "-e", "64K", "-f", "16", "-d", "bfloat16", "--json", str(out),
               launcher=(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
                         "-m", "pycomm.bench"))
     assert r.returncode == 0, r.stdout + r.stderr
+    assert [line.split(",")[0] for line in r.stdout.splitlines() if line.startswith("# pycomm-bench: ")] == \
+        [f"# pycomm-bench: {c}" for c in colls], r.stdout
     rows = json.loads(out.read_text())
     assert {row["nranks"] for row in rows} == {3}
     assert all(row["wrong"] == 0 for row in rows)
-    factor = 1.0 if collective == "broadcast" else 2 / 3
-    for row in rows:
-        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * factor)
-    assert "tree" not in {row["algorithm"] for row in rows} or collective == "broadcast"
+    for coll in colls:
+        mine = [row for row in rows if row["collective"] == coll]
+        # 4K and 64K (whole blocks per rank), pycomm's algorithms and gloo's row at each.
+        assert len({row["size_bytes"] for row in mine}) == 2, coll
+        assert {row["backend"] for row in mine} == {"pycomm", "gloo"}, coll
+        factor = 1.0 if coll == "broadcast" else 2 / 3
+        for row in mine:
+            assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * factor)
+        assert ("tree" in {row["algorithm"] for row in mine}) == (coll == "broadcast"), coll
+        # The summary compares each collective with its own baseline.
+        best = [line for line in r.stdout.splitlines() if line.startswith(f"# {coll} ") and ": best " in line]
+        assert len(best) == 2 and all("gloo" in line for line in best), r.stdout
 
 
 # A rank as torchrun starts one; once the benchmark returned, it lists the
@@ -179,6 +191,12 @@ def test_compressed_check_catches_a_wrong_result(monkeypatch):
     (["-d", "complex64"], "unknown dtype"),
     (["-b", "12Q"], "bad size"),
     (["--deepspeed", "-o", "max"], "op sum on float32, bfloat16 or float16 only"),
+    (["--deepspeed", "-c", "all_reduce,broadcast"], "op sum on float32, bfloat16 or float16 only"),
+    (["-c", "all_reduce,allgather"], "unknown collective 'allgather'"),
+    (["-c", "all_reduce,all_reduce"], "names each collective once"),
+    (["-c", ","], "names each collective once"),
+    (["-c", "all", "--plot", "x.png"], "--plot draws one collective"),
+    (["-c", "all", "--compression", "int8"], "-c all_reduce only"),
 ])
 def test_bad_options(args, words, capsys):
     """Refused before any rank starts; in this process (a CLI run per case

@@ -10,7 +10,7 @@ import os
 import platform
 import socket
 import sys
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from .._env import parse_size as parse_bytes
 from .report import HEADER, format_size, plot, summary, write_json
@@ -40,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("1K"), help="smallest size (default 1K)")
     p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"), help="largest size (default 64M)")
     p.add_argument("-f", "--stepfactor", type=int, default=4, help="multiply the size by this each step (default 4)")
-    p.add_argument("-c", "--collective", choices=COLLECTIVES, default="all_reduce")
+    p.add_argument("-c", "--collective", default="all_reduce",
+                   help=f"comma-separated collectives ({', '.join(COLLECTIVES)}) or all: one table each, in one "
+                        "launch (default all_reduce)")
     p.add_argument("-a", "--algorithms", default="ring,tree,direct,auto",
                    help="comma-separated pycomm algorithms (ring, tree, direct, hierarchical, auto), "
                         "and c10d: dist.* calls on a \"pycomm\" process group")
@@ -68,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def validate(args: argparse.Namespace) -> List[str]:
+def validate(args: argparse.Namespace) -> Dict[str, List[str]]:
+    """The algorithms to run per collective, in the order asked; SystemExit
+    naming what is wrong with the options."""
     from .runner import DTYPES
 
     if args.dtype not in DTYPES:
@@ -85,31 +89,51 @@ def validate(args: argparse.Namespace) -> List[str]:
         raise SystemExit("pycomm-bench: -w must not be negative")
     if not math.isfinite(args.timeout) or args.timeout <= 0:
         raise SystemExit("pycomm-bench: --timeout must be a number of seconds above 0")
-    algos = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    for a in algos:
+    colls = collectives(args)
+    if args.plot and len(colls) > 1:
+        raise SystemExit("pycomm-bench: --plot draws one collective: run once per collective")
+    asked = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    for a in asked:
         if a not in ALGOS:
             raise SystemExit(f"pycomm-bench: unknown algorithm {a!r} (use {', '.join(ALGOS)})")
-    if args.collective in ("reduce_scatter", "all_gather") and "tree" in algos:
-        algos.remove("tree")  # no tree schedule for these (the header lists what runs)
-    if args.collective == "all_to_all":
-        # One algorithm (every block reaches its owner in one step): one row.
-        algos = ["auto"] + (["c10d"] if "c10d" in algos else [])
     if args.op == "avg" and not DTYPES[args.dtype].is_floating_point:
         raise SystemExit("pycomm-bench: avg needs a floating-point dtype")
-    if args.deepspeed and (args.collective != "all_reduce" or args.op != "sum"
+    if args.deepspeed and (colls != ["all_reduce"] or args.op != "sum"
                            or args.dtype not in ("float32", "float", "bfloat16", "float16", "half")):
         raise SystemExit("pycomm-bench: --deepspeed times DeepSpeed's shared-memory all-reduce, which does "
                          "all_reduce with op sum on float32, bfloat16 or float16 only")
-    codecs(args)
-    return algos
+    plan = {}
+    for coll in colls:
+        algos = list(asked)
+        if coll in ("reduce_scatter", "all_gather") and "tree" in algos:
+            algos.remove("tree")  # no tree schedule for these (the header lists what runs)
+        if coll == "all_to_all":
+            # One algorithm (every block reaches its owner in one step): one row.
+            algos = ["auto"] + (["c10d"] if "c10d" in algos else [])
+        codecs(args, coll)
+        plan[coll] = algos
+    return plan
 
 
-def codecs(args: argparse.Namespace) -> list:
-    """The --compression codecs (pycomm.Int8(), ...), or SystemExit naming what is wrong."""
+def collectives(args: argparse.Namespace) -> List[str]:
+    """-c as a list: comma-separated names, or all."""
+    text = args.collective.strip()
+    names = COLLECTIVES if text == "all" else [c.strip() for c in text.split(",") if c.strip()]
+    for c in names:
+        if c not in COLLECTIVES:
+            raise SystemExit(f"pycomm-bench: unknown collective {c!r} (use {', '.join(COLLECTIVES)}, or all)")
+    if not names or len(set(names)) != len(names):
+        raise SystemExit(f"pycomm-bench: -c names each collective once (got {args.collective!r})")
+    return names
+
+
+def codecs(args: argparse.Namespace, collective: str) -> list:
+    """The --compression codecs (pycomm.Int8(), ...) for one collective, or
+    SystemExit naming what is wrong."""
     from .compressed import check_options
     from .runner import DTYPES
 
-    return check_options([s for s in (args.compression or "").split(",") if s.strip()], args.collective, args.op,
+    return check_options([s for s in (args.compression or "").split(",") if s.strip()], collective, args.op,
                          DTYPES[args.dtype])
 
 
@@ -121,7 +145,8 @@ def sizes(args: argparse.Namespace) -> List[int]:
     return out
 
 
-def _rank_main(rank: int, world: int, port: Optional[int], args: argparse.Namespace, algos: List[str]) -> None:
+def _rank_main(rank: int, world: int, port: Optional[int], args: argparse.Namespace,
+               plan: Dict[str, List[str]]) -> None:
     import torch
     import torch.distributed as dist
 
@@ -146,27 +171,39 @@ def _rank_main(rank: int, world: int, port: Optional[int], args: argparse.Namesp
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(60, args.timeout)))
     rank, world = dist.get_rank(), dist.get_world_size()
     comm = pycomm.Communicator(timeout=args.timeout, bind_cores=args.bind_cores or None)
+    deepspeed = None
+    if args.deepspeed:
+        from .deepspeed_shm import setup
+
+        deepspeed = setup(comm.local_size)
+    c10d_group = None
+    if any("c10d" in algos for algos in plan.values()):
+        c10d_group = dist.new_group(backend="pycomm", timeout=datetime.timedelta(seconds=args.timeout))
+    rows: Optional[list] = [] if rank == 0 else None
     if rank == 0:
-        print(f"# pycomm-bench: {args.collective}, {world} ranks, dtype {args.dtype}, op {args.op}, "
-              f"algorithms {','.join(algos)}{', compression ' + args.compression if args.compression else ''}, "
-              f"baseline {'none' if args.no_baseline else dist.get_backend()}"
-              f"{' and deepspeed-shm' if args.deepspeed else ''}")
-        print(f"# host {socket.gethostname()} ({platform.machine()}, {os.cpu_count()} cpus), torch {torch.__version__}, "
-              f"pycomm {pycomm.__version__}, shm round {format_size(comm.round_bytes)}B, "
+        print(f"# host {socket.gethostname()} ({platform.machine()}, {os.cpu_count()} cpus), "
+              f"torch {torch.__version__}, pycomm {pycomm.__version__}, shm round {format_size(comm.round_bytes)}B, "
               f"hosts {comm.num_hosts} x local ranks {comm.local_size}, transport {comm.transport}, "
               f"cores {'bound: rank 0 on ' + str(comm.cpus) if comm.cpus else 'not bound'}")
         print("# time: median per call of the slowest rank; busbw = algbw x nccl-tests factor; "
               "#wrong: elements off the closed-form result")
-        print(HEADER, flush=True)
-    cfg = BenchConfig(args.collective, sizes(args), algos, args.dtype, args.op, args.iters, args.warmup,
-                      not args.no_baseline, registered=args.registered, codecs=codecs(args))
-    if args.deepspeed:
-        from .deepspeed_shm import setup
-
-        cfg.deepspeed = setup(comm.local_size)
-    if "c10d" in algos:
-        cfg.c10d_group = dist.new_group(backend="pycomm", timeout=datetime.timedelta(seconds=args.timeout))
-    rows = run_rank(cfg, comm)
+    # One table per collective, each under its own header (what one
+    # nccl-tests binary per collective prints); the summary and the #wrong
+    # total cover them all.
+    for coll, algos in plan.items():
+        if rank == 0:
+            print(f"# pycomm-bench: {coll}, {world} ranks, dtype {args.dtype}, op {args.op}, "
+                  f"algorithms {','.join(algos)}{', compression ' + args.compression if args.compression else ''}, "
+                  f"baseline {'none' if args.no_baseline else dist.get_backend()}"
+                  f"{' and deepspeed-shm' if args.deepspeed else ''}")
+            print(HEADER, flush=True)
+        cfg = BenchConfig(coll, sizes(args), algos, args.dtype, args.op, args.iters, args.warmup,
+                          not args.no_baseline, registered=args.registered, codecs=codecs(args, coll))
+        cfg.deepspeed = deepspeed
+        cfg.c10d_group = c10d_group if "c10d" in algos else None
+        got = run_rank(cfg, comm)
+        if rows is not None and got is not None:
+            rows += got
     if rank == 0 and rows is not None:
         print("#")
         for line in summary(rows):
@@ -177,7 +214,7 @@ def _rank_main(rank: int, world: int, port: Optional[int], args: argparse.Namesp
             write_json(rows, args.json)
             print(f"# wrote {args.json}")
         if args.plot:
-            plot(rows, args.plot, title=f"{args.collective}, {world} ranks, {args.dtype}")
+            plot(rows, args.plot, title=f"{next(iter(plan))}, {world} ranks, {args.dtype}")
             print(f"# wrote {args.plot}")
     comm.close()
     dist.barrier()
@@ -186,16 +223,16 @@ def _rank_main(rank: int, world: int, port: Optional[int], args: argparse.Namesp
         sys.exit(3)
 
 
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, algos: List[str]) -> None:
-    _rank_main(rank, world, port, args, algos)
+def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, plan: Dict[str, List[str]]) -> None:
+    _rank_main(rank, world, port, args, plan)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     args = build_parser().parse_args(argv)
-    algos = validate(args)
+    plan = validate(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        _rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, args, algos)
+        _rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, args, plan)
         return
     import torch.multiprocessing as mp
 
@@ -203,7 +240,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     try:
-        mp.start_processes(_spawned, args=(args.nproc, port, args, algos), nprocs=args.nproc,
+        mp.start_processes(_spawned, args=(args.nproc, port, args, plan), nprocs=args.nproc,
                            start_method="spawn")
     except mp.ProcessExitedException as e:
         raise SystemExit(f"pycomm-bench: rank {e.error_index} exited with code {e.exit_code}") from None

@@ -35,27 +35,32 @@ def format_row(row: Dict) -> str:
 
 
 def summary(rows: List[Dict]) -> List[str]:
-    """Per size: the best exact pycomm algorithm and its ratio to the baseline,
-    and the fastest compressed all-reduce (lossy: never called the best)."""
+    """Per collective and size: the best exact pycomm algorithm and its ratio
+    to the baseline, and the fastest compressed all-reduce (lossy: never
+    called the best). Lines name their collective when the rows hold several."""
     lines = []
-    sizes = sorted({r["size_bytes"] for r in rows})
-    for size in sizes:
-        mine = [r for r in rows if r["size_bytes"] == size and r["backend"] == "pycomm"]
-        base = [r for r in rows if r["size_bytes"] == size and r["backend"] not in ("pycomm", "memcpy")]
-        exact = [r for r in mine if "compression" not in r]
-        lossy = [r for r in mine if "compression" in r]
-        for kind, group in (("best", exact), ("compressed", lossy)):
-            if not group:
-                continue
-            best = min(group, key=lambda r: r["time_us"])
-            text = (f"{format_size(size):>6}: {kind} {best['label']:<26} {best['time_us']:10.1f} us "
-                    f"{best['algbw_gbps']:7.3f} GB/s algbw")
-            if kind == "compressed":
-                text += f", {best['plain_bytes'] / max(best['wire_bytes'], 1):.1f}x fewer bytes sent"
-            if base:
-                b = base[0]
-                text += f"   {b['backend']} {b['time_us']:10.1f} us   speedup {b['time_us'] / best['time_us']:6.2f}x"
-            lines.append(text)
+    colls = list(dict.fromkeys(r["collective"] for r in rows))
+    for coll in colls:
+        name = f"{coll} " if len(colls) > 1 else ""
+        of_coll = [r for r in rows if r["collective"] == coll]
+        for size in sorted({r["size_bytes"] for r in of_coll}):
+            mine = [r for r in of_coll if r["size_bytes"] == size and r["backend"] == "pycomm"]
+            base = [r for r in of_coll if r["size_bytes"] == size and r["backend"] not in ("pycomm", "memcpy")]
+            exact = [r for r in mine if "compression" not in r]
+            lossy = [r for r in mine if "compression" in r]
+            for kind, group in (("best", exact), ("compressed", lossy)):
+                if not group:
+                    continue
+                best = min(group, key=lambda r: r["time_us"])
+                text = (f"{name}{format_size(size):>6}: {kind} {best['label']:<26} {best['time_us']:10.1f} us "
+                        f"{best['algbw_gbps']:7.3f} GB/s algbw")
+                if kind == "compressed":
+                    text += f", {best['plain_bytes'] / max(best['wire_bytes'], 1):.1f}x fewer bytes sent"
+                if base:
+                    b = base[0]
+                    text += (f"   {b['backend']} {b['time_us']:10.1f} us   "
+                             f"speedup {b['time_us'] / best['time_us']:6.2f}x")
+                lines.append(text)
     return lines
 
 
