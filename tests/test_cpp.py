@@ -18,7 +18,7 @@ CSRC = ROOT / "csrc"
 TESTS = sorted((ROOT / "tests" / "cpp").glob("*.cpp"))
 # PYCOMM_RACE_WINDOWS: a test may widen the hand-overs between threads
 # (csrc/core/race_window.h) by setting PYCOMM_RACE_WINDOW_US itself.
-FLAGS = ["-std=c++17", "-O1", "-g", "-fsanitize=thread", "-Wall", "-DPYCOMM_RACE_WINDOWS", f"-I{CSRC}"]
+FLAGS = ["-std=c++17", "-O1", "-g1", "-fsanitize=thread", "-Wall", "-DPYCOMM_RACE_WINDOWS", f"-I{CSRC}"]
 
 
 

@@ -50,12 +50,16 @@ def test_info_describes_each_communicator_into_a_file_per_rank(tmp_path):
 
 def test_unset_leaves_logging_alone_and_a_bad_level_is_named():
     code = "import logging, pycomm; print(logging.getLogger('pycomm').level, len(logging.getLogger('pycomm').handlers))"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYCOMM_DEBUG")}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
-    assert r.returncode == 0 and r.stdout.split() == ["0", "0"], r.stdout + r.stderr
-    r = run({"PYCOMM_DEBUG": "loud"}, "-c", code)
-    assert r.returncode == 0 and r.stdout.split() == ["0", "0"], r.stdout + r.stderr
-    assert "PYCOMM_DEBUG='LOUD' is not one of WARN" in r.stderr
     again = code.replace("import logging, pycomm;", "import logging, pycomm; pycomm._debug.configure_from_env();")
-    r = run({"PYCOMM_DEBUG": "DEBUG"}, "-c", again)  # configured at import, then once more: one handler
-    assert r.stdout.split() == [str(logging.DEBUG), "1"], r.stdout + r.stderr
+    unset = {k: v for k, v in os.environ.items() if not k.startswith("PYCOMM_DEBUG")}
+    # Three fresh processes at once (each pays torch's imports).
+    procs = [subprocess.Popen([sys.executable, "-c", source], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**unset, "PYTHONUNBUFFERED": "1", **env})
+             for source, env in ((code, {}), (code, {"PYCOMM_DEBUG": "loud"}),
+                                 # configured at import, then once more: one handler
+                                 (again, {"PYCOMM_DEBUG": "DEBUG"}))]
+    (out0, err0), (out1, err1), (out2, err2) = (p.communicate(timeout=60) for p in procs)
+    assert procs[0].returncode == 0 and out0.split() == ["0", "0"], out0 + err0
+    assert procs[1].returncode == 0 and out1.split() == ["0", "0"], out1 + err1
+    assert "PYCOMM_DEBUG='LOUD' is not one of WARN" in err1
+    assert out2.split() == [str(logging.DEBUG), "1"], out2 + err2
