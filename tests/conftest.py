@@ -24,9 +24,9 @@ def torch_free_objects(tmp_path_factory):
     with the CUDA files): -O0 -fPIC -Wall -Wextra -Werror, no include path.
     {source path: (returncode, stderr, object path)}."""
     import shutil
-    import subprocess
-    from concurrent.futures import ThreadPoolExecutor
     from pathlib import Path
+
+    from harness import compile_all
 
     if shutil.which("g++") is None:
         pytest.skip("needs g++")
@@ -34,16 +34,10 @@ def torch_free_objects(tmp_path_factory):
     srcs = [p for layer in ("core", "kernels", "algorithms", "transport", "compression")
             for p in sorted((csrc / layer).rglob("*.cpp"))]
     out = tmp_path_factory.mktemp("torch-free-objects")
-
-    def one(i_src):
-        i, src = i_src
-        obj = out / f"{i}.o"
-        r = subprocess.run(["g++", "-std=c++17", "-c", "-O0", "-fPIC", "-Wall", "-Wextra", "-Werror", str(src), "-o",
-                            str(obj)], capture_output=True, text=True)
-        return src, (r.returncode, r.stderr, str(obj))
-
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        return dict(pool.map(one, enumerate(srcs)))
+    objs = [str(out / f"{i}.o") for i in range(len(srcs))]
+    results = compile_all([["g++", "-std=c++17", "-c", "-O0", "-fPIC", "-Wall", "-Wextra", "-Werror", str(src), "-o",
+                            obj] for src, obj in zip(srcs, objs)])
+    return {src: (rc, err, obj) for src, obj, (rc, err) in zip(srcs, objs, results)}
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def compile_all(cmds: Sequence[Sequence[str]], inputs: Optional[Sequence[str]] = None,
+                cwd: Optional[str] = None) -> List[Tuple[int, str]]:
+    """Runs compiler commands side by side, one per core (each given its
+    ``inputs`` entry on stdin, if any): (returncode, stderr) per command, in
+    order. The C++ and CUDA build checks compile dozens of files this way."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> Tuple[int, str]:
+        r = subprocess.run(list(cmds[i]), input=inputs[i] if inputs else None, capture_output=True, text=True,
+                           cwd=cwd)
+        return r.returncode, r.stderr
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        return list(pool.map(one, range(len(cmds))))
 
 
 def run_script(name: str, *args: str, timeout: float) -> str:

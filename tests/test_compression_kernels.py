@@ -6,7 +6,6 @@ import os
 import re
 import shutil
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ import pycomm
 from pycomm import compression as C
 
 from collective_cases import reduce_ops, reduce_reference
+from harness import compile_all
 
 torch.set_num_threads(1)
 
@@ -516,16 +516,6 @@ CUDA_FILES = sorted(glob.glob(os.path.join(ROOT, "csrc", "**", "*.cu"), recursiv
 HAS_NVCC = shutil.which("nvcc") is not None
 
 
-def _compile_all(cmds):
-    """Runs the compile commands side by side, one per core: [(returncode, stderr)]."""
-    def one(cmd):
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        return r.returncode, r.stderr
-
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        return list(pool.map(one, cmds))
-
-
 # The device code nvcc makes, as PTX: one virtual architecture per path the
 # sources choose by __CUDA_ARCH__, starting from the lowest supported one
 # (Ampere's: an unguarded Hopper-only feature fails there). CI checks that
@@ -582,7 +572,7 @@ def cuda_objects(tmp_path_factory):
     cmds = [["nvcc", "-c", "-std=c++17", "-O2", "-Xcompiler", "-fPIC", "-I", os.path.join(ROOT, "csrc"), *GENCODES,
              src, "-o", obj]
             for src, obj in zip(CUDA_FILES, objs)]
-    return {src: (rc, err, obj) for src, obj, (rc, err) in zip(CUDA_FILES, objs, _compile_all(cmds))}
+    return {src: (rc, err, obj) for src, obj, (rc, err) in zip(CUDA_FILES, objs, compile_all(cmds))}
 
 
 @pytest.mark.skipif(not HAS_NVCC, reason="nvcc not installed")

@@ -8,10 +8,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from harness import compile_all
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
@@ -44,15 +45,12 @@ def library_sources():
 @pytest.fixture(scope="module")
 def objects(tmp_path_factory):
     build = tmp_path_factory.mktemp("cpp")
-
-    def compile_one(src: Path) -> Path:
-        obj = build / (str(src.relative_to(CSRC)).replace("/", "_") + ".o")
-        r = subprocess.run(["g++", *FLAGS, "-c", str(src), "-o", str(obj)], capture_output=True, text=True)
-        assert r.returncode == 0, f"{src}:\n{r.stderr}"
-        return obj
-
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        return build, list(pool.map(compile_one, library_sources()))
+    srcs = library_sources()
+    objs = [build / (str(src.relative_to(CSRC)).replace("/", "_") + ".o") for src in srcs]
+    results = compile_all([["g++", *FLAGS, "-c", str(src), "-o", str(obj)] for src, obj in zip(srcs, objs)])
+    for src, (rc, err) in zip(srcs, results):
+        assert rc == 0, f"{src}:\n{err}"
+    return build, objs
 
 
 @pytest.mark.parametrize("test", TESTS, ids=[t.stem for t in TESTS])

@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Set
 
 import pytest
+
+from harness import compile_all
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 LAYERS = ["core", "kernels", "algorithms", "transport", "compression", "torch"]
@@ -95,18 +95,12 @@ def test_torch_free_layers_compile_alone_without_warnings(torch_free_objects):
     included) cannot hide in these layers. The .cpp files are compiled once
     for this and the link check (conftest's torch_free_objects, same flags)."""
     flags = ["-std=c++17", "-c", "-o", os.devnull, "-Wall", "-Wextra", "-Werror", "-x", "c++", "-"]
-
-    def check(path: Path) -> str:
-        if path.suffix == ".cpp":
-            rc, err, _ = torch_free_objects[path]
-        else:  # a header, through a unit that includes it, as users do
-            r = subprocess.run(["g++", *flags], input=f'#include "{path}"\n', capture_output=True, text=True,
-                               cwd=str(CSRC))
-            rc, err = r.returncode, r.stderr
-        return "" if rc == 0 else f"{path.relative_to(CSRC)}:\n{err}"
-
     units = torch_free_units()
     assert {p for p in units if p.suffix == ".cpp"} == set(torch_free_objects)
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        failures = [f for f in pool.map(check, units) if f]
+    # A header compiles through a unit that includes it, as users do.
+    headers = [p for p in units if p.suffix != ".cpp"]
+    results = dict(zip(headers, compile_all([["g++", *flags]] * len(headers),
+                                            inputs=[f'#include "{h}"\n' for h in headers], cwd=str(CSRC))))
+    results.update({p: (rc, err) for p, (rc, err, _) in torch_free_objects.items()})
+    failures = [f"{p.relative_to(CSRC)}:\n{results[p][1]}" for p in units if results[p][0] != 0]
     assert not failures, "\n".join(failures)
