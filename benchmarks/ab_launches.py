@@ -35,7 +35,11 @@ def launch(checkout: str, bench_args: List[str]) -> List[dict]:
             raise SystemExit(f"pycomm-bench failed in {checkout}:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
         with open(out) as f:
             data = json.load(f)
-    return data["rows"] if isinstance(data, dict) else data
+    rows = data["rows"] if isinstance(data, dict) else data
+    if len({r.get("collective") for r in rows}) > 1:
+        # Rows are compared by size and label, which several collectives share.
+        raise SystemExit("give pycomm-bench one collective (-c NAME): its rows are compared by size and algorithm")
+    return rows
 
 
 def main() -> int:

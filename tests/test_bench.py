@@ -397,3 +397,27 @@ def test_ddp_hooks_summarize_launches(tmp_path):
     # int8: 30 / 50 / 80 ms; speed-ups 2.0, 1.5, 3.0 -> median 2.00x; losses 0.5, 1.5, 2.5 -> 1.5
     assert "| int8 | 30.0 / 50.0 / 80.0 | 2.00x | 1.5000 |" in out, out
     assert "| torch-bf16 | 90.0 / 100.0 / 120.0 | 1.00x | 1.5000 |" in out, out
+
+
+def test_launch_tools_refuse_rows_of_several_collectives(monkeypatch, tmp_path):
+    """benchmarks/ab_launches.py and launch_spread.py compare rows by size and
+    algorithm, which several collectives share: a sweep of more than one
+    (-c a,b) is refused, not mixed."""
+    bench_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    monkeypatch.syspath_prepend(bench_dir)
+    import ab_launches
+
+    def fake_run(cmd, **kwargs):
+        out = cmd[cmd.index("--json") + 1]
+        rows = [dict(collective=c, size_bytes=1024, label="ring", backend="pycomm", time_us=1.0)
+                for c in written]
+        with open(out, "w") as f:
+            json.dump(rows, f)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(ab_launches.subprocess, "run", fake_run)
+    written = ["all_reduce"]
+    assert [r["collective"] for r in ab_launches.launch(str(tmp_path), ["-c", "all_reduce"])] == ["all_reduce"]
+    written = ["all_reduce", "broadcast"]
+    with pytest.raises(SystemExit, match="one collective"):
+        ab_launches.launch(str(tmp_path), ["-c", "all_reduce,broadcast"])
