@@ -23,9 +23,9 @@ an admission), go on as a member. At least ``--min-world`` ranks stay alive.
 Checked: every step, every rank's parameters and optimizer state hashed
 (sha256) and sent to the driver in batches: all ranks that completed step s
 must agree bitwise; at the end: accuracy within 1 point of the same training
-without failures (run after the soak, in the same invocation), nothing of pycomm's left
-in /dev/shm, no process left running, and recovery (a failure to the step
-that every survivor completed next) min / median / max.
+without failures (run after the soak, in the same invocation), nothing of
+pycomm's left in /dev/shm, no process left running, and recovery (a failure
+to the step that every survivor completed next) min / median / max.
 
 When nothing happens for ``--stall-s`` seconds (no step, no process changing
 state, before or after the last step) the driver asks every live rank for its
