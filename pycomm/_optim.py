@@ -14,15 +14,11 @@ sync schedule falls behind the others' and its syncs meet other steps'.
 """
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from typing import Any, Dict, List
 
 import torch
-
-try:
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # a torch without distributed tensors
-    _DTensor = None
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -30,7 +26,12 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     itself. The wrappers average what ranks hold: with FSDP2 sharding a model
     within a group and a wrapper averaging between groups, ranks of the same
     place in their groups hold the same shards."""
-    return t.to_local() if _DTensor is not None and isinstance(t, _DTensor) else t
+    # Looked up, not imported: importing torch.distributed.tensor pulls in
+    # sympy (~0.9 s of every rank's start, most of importing pycomm), and no
+    # tensor can be a DTensor before something imported that module.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(dtensor, "DTensor", None)
+    return t.to_local() if cls is not None and isinstance(t, cls) else t
 
 
 _HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
