@@ -8,7 +8,8 @@ so is a module reading a name from a package's ``__init__`` (``from . import
 x`` where x is not a module): a module that does so from its own package
 closes a cycle.
 
-No build needed: the sources are parsed, not imported.
+No build needed: the sources are parsed, not imported (but for the last test,
+which imports pycomm in a fresh process to see what it pulls in).
 """
 from __future__ import annotations
 
@@ -164,3 +165,18 @@ def test_the_layers_point_one_way():
         assert not reaches(low, "pycomm.elastic"), f"{low} reaches pycomm.elastic"
     for family in ("plain", "compressed", "stale", "local_sgd", "state"):
         assert not reaches("pycomm.hooks.policy", f"pycomm.hooks.{family}")
+
+
+def test_importing_pycomm_leaves_the_heavy_torch_modules_alone():
+    """Every rank imports pycomm at its start: ``torch.distributed.tensor``
+    (and sympy with it, ~0.9 s) is looked up when a DTensor may be there, not
+    imported."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pycomm, pycomm.hooks, pycomm.elastic, pycomm.diloco; "
+            "print(sorted(m for m in ('torch.distributed.tensor', 'sympy', 'torch._dynamo') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=str(PACKAGE.parent))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "[]", r.stdout
