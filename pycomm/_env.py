@@ -57,8 +57,12 @@ def check_whole(value: object, what: str, *, minimum: int) -> int:
         n = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         raise CommError(f"pycomm: {what}={value!r} is not a whole number") from None
+    return _at_least(n, minimum, what, value)
+
+
+def _at_least(n: int, minimum: int, what: str, given: object) -> int:
     if n < minimum:
-        raise CommError(f"pycomm: {what}={value!r} must be at least {minimum}")
+        raise CommError(f"pycomm: {what}={given!r} must be at least {minimum}")
     return n
 
 
@@ -82,9 +86,7 @@ def whole(name: str, default: Optional[int], *, minimum: int) -> Optional[int]:
         n = int(value)
     except ValueError:
         raise CommError(f"pycomm: {name}={value!r} is not a whole number") from None
-    if n < minimum:
-        raise CommError(f"pycomm: {name}={value!r} must be at least {minimum}")
-    return n
+    return _at_least(n, minimum, name, value)
 
 
 def parse_size(text: str) -> int:
