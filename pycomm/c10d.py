@@ -27,7 +27,8 @@ What runs where:
   int8/16, unsigned, complex, float8 ... Reductions take the dtypes Gloo
   reduces (floating, int8, uint8, int32, int64, bool) with SUM, AVG
   (floating), PRODUCT, MIN, MAX and, on integral and bool tensors, BAND, BOR
-  and BXOR. PREMUL_SUM raises an error naming it, on every rank.
+  and BXOR; PREMUL_SUM (NCCL's scaled sum, FSDP2's gradient divide factor)
+  on floating tensors: each rank's input times its own factor, then SUM.
 - Tensors that are not contiguous (transposed, channels_last, strided
   views) travel through a contiguous copy: exact results whatever the
   layout, also when ranks' layouts differ (Gloo reads their memory as if

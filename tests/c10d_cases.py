@@ -231,9 +231,10 @@ def api(rank: int, world: int) -> Dict[str, object]:
     got = work.result()[0] if work.result() else sp
     out["sparse all_reduce"] = torch.allclose(got.to_dense(), sum(dense))
 
-    # PREMUL_SUM is the one op left: every rank raises, naming it; the group stays usable.
+    # PREMUL_SUM on an integral tensor (NCCL's scaled sum takes floating ones):
+    # every rank raises, naming it; the group stays usable.
     try:
-        dist.all_reduce(torch.ones(3), op=dist._make_nccl_premul_sum(2.0), group=g)
+        dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist._make_nccl_premul_sum(2.0), group=g)
         out["PREMUL_SUM"] = "no error"
     except RuntimeError as e:
         out["PREMUL_SUM"] = f"{type(e).__name__}: {e}"
@@ -353,6 +354,103 @@ def dtypes(rank: int, world: int) -> Dict[str, object]:
     usable = torch.equal(t, torch.full((4,), float(world)))
     dist.destroy_process_group(g)
     return {"failures": failures, "checked": checked, "refusals": refusals, "usable": usable}
+
+
+def premul_sum(rank: int, world: int) -> Dict[str, object]:
+    """ReduceOp.PREMUL_SUM (NCCL's scaled sum: each rank's input times its own
+    factor, then a sum) through every reducing call, with a number and a
+    one-element tensor as the factor, floating dtypes. Each result equals,
+    bit for bit, SUM over inputs the test scaled itself, and the closed form
+    (float64) within the dtype's rounding; the caller's input is unchanged
+    where the call does not write it. Returns failures, checks and refusals."""
+    g = _group(world)
+    if g is None:
+        return {}
+    seed = 4040 + world
+    failures: List[str] = []
+    checked = 0
+    root = world - 1
+    factor = lambda r: 0.5 + 0.25 * r  # noqa: E731  (a different factor per rank, exact in every dtype)
+    for i, dt in enumerate(FLOAT_DTYPES):
+        for as_tensor in (False, True):
+            n = 5 * world + i
+            xs = [make_input(seed + 10 * i, r, n, dt) for r in range(world)]
+            scaled = [(x * factor(r)).to(dt) for r, x in enumerate(xs)]
+            f = torch.tensor([factor(rank)], dtype=dt if as_tensor and i % 2 else torch.float64)
+            op = dist._make_nccl_premul_sum(f if as_tensor else factor(rank))
+            tol = dict(rtol=2e-2 if dt in (torch.float16, torch.bfloat16) else 1e-5, atol=1e-3)
+            want = sum(x.double() for x in scaled)
+            results = {}
+
+            def same(call, got, ref, part=slice(None)):
+                # `ref`: this call with SUM over the inputs scaled here (the same bits expected).
+                results[call] = (got.dtype == dt and torch.equal(got, ref)
+                                 and torch.allclose(got.double(), want[part], **tol))
+
+            t, ref = xs[rank].clone(), scaled[rank].clone()
+            dist.all_reduce(t, op=op, group=g)
+            dist.all_reduce(ref, group=g)
+            same("all_reduce", t, ref)
+            wide = torch.stack([xs[rank], xs[rank]], 1)[:, 0]  # not contiguous: through the contiguous copy
+            dist.all_reduce(wide, op=op, group=g)
+            same("all_reduce strided", wide, ref)
+            t, ref = xs[rank].clone(), scaled[rank].clone()
+            dist.reduce(t, dst=root, op=op, group=g)
+            dist.reduce(ref, dst=root, group=g)
+            if rank == root:
+                same("reduce", t, ref)
+            else:
+                results["reduce"] = torch.equal(t, xs[rank])  # the caller's tensor, untouched
+            k = n // world
+            mine = xs[rank][:k * world].clone()
+            shard, ref = torch.empty(k, dtype=dt), torch.empty(k, dtype=dt)
+            dist.reduce_scatter_tensor(shard, mine, op=op, group=g)
+            dist.reduce_scatter_tensor(ref, scaled[rank][:k * world].contiguous(), group=g)
+            same("reduce_scatter_tensor", shard, ref, slice(rank * k, (rank + 1) * k))
+            results["reduce_scatter_tensor input"] = torch.equal(mine, xs[rank][:k * world])
+            shard = torch.empty(k, dtype=dt)
+            dist.reduce_scatter(shard, list(mine.chunk(world)), op=op, group=g)
+            same("reduce_scatter", shard, ref, slice(rank * k, (rank + 1) * k))
+            results["reduce_scatter inputs"] = torch.equal(mine, xs[rank][:k * world])
+            pair, refs = [xs[rank][:3].clone(), xs[rank][3:].clone()], [scaled[rank][:3].clone(),
+                                                                        scaled[rank][3:].clone()]
+            g.allreduce_coalesced(pair, _coalesced(op)).wait()
+            dist.all_reduce(refs[0], group=g)
+            dist.all_reduce(refs[1], group=g)
+            results["all_reduce_coalesced"] = (torch.equal(pair[0], refs[0]) and torch.equal(pair[1], refs[1])
+                                               and torch.allclose(torch.cat(pair).double(), want, **tol))
+            rs_opts = dist.ReduceScatterOptions()
+            rs_opts.reduceOp = op
+            outs = [torch.empty(k, dtype=dt)]
+            g.reduce_scatter_tensor_coalesced(outs, [mine], rs_opts).wait()
+            same("reduce_scatter_tensor_coalesced", outs[0], ref, slice(rank * k, (rank + 1) * k))
+            for name, ok in results.items():
+                checked += 1
+                if not ok:
+                    failures.append(f"{name} {dt} {'tensor' if as_tensor else 'number'} factor")
+    refusals = {}
+    for what, call in {
+        "int64": lambda: dist.all_reduce(torch.ones(3, dtype=torch.int64), op=dist._make_nccl_premul_sum(2.0),
+                                         group=g),
+        "complex factor": lambda: dist.all_reduce(torch.ones(3), group=g,
+                                                  op=dist._make_nccl_premul_sum(torch.tensor([1j]))),
+    }.items():
+        try:
+            call()
+            refusals[what] = "no error"
+        except (RuntimeError, ValueError, TypeError) as e:
+            refusals[what] = f"{type(e).__name__}: {e}"
+    t = torch.ones(4)
+    dist.all_reduce(t, group=g)
+    usable = torch.equal(t, torch.full((4,), float(world)))
+    dist.destroy_process_group(g)
+    return {"failures": failures, "checked": checked, "refusals": refusals, "usable": usable}
+
+
+def _coalesced(op) -> "dist.AllreduceCoalescedOptions":
+    opts = dist.AllreduceCoalescedOptions()
+    opts.reduceOp = op
+    return opts
 
 
 def ddp_bool_buffer(rank: int, world: int) -> List[torch.Tensor]:

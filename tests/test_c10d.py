@@ -46,7 +46,7 @@ def test_every_call_the_backend_serves(pool, world):
     for rank, res in enumerate(results):
         assert res.pop("backend") == "pycomm"
         premul = res.pop("PREMUL_SUM")
-        assert premul.startswith("CommError") and "PREMUL_SUM" in premul, (rank, premul)
+        assert premul.startswith("CommError") and "PREMUL_SUM takes float16" in premul, (rank, premul)
         failed = [k for k, ok in res.items() if ok is not True]
         assert not failed, f"rank {rank}: {failed}"
 
@@ -65,6 +65,24 @@ def test_every_dtype_and_reduce_op(pool, world):
         assert "op=avg needs a floating-point tensor" in res["refusals"]["avg int32"]
         assert "reductions take" in res["refusals"]["sum int16"]
 
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_premul_sum_scales_each_rank_s_input(pool, world):
+    """ReduceOp.PREMUL_SUM (NCCL's scaled sum; FSDP2 uses it for a gradient
+    divide factor, and Gloo refuses it) through all_reduce, reduce, both
+    reduce-scatters and both coalesced calls: each rank's input times its own
+    factor (a number or a one-element tensor), then SUM, bit for bit; inputs
+    the call does not write stay as they were. Integral tensors and a complex
+    factor are refused on every rank, naming the problem (torch itself
+    refuses PREMUL_SUM without a factor)."""
+    for rank, res in enumerate(pool.run(c10d_cases.premul_sum, world)[:world]):
+        assert res["failures"] == [], (rank, res["failures"])
+        assert res["checked"] == 4 * 2 * 9, res["checked"]  # dtypes x factor kinds x checks
+        assert res["usable"], rank
+        ref = res["refusals"]
+        assert ref["int64"].startswith("CommError") and "takes float16, bfloat16, float32 and float64" in ref["int64"]
+        assert "one real element" in ref["complex factor"], ref["complex factor"]
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -135,21 +135,56 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::wrap(std::shared_ptr<pycomm::Work> w
   return c10::make_intrusive<C10dWork>(std::move(work), getRank(), type, title);
 }
 
-RedOp C10dBackend::reduce_op(const c10d::ReduceOp& op, const char* what) {
+std::pair<RedOp, at::Tensor> C10dBackend::reduction(const c10d::ReduceOp& op, const at::Tensor& in, Staging& s,
+                                                    bool own, const char* what) {
   switch (op.op_) {
-    case c10d::ReduceOp::SUM: return RedOp::kSum;
-    case c10d::ReduceOp::AVG: return RedOp::kAvg;
-    case c10d::ReduceOp::PRODUCT: return RedOp::kProduct;
-    case c10d::ReduceOp::MIN: return RedOp::kMin;
-    case c10d::ReduceOp::MAX: return RedOp::kMax;
-    case c10d::ReduceOp::BAND: return RedOp::kBand;
-    case c10d::ReduceOp::BOR: return RedOp::kBor;
-    case c10d::ReduceOp::BXOR: return RedOp::kBxor;
-    default: break;
+    case c10d::ReduceOp::SUM: return {RedOp::kSum, in};
+    case c10d::ReduceOp::AVG: return {RedOp::kAvg, in};
+    case c10d::ReduceOp::PRODUCT: return {RedOp::kProduct, in};
+    case c10d::ReduceOp::MIN: return {RedOp::kMin, in};
+    case c10d::ReduceOp::MAX: return {RedOp::kMax, in};
+    case c10d::ReduceOp::BAND: return {RedOp::kBand, in};
+    case c10d::ReduceOp::BOR: return {RedOp::kBor, in};
+    case c10d::ReduceOp::BXOR: return {RedOp::kBxor, in};
+    case c10d::ReduceOp::PREMUL_SUM: break;
+    default:
+      comm_->reject(name_of(what) + ": unknown ReduceOp " + std::to_string(static_cast<int>(op.op_)) +
+                    "; use SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR or PREMUL_SUM");
   }
-  // PREMUL_SUM (NCCL's scaled sum) is the one op left; Gloo refuses it too.
-  comm_->reject(name_of(what) + " does not support ReduceOp.PREMUL_SUM; use SUM, AVG, PRODUCT, MIN, MAX, BAND, " +
-                "BOR or BXOR");
+  // As NCCL: each rank's input times the factor that rank gave, then a plain
+  // sum, so every rank still gets the same bits. The factor comes with the op
+  // (torch's supplement; PREMUL_SUM is the only op that has one, and torch
+  // refuses to make one without it: the check guards against a null factor).
+  const auto* factor = static_cast<const c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+  if (!factor)
+    comm_->reject(name_of(what) + ": ReduceOp.PREMUL_SUM came without its factor; pass "
+                  "dist._make_nccl_premul_sum(factor)");
+  const at::ScalarType dt = in.scalar_type();
+  if (dt != at::kFloat && dt != at::kDouble && dt != at::kHalf && dt != at::kBFloat16)
+    comm_->reject(name_of(what) + " with ReduceOp.PREMUL_SUM takes float16, bfloat16, float32 and float64 tensors, "
+                  "got " + std::string(c10::toString(dt)));
+  const at::Tensor tensor_factor = factor->tensor_factor;
+  if (tensor_factor.defined() && (tensor_factor.numel() != 1 || tensor_factor.is_complex() ||
+                                  tensor_factor.layout() != at::kStrided))
+    comm_->reject(name_of(what) + ": the factor of ReduceOp.PREMUL_SUM must be a number or a tensor of one real "
+                  "element");
+  const double double_factor = factor->double_factor;
+  // A tensor factor is read when the op takes its turn, as NCCL reads it
+  // when its kernel runs: what the caller queued before may still write it.
+  auto times = [tensor_factor, double_factor] {
+    return tensor_factor.defined() ? tensor_factor.item() : at::Scalar(double_factor);
+  };
+  if (own) {
+    chain(s.before, [in, times] { in.mul_(times()); });
+    return {RedOp::kSum, in};
+  }
+  at::Tensor scaled = at::empty(in.sizes(), in.options());
+  chain(s.before, [scaled, in, times] {
+    at::Tensor out = scaled;
+    at::mul_out(out, in, times());
+  });
+  s.keep.push_back(in);
+  return {RedOp::kSum, scaled};
 }
 
 const at::Tensor& C10dBackend::single(const std::vector<at::Tensor>& tensors, const char* what) {
@@ -247,9 +282,9 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::broadcast(std::vector<at::Tensor>& t
 c10::intrusive_ptr<c10d::Work> C10dBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                       const c10d::AllreduceOptions& opts) {
   if (tensors.size() == 1 && tensors[0].is_sparse()) return allreduce_sparse(tensors, opts);
-  const RedOp op = reduce_op(opts.reduceOp, "all_reduce");
   Staging s = timed(opts.timeout);
   const at::Tensor t = dense_output(single(tensors, "all_reduce"), s, /*in_place=*/true, "all_reduce");
+  const RedOp op = reduction(opts.reduceOp, t, s, /*own=*/true, "all_reduce").first;
   return wrap(comm_->all_reduce(t, t, op, algo(Collective::kAllReduce), false, opts.asyncOp, std::move(s)),
               c10d::OpType::ALLREDUCE,
               "pycomm:all_reduce");
@@ -270,7 +305,6 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allreduce_coalesced(std::vector<at::
   // One all-reduce of the concatenation: one sequence number, one header
   // check and full-size transfers instead of one small call per tensor.
   check_same_dtype(tensors, "all_reduce_coalesced");
-  const RedOp op = reduce_op(opts.reduceOp, "all_reduce_coalesced");
   // An empty call still takes its turn, so a rank that passed tensors
   // where another passed none fails on both.
   if (tensors.empty())
@@ -289,6 +323,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::allreduce_coalesced(std::vector<at::
   s.after = [flat, tensors] { unpack(tensors, flat); };
   s.keep = tensors;
   s.result = tensors;
+  const RedOp op = reduction(opts.reduceOp, flat, s, /*own=*/true, "all_reduce_coalesced").first;
   return wrap(comm_->all_reduce(flat, flat, op, algo(Collective::kAllReduce), false, opts.asyncOp, std::move(s)),
               c10d::OpType::ALLREDUCE_COALESCED, "pycomm:all_reduce_coalesced");
 }
@@ -297,12 +332,12 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce(std::vector<at::Tensor>& tens
   // An all-reduce whose result only the root keeps: the other ranks reduce
   // into scratch and leave their tensor untouched (as Gloo does).
   const at::Tensor& given = single(tensors, "reduce");
-  const RedOp op = reduce_op(opts.reduceOp, "reduce");
   Staging s = timed(opts.timeout);
   const bool root = root_of(opts.rootRank, "reduce") == getRank();
   const at::Tensor t = root ? dense_output(given, s, /*in_place=*/true, "reduce") : dense_input(given, s);
+  const auto [op, in] = reduction(opts.reduceOp, t, s, /*own=*/root, "reduce");
   const at::Tensor out = root ? t : at::empty_like(t);
-  return wrap(comm_->all_reduce(t, out, op, algo(Collective::kAllReduce), false, opts.asyncOp, std::move(s)),
+  return wrap(comm_->all_reduce(in, out, op, algo(Collective::kAllReduce), false, opts.asyncOp, std::move(s)),
               c10d::OpType::REDUCE,
               "pycomm:reduce");
 }
@@ -444,7 +479,6 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce_scatter(std::vector<at::Tenso
                                                            std::vector<std::vector<at::Tensor>>& inputs,
                                                            const c10d::ReduceScatterOptions& opts) {
   const at::Tensor& given = single(outputs, "reduce_scatter");
-  const RedOp op = reduce_op(opts.reduceOp, "reduce_scatter");
   const std::vector<at::Tensor> ins = rank_list(inputs, given, "reduce_scatter", "input");
   const int64_t n = given.numel();
   at::Tensor flat = flat_like(given, n * getSize());
@@ -452,16 +486,17 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce_scatter(std::vector<at::Tenso
   const at::Tensor out = dense_output(given, s, /*in_place=*/false, "reduce_scatter");
   chain(s.before, [flat, ins] { pack(flat, ins); });
   s.keep.insert(s.keep.end(), ins.begin(), ins.end());
+  const RedOp op = reduction(opts.reduceOp, flat, s, /*own=*/true, "reduce_scatter").first;
   return wrap(comm_->reduce_scatter(out, flat, op, algo(Collective::kReduceScatter), false, opts.asyncOp, std::move(s)),
               c10d::OpType::REDUCE_SCATTER, "pycomm:reduce_scatter");
 }
 
 c10::intrusive_ptr<c10d::Work> C10dBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                  const c10d::ReduceScatterOptions& opts) {
-  const RedOp op = reduce_op(opts.reduceOp, "reduce_scatter_tensor");
   Staging s = timed(opts.timeout);
-  const at::Tensor in = dense_input(input, s);
+  const at::Tensor dense = dense_input(input, s);
   const at::Tensor out = dense_output(output, s, /*in_place=*/false, "reduce_scatter_tensor");
+  const auto [op, in] = reduction(opts.reduceOp, dense, s, /*own=*/false, "reduce_scatter_tensor");
   return wrap(comm_->reduce_scatter(out, in, op, algo(Collective::kReduceScatter), false, opts.asyncOp, std::move(s)),
               c10d::OpType::_REDUCE_SCATTER_BASE, "pycomm:reduce_scatter_tensor");
 }
@@ -471,7 +506,6 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce_scatter_tensor_coalesced(std:
                                                                             const c10d::ReduceScatterOptions& opts) {
   // All pairs in one reduce-scatter: block r of the flat input holds shard
   // r of every input, back to back, so rank r's flat output is its shards.
-  const RedOp op = reduce_op(opts.reduceOp, "reduce_scatter_tensor_coalesced");
   check_coalesced(outputs, inputs, "reduce_scatter_tensor_coalesced");
   if (inputs.empty())
     return wrap(comm_->barrier(opts.asyncOp, call_timeout(opts.timeout)), c10d::OpType::COALESCED,
@@ -491,6 +525,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::reduce_scatter_tensor_coalesced(std:
   s.keep = inputs;
   s.keep.insert(s.keep.end(), outputs.begin(), outputs.end());
   s.result = outputs;
+  const RedOp op = reduction(opts.reduceOp, flat_in, s, /*own=*/true, "reduce_scatter_tensor_coalesced").first;
   return wrap(comm_->reduce_scatter(flat_out, flat_in, op, algo(Collective::kReduceScatter), false, opts.asyncOp,
                                     std::move(s)),
               c10d::OpType::COALESCED, "pycomm:reduce_scatter_tensor_coalesced");

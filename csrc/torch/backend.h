@@ -107,8 +107,14 @@ class C10dBackend : public c10d::Backend {
 
  private:
   c10::intrusive_ptr<c10d::Work> wrap(std::shared_ptr<pycomm::Work> work, c10d::OpType type, const char* title);
-  // The pycomm reduce op for a c10d one, or a rejection naming it.
-  RedOp reduce_op(const c10d::ReduceOp& op, const char* what);
+  // What a reduction runs: pycomm's op for the c10d one, and the tensor it
+  // reduces, `in` itself but for PREMUL_SUM (NCCL's scaled sum, FSDP2's
+  // gradient divide factor): a sum of each rank's `in` times its own factor,
+  // multiplied in the op's turn, in place where `own` (`in` is the call's own
+  // buffer or its in-place output), else into a copy. Rejects what cannot
+  // run, naming it.
+  std::pair<RedOp, at::Tensor> reduction(const c10d::ReduceOp& op, const at::Tensor& in, Staging& s, bool own,
+                                         const char* what);
   // One tensor per call (torch's multi-device lists are gone from CPU
   // backends); rejects anything else in turn.
   const at::Tensor& single(const std::vector<at::Tensor>& tensors, const char* what);
