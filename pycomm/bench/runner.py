@@ -125,6 +125,12 @@ def _pycomm_call(comm: "pycomm.Communicator", case: Case, algorithm: str) -> Cal
     return lambda: comm.broadcast(case.inp, 0, algorithm=algorithm)
 
 
+# torch 2.13 names the flat-tensor forms *_single and deprecates the old
+# names (a FutureWarning in every table); older torch has only those.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _baseline_call(case: Case, group: Optional["dist.ProcessGroup"] = None) -> Callable[[], None]:
     """The torch.distributed equivalent on `group` (default: the default
     group); all-reduce is in place for both."""
@@ -139,9 +145,9 @@ def _baseline_call(case: Case, group: Optional["dist.ProcessGroup"] = None) -> C
             return run
         return lambda: dist.all_reduce(case.inp, op, group=group)
     if c == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(case.out, case.inp, op, group=group)
+        return lambda: _reduce_scatter_flat(case.out, case.inp, op, group=group)
     if c == "all_gather":
-        return lambda: dist.all_gather_into_tensor(case.out, case.inp, group=group)
+        return lambda: _all_gather_flat(case.out, case.inp, group=group)
     if c == "all_to_all":
         return lambda: dist.all_to_all_single(case.out, case.inp, group=group)
     return lambda: dist.broadcast(case.inp, 0, group=group)
