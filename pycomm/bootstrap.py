@@ -406,6 +406,14 @@ def _inter_host_backend(group: Optional["dist.ProcessGroup"], store: "dist.Store
                         "GLOO_SOCKET_IFNAME to the interface the hosts share") from e
 
 
+def _unlink_segment(shm_name: str) -> None:
+    """Removes a shared segment's name (``shm_unlink``: its file in /dev/shm), if it exists."""
+    try:
+        os.unlink(f"/dev/shm{shm_name}")
+    except OSError:
+        pass
+
+
 def connect(store: "dist.Store", rank: int, world_size: int, *, timeout: float, round_bytes: Optional[int],
             transport: str, local_size: Optional[int],
             inter_host_group: Optional["dist.ProcessGroup"], host_label: Optional[str] = None,
@@ -476,7 +484,15 @@ def connect(store: "dist.Store", rank: int, world_size: int, *, timeout: float, 
             raise
         store.set(key, "ok")
     else:
-        wait_keys(store, [key], timeout, f"rank {min(local_ranks)} to create the shared segment", watch)
+        try:
+            wait_keys(store, [key], timeout, f"rank {min(local_ranks)} to create the shared segment", watch)
+        except CommError:
+            # The creator may have made the segment and died (or stalled)
+            # before saying so: no rank will map it, so the last one to map
+            # it will never remove its name. The name is this bootstrap's
+            # alone (a fresh token), so removing it cannot hit another's.
+            _unlink_segment(shm_name)
+            raise
         status = store.get(key).decode()
         if status != "ok":
             raise CommError(f"pycomm: rank {min(local_ranks)} could not create the shared segment: {status}")

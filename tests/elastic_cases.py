@@ -442,6 +442,48 @@ def _dies_before_attaching(rank: int, world: int, port: int, conn) -> None:
         conn.send(dict(error=str(e)[:300], seconds=time.monotonic() - t0))
 
 
+def _creator_dies_before_saying_so(rank: int, world: int, port: int, conn) -> None:
+    """Rank 0, the host's first, creates the segment (and maps it) and dies
+    before it tells the store: no other rank ever maps it."""
+    import reliability_cases as rc
+    from pycomm import bootstrap
+
+    if rank == 0:
+        real = bootstrap.load_core()
+
+        class Core:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+            def Communicator(self, **kwargs: Any) -> None:  # noqa: N802 - the core's constructor
+                real.Communicator(**kwargs)
+                conn.send(dict(segments=sorted(f for f in os.listdir("/dev/shm") if kwargs["token"] in f)))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        bootstrap.load_core = lambda: Core()
+    t0 = time.monotonic()
+    try:
+        _, comm = rc._bootstrap(rank, world, port, "creator", 30.0)
+        conn.send(dict(ok=True))
+        comm.close()
+    except pycomm.CommError as e:
+        conn.send(dict(error=str(e)[:300], seconds=time.monotonic() - t0))
+
+
+def creator_dies_before_saying_so(world: int = 3) -> Dict[str, Any]:
+    """The others give up at once, and the segment the dead creator made is
+    gone from /dev/shm once they did (nobody else would remove it)."""
+    import reliability_cases as rc
+
+    store_pid, pids, conns = rc.fork_ranks(world, _creator_dies_before_saying_so)
+    made = conns[0].recv() if conns[0].poll(60) else {}
+    reports = {r: (c.recv() if c.poll(60) else None) for r, c in enumerate(conns) if r}
+    hung = rc.reap(pids, time.monotonic() + 10)
+    rc.reap([store_pid], 0)
+    left = [f for f in made.get("segments", []) if os.path.exists(f"/dev/shm/{f}")]
+    return dict(made=made.get("segments", []), reports=reports, hung=len(hung), left=left)
+
+
 def death_before_attaching(world: int = 3) -> Dict[str, Any]:
     """A rank dies between the segment's creation and its own attach: the
     others, waiting for every local rank to map the segment, give up at once

@@ -221,6 +221,20 @@ def test_process_records_tell_dead_stopped_and_remote_processes_apart():
         assert bootstrap.process_gone(garbage) is None
 
 
+def test_creator_that_dies_before_saying_so_leaves_no_segment(zygote):
+    """The host's first rank creates the shared segment and dies before it
+    says so on the store: the others give up within milliseconds, naming it,
+    and remove the segment's name, which no rank will ever map (the 200-failure
+    chaos soak left one in /dev/shm this way)."""
+    res = zygote.run(ec.creator_dies_before_saying_so, 3, timeout=120)
+    assert res["hung"] == 0
+    assert len(res["made"]) == 1, res  # the segment existed when the creator died
+    for r, rep in res["reports"].items():
+        assert rep and "error" in rep and "rank 0 " in rep["error"] and "died" in rep["error"], (r, rep)
+        assert rep["seconds"] < 10, (r, rep)  # not the 30 s timeout
+    assert res["left"] == [], res
+
+
 def test_death_before_attaching_the_segment_ends_the_bootstrap(zygote):
     """The segment's creator and the ranks that attached wait for every local
     rank to map it; one that died first is seen within milliseconds."""
