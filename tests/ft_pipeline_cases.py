@@ -183,3 +183,48 @@ def train(schedule: str = "1f1b", *, steps: int = 24, failure: Optional[str] = "
                 split=sorted(k for k, v in digests.items() if len(v) > 1), steps_seen=len({k[0] for k in digests}),
                 final_loss=sum(losses[steps]) / len(losses[steps]) if steps in losses else None,
                 losses={s: sum(v) / len(v) for s, v in losses.items()}, recovery=recovery, hung=len(hung))
+
+
+def _dies_before_its_sub_bootstraps(uid: int, world: int, port: int, conn) -> None:
+    """4 ranks build the job's communicator; rank 3 dies right before it
+    builds its pipeline's sub-communicators, so it never publishes anything
+    in their keys. The others report how long the pipeline took to stand."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from pycomm.elastic import pipeline as ft_pipeline
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    comm = pycomm.Communicator(store=store, rank=uid, world_size=world, name=JOB, timeout=30.0)
+    comm.heartbeat_timeout = 1.0
+    if uid == world - 1:
+        def dies(**kwargs: Any) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        ft_pipeline.Communicator = dies
+    t0 = time.monotonic()
+    try:
+        ft = elastic.FaultTolerantPipeline(
+            _stage, lambda ps: torch.optim.SGD(ps, lr=0.1), comm, num_stages=2, num_microbatches=2,
+            loss_fn=nn.functional.mse_loss, join_timeout=20.0)
+        conn.send(dict(seconds=time.monotonic() - t0, replicas=ft.replicas,
+                       events=[e["kind"] for e in ft.events]))
+    except BaseException as e:  # noqa: BLE001 - the driver reports it
+        conn.send(dict(seconds=time.monotonic() - t0, error=f"{type(e).__name__}: {str(e)[:300]}"))
+
+
+def dies_before_its_sub_bootstraps() -> Dict[str, Any]:
+    """Ranks 0 and 1 (the replica that survives) report; rank 2, whose
+    replica broke, waits to rejoin and is stopped with the rest."""
+    import reliability_cases as rc
+
+    store_pid, pids, conns = rc.fork_ranks(4, _dies_before_its_sub_bootstraps)
+    reports = {r: (conns[r].recv() if conns[r].poll(90) else None) for r in (0, 1)}
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    rc.reap(pids, time.monotonic() + 10)
+    rc.reap([store_pid], 0)
+    return reports

@@ -52,12 +52,13 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .. import bootstrap
 from .._loader import CommError
 from ..communicator import Communicator
 from ..pipeline import Pipeline, get_schedule, stages_of
 from .heal import broadcast_state
 from .loop import ElasticLoop
-from .membership import FencedOut, _fence, join, shrink_and_adopt
+from .membership import FencedOut, _fence, _member_records, join, shrink_and_adopt
 
 logger = logging.getLogger("pycomm")
 
@@ -252,18 +253,36 @@ class FaultTolerantPipeline(ElasticLoop):
             self._newcomer = self._newcomer or self.stage >= 0  # a new place: its state comes from a peer
             self.stage = stage
         settings = dict(comm._settings, bind_cores=False)
+        # Each sub-communicator's ranks, by their rank in `comm`: the process
+        # records every rank published when it built `comm` tell a sub-bootstrap
+        # at once of a peer that died or stopped before it got there (a
+        # newcomer killed right after its admission held the others for the
+        # whole timeout: its record in the sub-bootstrap's keys never came).
+        records = _member_records(comm)
+        subs = [(f"pipe{replica}", stage, [replica * S + s for s in range(S)]),
+                (f"dp{stage}", replica, [q * S + stage for q in range(comm.world_size // S)])]
+        subs = [sub for sub in subs if len(sub[2]) > 1 or sub[0].startswith("pipe")]
         built: List[Communicator] = []
         try:
-            for name, rank, size in ((f"pipe{replica}", stage, S), (f"dp{stage}", replica, comm.world_size // S)):
-                if size > 1 or name.startswith("pipe"):
-                    sub = Communicator(store=comm._root_store, rank=rank, world_size=size, name=f"{comm.name}/{name}",
-                                       timeout=comm.timeout, _host_label=comm._host_label,
-                                       _stopped_after=comm.heartbeat_timeout or None, **settings)
-                    sub.heartbeat_timeout = comm.heartbeat_timeout
-                    built.append(sub)
+            for name, rank, ranks in subs:
+                sub = Communicator(store=comm._root_store, rank=rank, world_size=len(ranks),
+                                   name=f"{comm.name}/{name}", timeout=comm.timeout, _host_label=comm._host_label,
+                                   _stopped_after=comm.heartbeat_timeout or None,
+                                   _known_peers={i: records[r] for i, r in enumerate(ranks)}, **settings)
+                sub.heartbeat_timeout = comm.heartbeat_timeout
+                built.append(sub)
         except BaseException:
             for sub in built:
                 _fence(sub, "pycomm.elastic: a peer failed while the pipeline's communicators were built", [])
+            # The peers still waiting in the sub-bootstraps this rank leaves
+            # (alive, so not seen lost) give up at once instead of at their
+            # timeout. Each epoch's names are new: no later build reads this.
+            for name, _, _ in subs[len(built):]:
+                try:
+                    bootstrap.key_space(comm._root_store, f"{comm.name}/{name}").set(bootstrap.BUILD_VERDICT_KEY,
+                                                                                     "failed")
+                except Exception as e:  # noqa: BLE001 - the Store is gone: the peers' own bootstraps fail too
+                    logger.debug("pycomm.elastic: could not mark %s given up: %s", name, e)
             raise
         modules = list(self.module) if isinstance(self.module, nn.ModuleList) else [self.module]
         self.pipe = Pipeline(modules if len(modules) > 1 else modules[0], built[0],
