@@ -343,6 +343,13 @@ def _admit_joiner(uid: int, world: int, port: int, conn, fate: str) -> None:
         sig = signal.SIGKILL if fate == "dies" else signal.SIGSTOP
         membership._build = lambda *a, **k: os.kill(os.getpid(), sig)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    if fate == "gives up":  # its join times out before any admit, and the process lives on
+        try:
+            elastic.join(store, "admit", timeout=0.5)
+            conn.send(dict(gave_up=False))
+        except pycomm.CommError as e:
+            conn.send(dict(gave_up="did not admit" in str(e)))
+        time.sleep(600)
     comm = elastic.join(store, "admit", timeout=60.0)
     conn.send(dict(world=comm.world_size, rank=comm.rank, ok=_sum_check(comm, list(range(comm.world_size)))))
     comm.close()
@@ -362,6 +369,8 @@ def newcomer_fails(members: int, fate: str, heartbeat: float = 1.0) -> Dict[str,
     - "member dies": the last member is killed once the admission is agreed,
       before its bootstrap of the new communicator: the other members' admit
       fails at once, and they shrink to themselves (the newcomer's join fails).
+    - "gives up": the only newcomer's join times out before the members
+      admit, and its process lives on: the members' admit takes nobody.
 
     Returns the members' reports, the live newcomer's and the hung count."""
     import multiprocessing as mp
@@ -400,6 +409,7 @@ def newcomer_fails(members: int, fate: str, heartbeat: float = 1.0) -> Dict[str,
         newcomer("lives")
     else:
         newcomer("lives" if fate == "member dies" else fate)
+    gave_up = pipes[-1].recv() if fate == "gives up" and pipes[-1].poll(30) else None
     for c in conns:
         assert c.poll(rc.START_S) and c.recv() == "ready", "a member did not start"
     for c in conns:
@@ -414,7 +424,7 @@ def newcomer_fails(members: int, fate: str, heartbeat: float = 1.0) -> Dict[str,
     hung = rc.reap(pids, time.monotonic() + 10)
     rc.reap(joiners[1:] if two else joiners, time.monotonic() + 5)
     rc.reap([store_pid], 0)
-    return dict(reports=reports, newcomer=live, hung=len(hung))
+    return dict(reports=reports, newcomer=live, hung=len(hung), gave_up=gave_up)
 
 
 def _dies_before_attaching(rank: int, world: int, port: int, conn) -> None:

@@ -130,7 +130,7 @@ def test_shrink_on_simulated_hosts(zygote, victim):
 
 
 @pytest.mark.parametrize("fate", ["killed while waiting", "killed before its record", "dies", "stops",
-                                  "member dies"])
+                                  "member dies", "gives up"])
 def test_newcomer_that_fails_on_its_way_in(zygote, fate):
     """A replacement killed while it waits for admission is skipped, also
     one killed between taking its ticket and publishing its process record
@@ -139,13 +139,17 @@ def test_newcomer_that_fails_on_its_way_in(zygote, fate):
     heartbeat), and the members shrink back to themselves. So does a member
     killed after the admission was agreed, before its new bootstrap (the
     others knew its process record from the old communicator; before, they
-    waited 30 s for it)."""
+    waited 30 s for it). One whose join timed out, alive, withdrew its
+    ticket: the admit takes nobody (before, the members admitted it and
+    waited 30 s for it, as in the PP x DP chaos soak)."""
     res = zygote.run(ec.newcomer_fails, 3, fate, timeout=180)
     assert res["hung"] == 0, res
     for r, rep in res["reports"].items():
         assert rep and rep["ok"], (r, rep)
         if fate.startswith("killed"):
             assert "error" not in rep and rep["world"] == 4 and rep["seconds"] < 10, (r, rep)
+        elif fate == "gives up":  # its ticket was withdrawn: nobody to wait for (30 s before)
+            assert "error" not in rep and rep["world"] == 3 and rep["seconds"] < 10, (r, rep)
         elif fate == "member dies":
             assert rep["world"] == 2 and rep["parents"] == [0, 1], (r, rep)
             assert rep["failed_s"] < 10, (r, rep)  # not the 30 s timeout
@@ -155,6 +159,8 @@ def test_newcomer_that_fails_on_its_way_in(zygote, fate):
             assert "newcomer" in rep["error"], (r, rep)
     if fate.startswith("killed"):
         assert res["newcomer"] == dict(world=4, rank=3, ok=True), res
+    if fate == "gives up":
+        assert res["gave_up"] == dict(gave_up=True), res
     if fate == "member dies":  # the first to see it names it; the others follow its verdict
         assert any("rank 2 " in rep["error"] and "died" in rep["error"] for rep in res["reports"].values()), res
 
@@ -177,6 +183,38 @@ def test_a_newcomer_passed_over_raises_in_join_at_once():
     with pytest.raises(pycomm.CommError, match="passed this process over \\(ticket 1\\).*join again"):
         membership.join(store, "passed", timeout=60)
     assert time.monotonic() - t0 < 5
+
+
+def test_a_newcomer_whose_ticket_was_claimed_waits_on_past_its_timeout():
+    """A newcomer whose join times out withdraws its ticket, unless members
+    claimed it already (an admission agreed or under way, which waits for
+    it): then it waits on for its admission (up to its timeout once more)
+    instead of leaving the members waiting for it."""
+    import datetime
+    import json
+    import threading
+
+    import pycomm
+    import torch.distributed as dist
+    from pycomm.elastic import membership
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
+    js = membership._job_store(store, "claimed")
+    assert membership._claim(js, 1, "job/0") == "job/0"  # what admit() does first for ticket 1
+    # The admission comes after the newcomer's own timeout (here: passed over, so that join raises).
+    # (From a client of its own: one client's calls wait for each other.)
+    member = membership._job_store(dist.TCPStore("127.0.0.1", store.port, is_master=False), "claimed")
+    later = threading.Timer(0.8, lambda: member.set("admitted/1", json.dumps(dict(passed_over=True))))
+    later.start()
+    t0 = time.monotonic()
+    with pytest.raises(pycomm.CommError, match="passed this process over"):
+        membership.join(store, "claimed", timeout=0.5)
+    assert time.monotonic() - t0 >= 0.75
+    later.join()
+    # Unclaimed: the newcomer withdraws, and an admit that comes later cannot claim it.
+    with pytest.raises(pycomm.CommError, match="did not admit this process \\(ticket 2\\) within 0.5 s"):
+        membership.join(store, "claimed", timeout=0.5)
+    assert membership._claim(js, 2, "job/1") == membership._WITHDRAWN
 
 
 def test_process_records_tell_dead_stopped_and_remote_processes_apart():

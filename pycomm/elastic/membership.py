@@ -266,6 +266,16 @@ def _first_proposal(store: "dist.Store", key: str, proposal: str) -> str:
     return decided.decode() if isinstance(decided, bytes) else decided
 
 
+# A ticket's claim (`claim/<ticket>` in the job's keys): the admit call that
+# proposed it, or this, written by a newcomer that stopped waiting.
+_WITHDRAWN = "withdrawn"
+
+
+def _claim(js: "dist.Store", ticket: int, claimant: str) -> str:
+    """Claims ``ticket`` for ``claimant`` unless it was claimed before; returns the claim that holds."""
+    return _first_proposal(js, f"claim/{ticket}", claimant)
+
+
 def _members_key(epoch: int) -> str:
     return f"epoch{epoch}/members"
 
@@ -383,8 +393,18 @@ def admit(comm: "Communicator", *, timeout: float = 30.0, multiple: int = 1) -> 
         taken = list(range(comm._admitted_upto + 1, count + 1))
         records = _ticket_records(js, taken)
         dead = {t for t in taken if t not in records or bootstrap.process_gone(records[t]) == "died"}
-        live = [t for t in taken if t not in dead]
-        chosen = live[:len(live) // multiple * multiple]
+        # A newcomer whose join timed out withdrew its ticket (it would never
+        # come to the bootstrap: the members waited their whole timeout for
+        # it). Each ticket proposed is claimed first, with the same
+        # compare-and-set the newcomer withdraws with: whichever comes first
+        # holds, so no ticket is both withdrawn and proposed.
+        while True:
+            live = [t for t in taken if t not in dead]
+            chosen = live[:len(live) // multiple * multiple]
+            withdrawn = {t for t in chosen if _claim(js, t, f"{comm.name}/{k}") == _WITHDRAWN}
+            if not withdrawn:
+                break
+            dead |= withdrawn
         # Dead tickets are passed over for good; live ones not chosen wait.
         upto = chosen[-1] if chosen else comm._admitted_upto
         for t in taken:
@@ -486,8 +506,18 @@ def join(store: "dist.Store", job: str, *, timeout: float = 300.0) -> "Communica
     try:
         js.wait([key], timedelta(seconds=timeout))
     except Exception as e:
-        raise CommError(f"pycomm.join: job {job!r} did not admit this process (ticket {ticket}) within {timeout:g} "
-                        "s; its members admit newcomers when they call admit()") from e
+        # Withdraw the ticket, unless members claimed it for an admission
+        # already agreed or under way: then they wait for this process, and
+        # it goes (its admission is written right after the claim).
+        try:
+            claimed = _claim(js, ticket, _WITHDRAWN) != _WITHDRAWN
+            if claimed:
+                js.wait([key], timedelta(seconds=timeout))
+        except Exception:  # noqa: BLE001 - the Store itself is gone: say what this process waited for
+            claimed = False
+        if not claimed:
+            raise CommError(f"pycomm.join: job {job!r} did not admit this process (ticket {ticket}) within "
+                            f"{timeout:g} s; its members admit newcomers when they call admit()") from e
     rec = json.loads(js.get(key).decode())
     if rec.get("passed_over"):
         raise CommError(f"pycomm.join: job {job!r} passed this process over (ticket {ticket}): it was taken for "
