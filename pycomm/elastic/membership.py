@@ -493,7 +493,9 @@ def join(store: "dist.Store", job: str, *, timeout: float = 300.0) -> "Communica
         timeout: seconds to wait for an admission, and for the bootstrap.
 
     Returns the communicator (``joined`` True, ``epoch`` the members'). Raises
-    CommError if no member admits it within ``timeout``.
+    CommError if no member admits it within ``timeout``; its ticket is then
+    withdrawn, so no admit takes it later, unless members had claimed it for
+    an admission under way: then it waits up to ``timeout`` once more.
     """
     js = _job_store(store, job)
     try:
