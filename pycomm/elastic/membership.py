@@ -267,7 +267,7 @@ def _first_proposal(store: "dist.Store", key: str, proposal: str) -> str:
 
 
 # A ticket's claim (`claim/<ticket>` in the job's keys): the admit call that
-# proposed it, or this, written by a newcomer that stopped waiting.
+# agreed to take it, or this, written by a newcomer that stopped waiting.
 _WITHDRAWN = "withdrawn"
 
 
@@ -393,18 +393,8 @@ def admit(comm: "Communicator", *, timeout: float = 30.0, multiple: int = 1) -> 
         taken = list(range(comm._admitted_upto + 1, count + 1))
         records = _ticket_records(js, taken)
         dead = {t for t in taken if t not in records or bootstrap.process_gone(records[t]) == "died"}
-        # A newcomer whose join timed out withdrew its ticket (it would never
-        # come to the bootstrap: the members waited their whole timeout for
-        # it). Each ticket proposed is claimed first, with the same
-        # compare-and-set the newcomer withdraws with: whichever comes first
-        # holds, so no ticket is both withdrawn and proposed.
-        while True:
-            live = [t for t in taken if t not in dead]
-            chosen = live[:len(live) // multiple * multiple]
-            withdrawn = {t for t in chosen if _claim(js, t, f"{comm.name}/{k}") == _WITHDRAWN}
-            if not withdrawn:
-                break
-            dead |= withdrawn
+        live = [t for t in taken if t not in dead]
+        chosen = live[:len(live) // multiple * multiple]
         # Dead tickets are passed over for good; live ones not chosen wait.
         upto = chosen[-1] if chosen else comm._admitted_upto
         for t in taken:
@@ -425,7 +415,22 @@ def admit(comm: "Communicator", *, timeout: float = 30.0, multiple: int = 1) -> 
         comm._admitted_upto = agreed["upto"]
         if not tickets:
             return comm
-        # 2. Tell each newcomer where it goes (one member writes; all read alike).
+        # 2. Claim the agreed tickets, with the compare-and-set a newcomer
+        #    whose join timed out withdraws its ticket with: one of the two
+        #    holds, and every member reads the same outcome. A withdrawn
+        #    newcomer would never come to the bootstrap (the members waited
+        #    their whole timeout for it). If one withdrew, nobody comes in
+        #    now: the others, claimed, are told to join again.
+        withdrawn = [t for t in tickets if _claim(js, t, f"{comm.name}/{k}") == _WITHDRAWN]
+        if withdrawn:
+            logger.info("pycomm: rank %d: tickets %s of %r stopped waiting; admitting nobody now", me, withdrawn,
+                        comm.job)
+            if me == 0:
+                for t in tickets:
+                    if t not in withdrawn:
+                        js.set(f"admitted/{t}", json.dumps(dict(passed_over=True)))
+            return comm
+        # 3. Tell each newcomer where it goes (one member writes; all read alike).
         world = comm.world_size + len(tickets)
         name = f"{comm.name}+{k}"
         parents = list(range(comm.world_size)) + [-1] * len(tickets)
@@ -450,7 +455,7 @@ def admit(comm: "Communicator", *, timeout: float = 30.0, multiple: int = 1) -> 
     t0 = time.monotonic()
     _fence(comm, f"pycomm: communicator {comm.name!r} (epoch {comm.epoch}) was replaced by an admit; use the "
                  "communicator admit() returns", [])
-    # 3. The communicator of epoch e+1, newcomers included.
+    # 4. The communicator of epoch e+1, newcomers included.
     try:
         new = _successor(comm, me, world, name, timeout, parents, known)
     except CommError as e:
@@ -494,8 +499,8 @@ def join(store: "dist.Store", job: str, *, timeout: float = 300.0) -> "Communica
 
     Returns the communicator (``joined`` True, ``epoch`` the members'). Raises
     CommError if no member admits it within ``timeout``; its ticket is then
-    withdrawn, so no admit takes it later, unless members had claimed it for
-    an admission under way: then it waits up to ``timeout`` once more.
+    withdrawn, so no admit takes it later, unless the members had just
+    claimed it for an admission: then it waits for that (up to ``timeout``).
     """
     js = _job_store(store, job)
     try:
@@ -508,9 +513,9 @@ def join(store: "dist.Store", job: str, *, timeout: float = 300.0) -> "Communica
     try:
         js.wait([key], timedelta(seconds=timeout))
     except Exception as e:
-        # Withdraw the ticket, unless members claimed it for an admission
-        # already agreed or under way: then they wait for this process, and
-        # it goes (its admission is written right after the claim).
+        # Withdraw the ticket, unless the members claimed it for an admission
+        # they agreed on: then they wait for this process, and it goes (its
+        # admission, or word to join again, is written right after the claim).
         try:
             claimed = _claim(js, ticket, _WITHDRAWN) != _WITHDRAWN
             if claimed:
