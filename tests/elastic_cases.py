@@ -6,7 +6,7 @@ import os
 import random
 import signal
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -427,57 +427,54 @@ def newcomer_fails(members: int, fate: str, heartbeat: float = 1.0) -> Dict[str,
     return dict(reports=reports, newcomer=live, hung=len(hung), gave_up=gave_up)
 
 
-def _dies_before_attaching(rank: int, world: int, port: int, conn) -> None:
-    """The last rank dies once the segment exists, before it maps it."""
-    import reliability_cases as rc
+def _core_constructing_with(construct: Callable[..., None]) -> None:
+    """Makes this process's bootstrap build its core communicator with
+    ``construct(real_core, **kwargs)`` (a death placed inside a bootstrap)."""
     from pycomm import bootstrap
 
-    if rank == world - 1:
-        real = bootstrap.load_core()
+    real = bootstrap.load_core()
 
-        class Core:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(real, name)
+    class Core:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
 
-            def Communicator(self, **kwargs: Any) -> None:  # noqa: N802 - the core's constructor
-                os.kill(os.getpid(), signal.SIGKILL)
+        def Communicator(self, **kwargs: Any) -> None:  # noqa: N802 - the core's constructor
+            construct(real, **kwargs)
 
-        bootstrap.load_core = lambda: Core()
+    bootstrap.load_core = lambda: Core()
+
+
+def _bootstrap_and_report(rank: int, world: int, port: int, name: str, conn) -> None:
+    """Bootstraps a communicator; reports ok, or the error and how long it took."""
+    import reliability_cases as rc
+
     t0 = time.monotonic()
     try:
-        _, comm = rc._bootstrap(rank, world, port, "attach", 30.0)
+        _, comm = rc._bootstrap(rank, world, port, name, 30.0)
         conn.send(dict(ok=True))
         comm.close()
     except pycomm.CommError as e:
         conn.send(dict(error=str(e)[:300], seconds=time.monotonic() - t0))
+
+
+def _dies_before_attaching(rank: int, world: int, port: int, conn) -> None:
+    """The last rank dies once the segment exists, before it maps it."""
+    if rank == world - 1:
+        _core_constructing_with(lambda real, **kwargs: os.kill(os.getpid(), signal.SIGKILL))
+    _bootstrap_and_report(rank, world, port, "attach", conn)
 
 
 def _creator_dies_before_saying_so(rank: int, world: int, port: int, conn) -> None:
     """Rank 0, the host's first, creates the segment (and maps it) and dies
     before it tells the store: no other rank ever maps it."""
-    import reliability_cases as rc
-    from pycomm import bootstrap
+    def create_then_die(real: Any, **kwargs: Any) -> None:
+        real.Communicator(**kwargs)
+        conn.send(dict(segments=sorted(f for f in os.listdir("/dev/shm") if kwargs["token"] in f)))
+        os.kill(os.getpid(), signal.SIGKILL)
 
     if rank == 0:
-        real = bootstrap.load_core()
-
-        class Core:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(real, name)
-
-            def Communicator(self, **kwargs: Any) -> None:  # noqa: N802 - the core's constructor
-                real.Communicator(**kwargs)
-                conn.send(dict(segments=sorted(f for f in os.listdir("/dev/shm") if kwargs["token"] in f)))
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        bootstrap.load_core = lambda: Core()
-    t0 = time.monotonic()
-    try:
-        _, comm = rc._bootstrap(rank, world, port, "creator", 30.0)
-        conn.send(dict(ok=True))
-        comm.close()
-    except pycomm.CommError as e:
-        conn.send(dict(error=str(e)[:300], seconds=time.monotonic() - t0))
+        _core_constructing_with(create_then_die)
+    _bootstrap_and_report(rank, world, port, "creator", conn)
 
 
 def creator_dies_before_saying_so(world: int = 3) -> Dict[str, Any]:
