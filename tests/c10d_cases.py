@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -338,22 +338,28 @@ def dtypes(rank: int, world: int) -> Dict[str, object]:
                 if not ok:
                     failures.append(f"{name} {dt} {op}")
     # What cannot work says so on every rank, and the group stays usable.
-    refusals = {}
-    for what, call in {
+    return dict(failures=failures, checked=checked, **_refusals_then_close(g, world, {
         "band float32": lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND, group=g),
         "avg int32": lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.AVG, group=g),
         "sum int16": lambda: dist.all_reduce(torch.ones(3, dtype=torch.int16), group=g),
-    }.items():
+    }))
+
+
+def _refusals_then_close(g, world: int, calls: Dict[str, Callable[[], object]]) -> Dict[str, object]:
+    """What each call that cannot work raised on this rank ("no error" if
+    none), whether the group still sums right after them, and the group closed."""
+    refusals = {}
+    for what, call in calls.items():
         try:
             call()
             refusals[what] = "no error"
-        except RuntimeError as e:
+        except (RuntimeError, ValueError, TypeError) as e:
             refusals[what] = f"{type(e).__name__}: {e}"
     t = torch.ones(4)
     dist.all_reduce(t, group=g)
     usable = torch.equal(t, torch.full((4,), float(world)))
     dist.destroy_process_group(g)
-    return {"failures": failures, "checked": checked, "refusals": refusals, "usable": usable}
+    return {"refusals": refusals, "usable": usable}
 
 
 def premul_sum(rank: int, world: int) -> Dict[str, object]:
@@ -428,23 +434,12 @@ def premul_sum(rank: int, world: int) -> Dict[str, object]:
                 checked += 1
                 if not ok:
                     failures.append(f"{name} {dt} {'tensor' if as_tensor else 'number'} factor")
-    refusals = {}
-    for what, call in {
+    return dict(failures=failures, checked=checked, **_refusals_then_close(g, world, {
         "int64": lambda: dist.all_reduce(torch.ones(3, dtype=torch.int64), op=dist._make_nccl_premul_sum(2.0),
                                          group=g),
         "complex factor": lambda: dist.all_reduce(torch.ones(3), group=g,
                                                   op=dist._make_nccl_premul_sum(torch.tensor([1j]))),
-    }.items():
-        try:
-            call()
-            refusals[what] = "no error"
-        except (RuntimeError, ValueError, TypeError) as e:
-            refusals[what] = f"{type(e).__name__}: {e}"
-    t = torch.ones(4)
-    dist.all_reduce(t, group=g)
-    usable = torch.equal(t, torch.full((4,), float(world)))
-    dist.destroy_process_group(g)
-    return {"failures": failures, "checked": checked, "refusals": refusals, "usable": usable}
+    }))
 
 
 def _coalesced(op) -> "dist.AllreduceCoalescedOptions":
