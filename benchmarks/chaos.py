@@ -8,7 +8,9 @@ or group) for ``--steps`` global steps (a global batch of 64 split over the
 current world; SGD with momentum, cosine to zero). A driver process forks a
 Store host (it outlives every rank), the ranks, and a replacement for each
 rank that dies; replacements join through :func:`pycomm.elastic.join` and are
-admitted every ``--admit-every`` steps.
+admitted every ``--admit-every`` steps, up to ``--max-world`` ranks (default
+``--world``): a replacement for a frozen rank that its peers waited for
+stands by as a spare until the next failure makes room.
 
 The failures: every ``--gap`` seconds on average (uniform in [0.5, 1.5] of
 it), or, one time in four, 0-0.3 s after the previous one (inside its shrink,
@@ -168,7 +170,7 @@ def _ddp_job(uid: int, world: int, port: int, report: Reporter, args: argparse.N
     comm = connect(uid, world, port, args, joining)
     state = hooks.CompressionState(codec=pycomm.Int8(), start_iter=5, path=args.path)
     ft = FaultTolerantDDP(model, opt, comm, hook=hooks.int8_hook, state=state, scheduler=sched,
-                          admit_every=args.admit_every, bucket_cap_mb=0.03)
+                          admit_every=args.admit_every, max_world_size=args.max_world or None, bucket_cap_mb=0.03)
     report.flush("member", joined=comm.joined)
 
     def step_fn(step: int) -> None:
@@ -216,7 +218,7 @@ def _pipeline_job(uid: int, world: int, port: int, report: Reporter, args: argpa
         _digits_stage, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), comm, num_stages=2,
         num_microbatches=4, schedule=args.schedule, loss_fn=torch.nn.functional.cross_entropy,
         scheduler_fn=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps),
-        admit_every=args.admit_every, join_timeout=args.join_timeout)
+        admit_every=args.admit_every, max_world_size=args.max_world or None, join_timeout=args.join_timeout)
     report.flush("member", joined=comm.joined)
 
     def shard(step: int, replica: int, replicas: int):
@@ -523,6 +525,9 @@ def main() -> int:
     ap.add_argument("--heartbeat", type=float, default=1.0)
     ap.add_argument("--admit-every", type=int, default=5)
     ap.add_argument("--join-timeout", type=float, default=120.0)
+    ap.add_argument("--max-world", type=int, default=None,
+                    help="the job's max_world_size (default: --world; 0: no bound). A replacement for a frozen rank "
+                         "that came back before its peers gave up on it waits as a spare instead of growing the job")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds of 'compute' added to every step")
     ap.add_argument("--path", choices=("communicator", "group"), default="communicator")
     ap.add_argument("--job", choices=("ddp", "pipeline"), default="ddp",
@@ -537,6 +542,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.job == "pipeline" and args.world % 2:
         ap.error("--job pipeline runs 2-stage pipelines: --world must be even")
+    if args.max_world is None:
+        args.max_world = args.world
     if args.steps is None:
         # ~1 ms a step per rank on 2 cores (4 ms with 4 ranks, 9 with 8);
         # each failure takes its gap, ~0.5 s more for the recovery and the

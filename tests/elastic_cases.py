@@ -502,3 +502,95 @@ def death_before_attaching(world: int = 3) -> Dict[str, Any]:
     hung = rc.reap(pids, time.monotonic() + 10)
     rc.reap([store_pid], 0)
     return dict(reports=reports, hung=len(hung))
+
+
+# --- Spares: newcomers beyond max_world_size wait for room --------------------------------------------------------
+
+_SPARE_MAX = 4
+
+
+def _spare_steps(comm, stage: int) -> Dict[str, Any]:
+    """Stages 0-4 of the spares scenario, from ``stage`` on (where this rank
+    came in): admit under the bound (room for one), admit again (no room),
+    shrink rank 1 out on purpose, admit (the first spare fills the room),
+    check a sum over the members' ranks. Reports (world, rank, epoch) after
+    each stage it ran, and whether the no-room admit returned ``comm``."""
+    out: Dict[str, Any] = dict(worlds=[])
+    for s in range(stage, 5):
+        if s in (0, 1, 3):
+            new = elastic.admit(comm, timeout=30.0, max_world_size=_SPARE_MAX)
+            if s == 1:
+                out["kept"] = new is comm
+            comm = new
+        elif s == 2:
+            try:
+                comm = elastic.shrink(comm, exclude=[1], timeout=30.0)
+            except elastic.FencedOut:
+                out["fenced"] = True
+                return out
+        else:
+            out["ok"] = _sum_check(comm, list(range(comm.world_size)))
+        out["worlds"].append((comm.world_size, comm.rank, comm.epoch))
+    comm.close()
+    return out
+
+
+def _spare_member(rank: int, world: int, port: int, conn) -> None:
+    import reliability_cases as rc
+
+    _, comm = rc._bootstrap(rank, world, port, "spares", 30.0)
+    conn.send("ready")
+    conn.recv()
+    conn.send(_spare_steps(comm, 0))
+
+
+def _spare_joiner(uid: int, world: int, port: int, conn, stage: int) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    comm = elastic.join(store, "spares", timeout=60.0)
+    out = dict(joined=(comm.world_size, comm.rank, comm.epoch))
+    out.update(_spare_steps(comm, stage))
+    conn.send(out)
+
+
+def spares_wait_for_room(members: int = 3) -> Dict[str, Any]:
+    """``members`` ranks under ``max_world_size=members + 1`` and three
+    newcomers, tickets 1, 2, 3: the first admit takes ticket 1 only, the next
+    takes nobody (no room: tickets 2 and 3 wait as spares), a shrink makes
+    room and the next admit takes ticket 2; ticket 3 still waits, never
+    admitted. Returns every participant's report, whether ticket 3 was ever
+    admitted, and the hung count."""
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+    from harness import free_port
+    from pycomm.elastic import membership
+
+    import reliability_cases as rc
+
+    assert _SPARE_MAX == members + 1
+    port = free_port()
+    store_pid, pids, conns = rc.fork_ranks(members, _spare_member, duplex=True, port=port)
+    js = membership._job_store(dist.TCPStore("127.0.0.1", port, is_master=False), "spares")
+    joiners, pipes = [], []
+    for ticket, stage in ((1, 1), (2, 4), (3, 5)):  # where each comes in (5: never)
+        parent, child = mp.Pipe()
+        joiners.append(rc._start_rank(_spare_joiner, ticket, 0, port, child, (stage,)))
+        child.close()
+        pipes.append(parent)
+        while js.add("tickets", 0) < ticket:  # tickets in this order
+            time.sleep(0.01)
+    for c in conns:
+        assert c.poll(rc.START_S) and c.recv() == "ready", "a member did not start"
+    for c in conns:
+        c.send("go")
+    reports = {f"member {r}": (c.recv() if c.poll(90) else None) for r, c in enumerate(conns)}
+    reports.update({f"ticket {t}": (p.recv() if p.poll(30) else None) for t, p in ((1, pipes[0]), (2, pipes[1]))})
+    third_admitted = js.check(["admitted/3"])
+    os.kill(joiners[2], signal.SIGKILL)
+    hung = rc.reap(pids + joiners[:2], time.monotonic() + 10)
+    rc.reap(joiners[2:] + [store_pid], 0)
+    return dict(reports=reports, third_admitted=third_admitted, hung=len(hung))

@@ -284,3 +284,32 @@ def test_death_before_attaching_the_segment_ends_the_bootstrap(zygote):
         assert rep and "error" in rep and "died" in rep["error"], (r, rep)
         assert rep["seconds"] < 10, (r, rep)  # not the 30 s timeout
     assert any("rank 2 " in rep["error"] for rep in reps.values()), reps  # the first to see it names it
+
+
+def test_spares_beyond_max_world_size_wait_for_room(zygote):
+    """torchrun's --nnodes=MIN:MAX: newcomers beyond max_world_size wait in
+    join as spares, in ticket order, and come in once a shrink made room;
+    an admit without room keeps the communicator. (Without the bound, the
+    DDP chaos soak's replacements for frozen ranks that came back trained
+    beside them: 8 ranks grew to 25.)"""
+    res = zygote.run(ec.spares_wait_for_room, 3, timeout=180)
+    assert res["hung"] == 0, res
+    reps = res["reports"]
+    for r in (0, 2):  # (world, rank, epoch) after each stage: admit, admit (no room), shrink, admit, sum
+        rep = reps[f"member {r}"]
+        assert rep["worlds"] == [(4, r, 1), (4, r, 1), (3, r // 2, 2), (4, r // 2, 3), (4, r // 2, 3)], rep
+        assert rep["kept"] and rep["ok"], rep
+    assert reps["member 1"] == dict(worlds=[(4, 1, 1), (4, 1, 1)], kept=True, fenced=True), reps["member 1"]
+    first = reps["ticket 1"]
+    assert first["joined"] == (4, 3, 1) and first["kept"] and first["ok"], first
+    assert first["worlds"] == [(4, 3, 1), (3, 2, 2), (4, 2, 3), (4, 2, 3)], first
+    second = reps["ticket 2"]
+    assert second["joined"] == (4, 3, 3) and second["worlds"] == [(4, 3, 3)] and second["ok"], second
+    assert not res["third_admitted"], res
+
+
+def test_max_world_size_is_checked():
+    from pycomm.elastic import admit
+
+    with pytest.raises(ValueError, match="max_world_size must be >= 1"):
+        admit(None, max_world_size=0)

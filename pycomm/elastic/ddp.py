@@ -133,6 +133,9 @@ class FaultTolerantDDP(torch.nn.Module, ElasticLoop):
             or ``"drop"`` it.
         admit_every: admit waiting newcomers every this many steps (0: never;
             each check is two Store operations).
+        max_world_size: never grow past this many ranks (None: no bound);
+            newcomers beyond it wait in ``join`` as spares until a failure
+            makes room (see :func:`~pycomm.elastic.admit`).
         scheduler: a learning-rate scheduler, stepped after each completed
             optimizer step (so that it counts the steps the ranks agree on)
             and healed with the model.
@@ -160,7 +163,8 @@ class FaultTolerantDDP(torch.nn.Module, ElasticLoop):
 
     def __init__(self, module: torch.nn.Module, optimizer: Any, comm: Communicator, *,
                  hook: Optional[Callable] = None, state: Optional[_hooks.HookState] = None,
-                 on_failure: str = "redo", admit_every: int = 10, scheduler: Any = None, extra_state: Any = None,
+                 on_failure: str = "redo", admit_every: int = 10, max_world_size: Optional[int] = None,
+                 scheduler: Any = None, extra_state: Any = None,
                  grad_scaler: Any = None, shrink_timeout: float = 30.0, grace: float = 2.0,
                  max_recoveries: int = 8, **ddp_kwargs: Any) -> None:
         super().__init__()
@@ -169,8 +173,7 @@ class FaultTolerantDDP(torch.nn.Module, ElasticLoop):
                             f"{type(comm).__name__}")
         if on_failure not in ON_FAILURE:
             raise ValueError(f"pycomm.elastic.FaultTolerantDDP: on_failure={on_failure!r}; use 'redo' or 'drop'")
-        if int(admit_every) < 0:
-            raise ValueError(f"pycomm.elastic.FaultTolerantDDP: admit_every must be >= 0, got {admit_every}")
+        self._set_admission("FaultTolerantDDP", admit_every, max_world_size)
         devices = {p.device for p in module.parameters()}
         if len(devices) != 1 or next(iter(devices)).type not in ("cpu", "cuda"):
             raise ValueError(f"pycomm.elastic.FaultTolerantDDP: the model has parameters on "
@@ -201,7 +204,6 @@ class FaultTolerantDDP(torch.nn.Module, ElasticLoop):
         self.optimizer = optimizer
         self.hook, self.state = hook, state
         self.on_failure = on_failure
-        self.admit_every = int(admit_every)
         self.scheduler, self.extra_state, self.grad_scaler = scheduler, extra_state, grad_scaler
         self.shrink_timeout, self.grace, self.max_recoveries = float(shrink_timeout), float(grace), int(max_recoveries)
         self.steps_done = 0

@@ -4,7 +4,8 @@ agrees it is done, newcomers admitted at step boundaries, and the record of
 membership changes.
 
 A trainer that mixes :class:`ElasticLoop` in keeps ``comm``, ``steps_done``,
-``admit_every``, ``shrink_timeout``, ``events`` and ``_admit_checked``, and
+``admit_every``, ``max_world_size`` (both set by ``_set_admission``),
+``shrink_timeout``, ``events`` and ``_admit_checked``, and
 provides ``_bind(comm)`` (take a new membership's communicator), ``_heal()``
 (every rank takes the most advanced rank's state; collective) and
 ``_recover(error)`` (shrink to the survivors and heal).
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -29,6 +30,17 @@ class ElasticLoop:
 
     #: Newcomers are admitted in groups of this many (a pipeline: whole replicas).
     _admit_multiple = 1
+
+    def _set_admission(self, who: str, admit_every: int, max_world_size: Optional[int]) -> None:
+        """Check and keep when newcomers come in (every ``admit_every``
+        steps; 0: never) and how far they may grow the job."""
+        if int(admit_every) < 0:
+            raise ValueError(f"pycomm.elastic.{who}: admit_every must be >= 0, got {admit_every}")
+        if max_world_size is not None and int(max_world_size) < self._admit_multiple:
+            raise ValueError(f"pycomm.elastic.{who}: max_world_size must be >= {self._admit_multiple} (or None: no "
+                             f"bound), got {max_world_size}")
+        self.admit_every = int(admit_every)
+        self.max_world_size = None if max_world_size is None else int(max_world_size)
 
     def _train_until(self, steps: int, step: Callable[[], Any]) -> None:
         """Call ``step()`` until ``steps`` steps are done on every rank,
@@ -54,7 +66,8 @@ class ElasticLoop:
         self._admit_checked = self.steps_done
         t0 = time.monotonic()
         try:
-            new = admit(self.comm, timeout=self.shrink_timeout, multiple=self._admit_multiple)
+            new = admit(self.comm, timeout=self.shrink_timeout, multiple=self._admit_multiple,
+                        max_world_size=self.max_world_size)
             if new is self.comm:
                 return
             self._bind(new)

@@ -367,7 +367,8 @@ def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float 
     return new
 
 
-def admit(comm: "Communicator", *, timeout: float = 30.0, multiple: int = 1) -> "Communicator":
+def admit(comm: "Communicator", *, timeout: float = 30.0, multiple: int = 1,
+          max_world_size: Optional[int] = None) -> "Communicator":
     """``comm`` grown by the processes waiting in :func:`join` (see the module's docstring).
 
     Collective over ``comm``'s members, all at the same point of their work.
@@ -377,25 +378,41 @@ def admit(comm: "Communicator", *, timeout: float = 30.0, multiple: int = 1) -> 
     if the new communicator cannot be built within ``timeout`` (a newcomer or
     a member died meanwhile): ``comm`` stays fenced; shrink it. ``multiple``:
     admit newcomers only in groups of this many (whole pipeline replicas), in
-    ticket order; the rest wait for the next call.
+    ticket order; the rest wait for the next call. ``max_world_size``: never
+    grow past this many ranks (torchrun's ``--nnodes=MIN:MAX``): newcomers
+    beyond it wait in :func:`join` as spares, in ticket order, and come in
+    when a shrink has made room (a replacement for a rank that was taken for
+    dead but came back waits so, instead of growing the job).
+
+    Example: keep a job at 8 ranks; a spare stands by for the next failure::
+
+        comm = elastic.admit(comm, max_world_size=8)
     """
     if multiple < 1:
         raise ValueError(f"pycomm.admit: multiple must be >= 1, got {multiple}")
+    if max_world_size is not None and max_world_size < 1:
+        raise ValueError(f"pycomm.admit: max_world_size must be >= 1 (or None: no bound), got {max_world_size}")
     root, me = comm._root_store, comm.rank
     js = _job_store(root, comm.job)
     k = getattr(comm, "_admit_calls", 0)
     comm._admit_calls = k + 1
     try:
         # 1. Propose the tickets taken so far, less those whose process this
-        #    host sees dead (a replacement killed while it waited); one
-        #    proposal wins.
+        #    host sees dead (a replacement killed while it waited), as many
+        #    as there is room for; one proposal wins. Without room, spares
+        #    cost nothing: their fate is looked at once room is made.
         count = js.add("tickets", 0)
         taken = list(range(comm._admitted_upto + 1, count + 1))
-        records = _ticket_records(js, taken)
-        dead = {t for t in taken if t not in records or bootstrap.process_gone(records[t]) == "died"}
+        room = len(taken) if max_world_size is None else max(0, max_world_size - comm.world_size)
+        records: Dict[int, str] = {}
+        dead: set = set()
+        if taken and room >= multiple:
+            records = _ticket_records(js, taken)
+            dead = {t for t in taken if t not in records or bootstrap.process_gone(records[t]) == "died"}
         live = [t for t in taken if t not in dead]
-        chosen = live[:len(live) // multiple * multiple]
-        # Dead tickets are passed over for good; live ones not chosen wait.
+        chosen = live[:min(len(live), room) // multiple * multiple]
+        # Dead tickets are passed over for good; live ones not chosen wait
+        # (for a partner to make a whole replica, or for room).
         upto = chosen[-1] if chosen else comm._admitted_upto
         for t in taken:
             if t > upto:

@@ -87,6 +87,9 @@ class FaultTolerantPipeline(ElasticLoop):
         on_failure: ``"redo"`` the failed step with the remaining replicas
             (default) or ``"drop"`` it.
         admit_every: admit waiting newcomers every this many steps (0: never).
+        max_world_size: never grow past this many ranks (None: no bound;
+            else at least ``num_stages``): replicas beyond it wait in
+            ``join`` as spares until a failure makes room.
         rejoin: a survivor of a broken replica joins the job again as a
             newcomer (else it raises :class:`pycomm.elastic.FencedOut`).
         shrink_timeout, grace, max_recoveries: as FaultTolerantDDP's.
@@ -99,7 +102,7 @@ class FaultTolerantPipeline(ElasticLoop):
                  virtual_stages: Optional[int] = None, loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
                  loss_reduction: str = "mean", checkpoint: bool = False,
                  scheduler_fn: Optional[Callable[[torch.optim.Optimizer], Any]] = None, on_failure: str = "redo",
-                 admit_every: int = 10, rejoin: bool = True, shrink_timeout: float = 30.0, grace: float = 2.0,
+                 admit_every: int = 10, max_world_size: Optional[int] = None, rejoin: bool = True, shrink_timeout: float = 30.0, grace: float = 2.0,
                  max_recoveries: int = 8, join_timeout: float = 300.0) -> None:
         if not isinstance(comm, Communicator):
             raise TypeError(f"pycomm.elastic.FaultTolerantPipeline: comm must be a pycomm.Communicator, got "
@@ -110,14 +113,13 @@ class FaultTolerantPipeline(ElasticLoop):
         if on_failure not in ON_FAILURE:
             raise ValueError(f"pycomm.elastic.FaultTolerantPipeline: on_failure={on_failure!r}; use 'redo' or "
                              "'drop'")
-        if int(admit_every) < 0:
-            raise ValueError(f"pycomm.elastic.FaultTolerantPipeline: admit_every must be >= 0, got {admit_every}")
-        self.stage_fn, self.optimizer_fn, self.scheduler_fn = stage_fn, optimizer_fn, scheduler_fn
         self.num_stages = int(num_stages)
+        self._set_admission("FaultTolerantPipeline", admit_every, max_world_size)
+        self.stage_fn, self.optimizer_fn, self.scheduler_fn = stage_fn, optimizer_fn, scheduler_fn
         self._pipeline_args = dict(num_microbatches=num_microbatches, schedule=schedule,
                                    virtual_stages=virtual_stages, loss_fn=loss_fn, loss_reduction=loss_reduction,
                                    checkpoint=checkpoint)
-        self.on_failure, self.admit_every, self.rejoin = on_failure, int(admit_every), bool(rejoin)
+        self.on_failure, self.rejoin = on_failure, bool(rejoin)
         self.shrink_timeout, self.grace, self.max_recoveries = float(shrink_timeout), float(grace), int(max_recoveries)
         self.join_timeout = float(join_timeout)
         self.steps_done = 0
