@@ -20,7 +20,9 @@ what each hit: "a step", "a join" (a newcomer) or "recovery" (within 0.5 s
 of the previous failure)). A frozen one's peers find it by its heartbeat
 (``--heartbeat`` s); continued, it must say that it was fenced out, or, if
 its peers were waiting for it where no heartbeat is judged (on the Store, in
-an admission), go on as a member. At least ``--min-world`` ranks stay alive.
+an admission), go on as a member; once it completes a step again (a pipeline
+rank also after it rejoined) it is a member like any other, and may be hit
+again. At least ``--min-world`` ranks stay alive.
 
 Checked: every step, every rank's parameters and optimizer state hashed
 (sha256) and sent to the driver in batches: all ranks that completed step s
@@ -306,7 +308,12 @@ class Soak:
                 if self.procs[uid]["state"] not in ("dead", "done", "fenced", "crash"):
                     self.procs[uid]["state"] = "vanished"
                 continue
+            p = self.procs[uid]
             for step, dg, t, world, _epoch, *stage in msg["steps"]:
+                if p["state"] == "continued" and t > p["continued_at"]:
+                    # A frozen process back as a member (waited for, or a
+                    # pipeline rank that rejoined): a member again.
+                    p["state"], p["back"] = "member", True
                 self.digests.setdefault((step, stage[0] if stage else 0), {}).setdefault(dg, []).append(uid)
                 self.completions.append((t, uid, step, world))
                 self.max_step = max(self.max_step, step)
@@ -378,7 +385,7 @@ class Soak:
                     os.kill(self.procs[uid]["pid"], signal.SIGCONT)
                     del frozen[uid]
                     if self.procs[uid]["state"] == "frozen":
-                        self.procs[uid]["state"] = "continued"
+                        self.procs[uid].update(state="continued", continued_at=now)
             members = [u for u in running if self.procs[u]["state"] == "member"]
             if injected == 0 and next_at is None and len(members) == args.world:
                 next_at = now + args.gap  # the first failure once everyone trains
@@ -386,7 +393,8 @@ class Soak:
             if args.calm and self.events and not self.recovered(self.events[-1]["t"], running, frozen):
                 next_at = max(next_at or now, now + 0.05)
             if next_at is not None and now >= next_at and injected < self.failures and not near_end:
-                # (Not a frozen process woken up: how it ends is what it is checked on.)
+                # (Not a frozen process woken up, until it is back as a member:
+                # how it ends is what it is checked on.)
                 live = [u for u in running if u not in frozen and self.procs[u]["state"] != "continued"
                         and (not args.calm or self.procs[u]["state"] == "member")]
                 if args.job == "pipeline" and (not self.completions or self.completions[-1][3] < args.world):
@@ -484,13 +492,15 @@ class Soak:
         crashes = {u: r["why"] for u, r in self.reports.items() if r["kind"] == "crash"}
         # A frozen process, once continued, is fenced out if its peers found
         # it silent; if they were waiting for it elsewhere (on the Store, in
-        # an admission) it simply goes on as a member. Either is right.
+        # an admission) it simply goes on as a member (and may be hit again
+        # as one: "back"). Either is right.
         frozen = [e["uid"] for e in self.events if e["kind"] == "freeze"]
         fenced = [u for u in frozen if self.reports.get(u, {}).get("kind") == "fenced"]
         # (A pipeline's frozen rank, fenced out, rejoins: admitted, or still
         # waiting for a partner at the end.)
         ok_ends = ("fenced", "done") + (("late-joiner",) if self.args.job == "pipeline" else ())
-        not_fenced = [u for u in frozen if self.reports.get(u, {}).get("kind", self.procs[u]["state"]) not in ok_ends]
+        not_fenced = [u for u in frozen if self.reports.get(u, {}).get("kind", self.procs[u]["state"]) not in ok_ends
+                      and not self.procs[u].get("back")]
         recoveries = []
         for e in self.events:
             # The ranks that trained before the failure and after it (not the
@@ -505,14 +515,19 @@ class Soak:
         accs = ([round(a, 4) for a in pipeline_accuracy(done)] if self.args.job == "pipeline" else
                 sorted({round(r["acc"], 4) for r in done.values()}))
         return dict(failures=injected, kills=sum(e["kind"] == "kill" for e in self.events),
-                    freezes=len(frozen), fenced=len(fenced), steps=max(s for s, _ in self.digests) if self.digests else 0,
+                    freezes=len(frozen), fenced=len(fenced), back=sum(bool(self.procs[u].get("back")) for u in frozen),
+                    steps=max(s for s, _ in self.digests) if self.digests else 0,
                     checked_steps=len({s for s, _ in self.digests}), wrong_steps=len({s for s, _ in wrong}),
                     wrong={str(k): v for k, v in list(wrong.items())[:3]},
                     finished=sorted(done), acc=accs, crashes=crashes, not_fenced=not_fenced, hung=hung,
                     leaked=leaked, recoveries=recoveries, events=self.events,
                     during=sorted({e["during"] for e in self.events}),
                     late_joiners=[u for u, p in self.procs.items() if p["state"] == "late-joiner"],
-                    frozen_ends={u: self.reports.get(u, {}).get("kind", self.procs[u]["state"]) for u in frozen})
+                    # What the ranks that finished saw: each membership change (kind, step, world,
+                    # seconds, cause), for telling where a long recovery went.
+                    member_events={u: r.get("events", []) for u, r in done.items()},
+                    frozen_ends={u: ("back as a member, then " if self.procs[u].get("back") else "")
+                                 + self.reports.get(u, {}).get("kind", self.procs[u]["state"]) for u in frozen})
 
 
 def main() -> int:
@@ -589,7 +604,7 @@ def main() -> int:
           f"wrong; accuracy {res['acc']} vs {base['acc']} without failures ({t_base:.0f} s); "
           f"crashes {len(res['crashes'])}, hung {len(res['hung'])}, leaked {len(res['leaked'])}; frozen: "
           f"{res['fenced']} fenced out, {res['freezes'] - res['fenced'] - len(res['not_fenced'])} waited for, "
-          f"{len(res['not_fenced'])} neither; joiners not admitted before the end {len(res['late_joiners'])}; "
+          f"{len(res['not_fenced'])} neither, {res['back']} back as members; joiners not admitted before the end {len(res['late_joiners'])}; "
           f"failure to the next step every survivor completed: {spread('kill')}; {spread('freeze')} (found by the "
           f"{args.heartbeat:g} s heartbeat)", flush=True)
     for uid, why in list(res["crashes"].items())[:3]:
