@@ -531,6 +531,7 @@ def _spare_steps(comm, stage: int) -> Dict[str, Any]:
         else:
             out["ok"] = _sum_check(comm, list(range(comm.world_size)))
         out["worlds"].append((comm.world_size, comm.rank, comm.epoch))
+    out["name"] = comm.name
     comm.close()
     return out
 

@@ -4,6 +4,7 @@ results), a shrink on purpose (the excluded rank is fenced out, the old
 communicator is fenced everywhere), shrinking to one rank, and a Store that
 died (a clear error)."""
 import os
+import re
 import time
 
 import pytest
@@ -306,6 +307,10 @@ def test_spares_beyond_max_world_size_wait_for_room(zygote):
     second = reps["ticket 2"]
     assert second["joined"] == (4, 3, 3) and second["worlds"] == [(4, 3, 3)] and second["ok"], second
     assert not res["third_admitted"], res
+    # Every rank names the last communicator alike, by job, epoch and a digest of its lineage (bounded:
+    # the lineage spelled out grew with every change of membership).
+    names = {rep["name"] for key, rep in reps.items() if key != "member 1"}
+    assert len(names) == 1 and re.fullmatch(r"spares@3\.[0-9a-f]{12}", names.pop()), names
 
 
 def test_max_world_size_is_checked():
