@@ -79,8 +79,8 @@ def digest(ft: FaultTolerantDDP, optimizer: bool = True) -> str:
 
 def train(comm: pycomm.Communicator, hook: str, steps: int, *, lr: float = 0.05, kill_at: Optional[tuple] = None,
           on_step=None, bucket_cap_mb: float = 0.03, admit_every: int = 0, on_failure: str = "redo",
-          freeze: bool = False, path: Optional[str] = None, device: str = "cpu", amp: bool = False
-          ) -> Dict[str, Any]:
+          freeze: bool = False, path: Optional[str] = None, device: str = "cpu", amp: bool = False,
+          **bounds: Any) -> Dict[str, Any]:
     """Train the digits MLP for ``steps`` steps with FaultTolerantDDP; the
     global batch of step s is the same on every rank and split over the
     current world. ``kill_at=(step, phase)`` kills this process at that step:
@@ -91,7 +91,9 @@ def train(comm: pycomm.Communicator, hook: str, steps: int, *, lr: float = 0.05,
     ``device="cuda"``: a CUDA model (the group path, NCCL or Gloo).
     ``amp``: loss scaling through ``grad_scaler=``, each rank's scaler built
     with another initial scale (the wrapper's first heal makes them equal),
-    and rank 0's loss overflowing at step 15 (every rank must skip it)."""
+    and rank 0's loss overflowing at step 15 (every rank must skip it).
+    ``bounds``: the wrapper's max_world_size, min_world_size and
+    min_world_timeout."""
     from hooks_cases import digits_mlp
 
     xtr, ytr, xte, yte = _digits()
@@ -109,7 +111,7 @@ def train(comm: pycomm.Communicator, hook: str, steps: int, *, lr: float = 0.05,
               if amp else None)
     ft = FaultTolerantDDP(model, wrapped, comm, hook=hook_fn, state=state, scheduler=sched,
                           bucket_cap_mb=bucket_cap_mb, admit_every=admit_every, on_failure=on_failure,
-                          grad_scaler=scaler)
+                          grad_scaler=scaler, **bounds)
     scales: List[float] = []
     first = model[0].weight
     digests: Dict[int, str] = {}
@@ -259,6 +261,47 @@ def replacement_joins(hook: str, world: int = 4, steps: int = 120, victim: int =
                       kill_step: int = 23, path: Optional[str] = None) -> Dict[str, Any]:
     """A rank dies; the survivors go on; a replacement joins and is healed."""
     return _collect(world + 1, _reporting(_join_rank), hook, steps, victim, kill_step, path, dead=(victim,))
+
+
+def _refill_rank(rank: int, procs: int, port: int, steps: int, victim: int, kill_step: int, spare: bool,
+                 wait_s: float) -> Dict[str, Any]:
+    """The job is bounded at its size both ways (min = max = world): with
+    ``spare``, process ``world`` joins at once and waits as a spare; ``victim``
+    dies at ``kill_step``. Reports the worlds every step attempt saw, or the
+    error the wait ended in and how long after the failed attempt began."""
+    import datetime
+
+    import torch.distributed as dist
+
+    world = procs - 1 if spare else procs
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=30))
+    if spare and rank == world:
+        comm = pycomm.elastic.join(store, "ft-min", timeout=120)
+    else:
+        comm = pycomm.Communicator(store=store, rank=rank, world_size=world, name="ft-min", timeout=20)
+    seen: Dict[int, int] = {}
+    began = [0.0]
+
+    def on_step(ft, step):
+        seen[ft.world_size] = seen.get(ft.world_size, 0) + 1
+        began[0] = time.monotonic()
+
+    try:
+        out = train(comm, "int8", steps, kill_at=(kill_step, 0) if rank == victim else None, on_step=on_step,
+                    admit_every=10, max_world_size=world, min_world_size=world, min_world_timeout=wait_s)
+    except pycomm.CommError as e:
+        return dict(error=str(e), after_s=time.monotonic() - began[0], seen=seen)
+    out.update(seen=seen, joined=comm.joined)
+    return out
+
+
+def below_min_world(world: int = 4, steps: int = 60, victim: int = 1, kill_step: int = 23, spare: bool = True,
+                    wait_s: float = 2.0) -> Dict[str, Any]:
+    """A job bounded at ``world`` ranks both ways loses ``victim``: with a
+    spare standing by, it comes in before the next step; without, every
+    survivor raises after ``wait_s``."""
+    return _collect(world + int(spare), _reporting(_refill_rank), steps, victim, kill_step, spare, wait_s,
+                    dead=(victim,))
 
 
 def api_checks() -> Dict[str, Any]:

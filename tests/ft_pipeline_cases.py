@@ -73,7 +73,8 @@ def _rank(uid: int, world: int, port: int, conn, cfg: Dict[str, Any]) -> None:
         ft = elastic.FaultTolerantPipeline(
             _stage, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), comm, num_stages=cfg["stages"],
             num_microbatches=4, schedule=cfg["schedule"], loss_fn=nn.functional.mse_loss,
-            admit_every=cfg.get("admit_every", 4), on_failure=cfg.get("on_failure", "redo"))
+            admit_every=cfg.get("admit_every", 4), on_failure=cfg.get("on_failure", "redo"),
+            min_world_size=cfg.get("min_world"))
         conn.send(("member", uid, None))
         rows: List[tuple] = []
         while ft.steps_done < cfg["steps"]:
@@ -108,18 +109,20 @@ def _trains(uid: int, completions: List[tuple]) -> bool:
 
 def train(schedule: str = "1f1b", *, steps: int = 24, failure: Optional[str] = "kill", victim: Optional[int] = None,
           seed: int = 0, local_size: Optional[int] = None, on_failure: str = "redo",
-          replacement: bool = True, pace: float = 0.25) -> Dict[str, Any]:
+          replacement: bool = True, pace: float = 0.25, min_world: Optional[int] = None) -> Dict[str, Any]:
     """4 ranks (2 replicas x 2 stages) train ``steps`` steps; with
     ``failure`` ("kill" or "freeze"), ``victim`` (default: a random rank) is
     killed -9 / frozen at a random step and moment and (``replacement``) a
     new process joins; while only one replica trains, each of its steps is
-    followed by ``pace`` seconds of sleep. Returns what the driver saw: per (step, stage) the
+    followed by ``pace`` seconds of sleep (``min_world``: the job's
+    min_world_size instead). Returns what the driver saw: per (step, stage) the
     distinct digests, the losses, the processes' ends, recovery time."""
     import reliability_cases as rc
     from harness import free_port
 
     rng = random.Random(seed)
-    cfg = dict(steps=steps, stages=2, schedule=schedule, local_size=local_size, on_failure=on_failure, pace=pace)
+    cfg = dict(steps=steps, stages=2, schedule=schedule, local_size=local_size, on_failure=on_failure, pace=pace,
+               min_world=min_world)
     port = free_port()
     store_pid, pids, conns = rc.fork_ranks(4, _rank, cfg, port=port)
     procs = {u: dict(pid=pids[u], conn=conns[u]) for u in range(4)}

@@ -142,6 +142,34 @@ def test_replacement_joins_and_is_healed(zygote, hook):
     assert newcomer["events"] == []
 
 
+def test_min_world_size_waits_for_a_spare_or_gives_up_together(zygote):
+    """torchrun's --nnodes=MIN:MAX with MIN = MAX = 4: a spare waits in join
+    (no room) until rank 1 dies at step 23; the survivors shrink and, below
+    their minimum, admit it before any step runs with 3 ranks. Without a
+    spare every survivor raises after the 2 s wait, together."""
+    res = zygote.run(fc.below_min_world, timeout=240)
+    assert res["hung"] == 0 and res["leaked"] == [], res
+    reps = res["reports"]
+    for r, rep in reps.items():
+        assert "crash" not in rep, f"rank {r}: {rep['crash']}"
+        assert rep["steps"] == 60 and rep["world"] == 4 and list(rep["seen"]) == [4], (r, rep["seen"])
+    for r in (0, 2, 3):
+        assert [(e["kind"], e["step"], e["world"]) for e in reps[r]["events"]] == [("shrink", 23, 3),
+                                                                                 ("admit", 23, 4)], reps[r]["events"]
+    spare = reps[4]
+    assert spare["joined"] and spare["rank"] == 3 and min(spare["digests"]) == 23, spare["digests"].keys()
+    assert len({rep["digests"][23] for rep in reps.values()}) == 1
+    assert len({rep["digest"] for rep in reps.values()}) == 1
+
+    res = zygote.run(fc.below_min_world, spare=False, timeout=240)
+    assert res["hung"] == 0 and res["leaked"] == [], res
+    assert sorted(res["reports"]) == [0, 2, 3], res
+    for r, rep in res["reports"].items():
+        assert "fewer than min_world_size=4" in rep.get("error", ""), (r, rep)
+        assert 2.0 <= rep["after_s"] < 10.0, (r, rep["after_s"])
+        assert list(rep["seen"]) == [4], (r, rep["seen"])
+
+
 # The group path: every hook under PYCOMM_LONG=1, two kinds in CI
 # (compressed through a GroupCommunicator, a delayed average); plain buckets
 # take it in the frozen-rank test below.

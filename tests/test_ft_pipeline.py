@@ -83,6 +83,18 @@ def test_frozen_rank_is_left_out_and_the_rest_goes_on(zygote, baseline):
     _check_survived(res, baseline("1f1b"), victim_end="late-joiner")
 
 
+def test_min_world_size_holds_the_job_until_its_replicas_are_whole_again(zygote, baseline):
+    """min_world_size=4 (both replicas): after the kill, the other replica
+    shrinks and then waits at that step boundary for the survivor to rejoin
+    with the replacement, instead of training alone (no pacing needed)."""
+    res = zygote.run(fp.train, "1f1b", steps=STEPS, failure="kill", seed=11, pace=0.0, min_world=4, timeout=180)
+    _check_survived(res, baseline("1f1b"))
+    for u in (u for u in range(4) if u // 2 != res["victim"] // 2):
+        events = [(e["kind"], e["step"], e["world"]) for e in res["done"][u]["events"]]
+        assert [k for k, _, _ in events] == ["shrink", "admit"] and events[0][1] == events[1][1], events
+        assert events[0][2] == 2 and events[1][2] == 4, events
+
+
 def test_a_rank_lost_before_the_sub_bootstraps_is_seen_at_once(zygote):
     """A rank that dies after the job's communicator is built and before it
     builds its pipeline's and data-parallel communicators (a newcomer killed

@@ -136,6 +136,13 @@ class FaultTolerantDDP(torch.nn.Module, ElasticLoop):
         max_world_size: never grow past this many ranks (None: no bound);
             newcomers beyond it wait in ``join`` as spares until a failure
             makes room (see :func:`~pycomm.elastic.admit`).
+        min_world_size, min_world_timeout: never train with fewer than this
+            many ranks (None: go on with any survivors). Below it (after a
+            shrink) the members stop at the step boundary and admit
+            newcomers as they come, a spare at once; if the job is not back
+            to its minimum within ``min_world_timeout`` seconds, every rank
+            raises CommError (restart from a checkpoint). torchrun's
+            ``--nnodes=MIN:MAX`` with these two.
         scheduler: a learning-rate scheduler, stepped after each completed
             optimizer step (so that it counts the steps the ranks agree on)
             and healed with the model.
@@ -164,6 +171,7 @@ class FaultTolerantDDP(torch.nn.Module, ElasticLoop):
     def __init__(self, module: torch.nn.Module, optimizer: Any, comm: Communicator, *,
                  hook: Optional[Callable] = None, state: Optional[_hooks.HookState] = None,
                  on_failure: str = "redo", admit_every: int = 10, max_world_size: Optional[int] = None,
+                 min_world_size: Optional[int] = None, min_world_timeout: float = 600.0,
                  scheduler: Any = None, extra_state: Any = None,
                  grad_scaler: Any = None, shrink_timeout: float = 30.0, grace: float = 2.0,
                  max_recoveries: int = 8, **ddp_kwargs: Any) -> None:
@@ -173,7 +181,7 @@ class FaultTolerantDDP(torch.nn.Module, ElasticLoop):
                             f"{type(comm).__name__}")
         if on_failure not in ON_FAILURE:
             raise ValueError(f"pycomm.elastic.FaultTolerantDDP: on_failure={on_failure!r}; use 'redo' or 'drop'")
-        self._set_admission("FaultTolerantDDP", admit_every, max_world_size)
+        self._set_admission("FaultTolerantDDP", admit_every, max_world_size, min_world_size, min_world_timeout)
         devices = {p.device for p in module.parameters()}
         if len(devices) != 1 or next(iter(devices)).type not in ("cpu", "cuda"):
             raise ValueError(f"pycomm.elastic.FaultTolerantDDP: the model has parameters on "
@@ -303,6 +311,7 @@ class FaultTolerantDDP(torch.nn.Module, ElasticLoop):
             # Every rank counts the failed attempt's buckets alike: none of them.
             self.state.iteration = iteration
             self._recover(self._failures[0])
+            self._refill()
             if self.steps_done > attempt:
                 return None
             if self.on_failure == "drop":

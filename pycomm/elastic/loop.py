@@ -4,7 +4,8 @@ agrees it is done, newcomers admitted at step boundaries, and the record of
 membership changes.
 
 A trainer that mixes :class:`ElasticLoop` in keeps ``comm``, ``steps_done``,
-``admit_every``, ``max_world_size`` (both set by ``_set_admission``),
+``admit_every``, ``max_world_size``, ``min_world_size``, ``min_world_timeout``
+(set by ``_set_admission``),
 ``shrink_timeout``, ``events`` and ``_admit_checked``, and
 provides ``_bind(comm)`` (take a new membership's communicator), ``_heal()``
 (every rank takes the most advanced rank's state; collective) and
@@ -20,7 +21,7 @@ import torch
 
 from .._loader import CommError
 from ..communicator import Communicator
-from .membership import admit
+from .membership import admit, waiting
 
 logger = logging.getLogger("pycomm")
 
@@ -30,17 +31,71 @@ class ElasticLoop:
 
     #: Newcomers are admitted in groups of this many (a pipeline: whole replicas).
     _admit_multiple = 1
+    #: How often members below min_world_size look for newcomers: each look is
+    #: one Store operation and one all-reduce of two numbers.
+    _REFILL_POLL_S = 0.1
 
-    def _set_admission(self, who: str, admit_every: int, max_world_size: Optional[int]) -> None:
+    def _set_admission(self, who: str, admit_every: int, max_world_size: Optional[int],
+                       min_world_size: Optional[int], min_world_timeout: float) -> None:
         """Check and keep when newcomers come in (every ``admit_every``
-        steps; 0: never) and how far they may grow the job."""
+        steps; 0: never), how far they may grow the job, and below what size
+        the members stop and wait for them (for at most ``min_world_timeout`` s)."""
         if int(admit_every) < 0:
             raise ValueError(f"pycomm.elastic.{who}: admit_every must be >= 0, got {admit_every}")
         if max_world_size is not None and int(max_world_size) < self._admit_multiple:
             raise ValueError(f"pycomm.elastic.{who}: max_world_size must be >= {self._admit_multiple} (or None: no "
                              f"bound), got {max_world_size}")
+        if min_world_size is not None and not 1 <= int(min_world_size) <= (max_world_size or int(min_world_size)):
+            raise ValueError(f"pycomm.elastic.{who}: min_world_size must be >= 1 and <= max_world_size "
+                             f"({max_world_size}), got {min_world_size}")
+        if not float(min_world_timeout) >= 0:
+            raise ValueError(f"pycomm.elastic.{who}: min_world_timeout must be >= 0, got {min_world_timeout}")
         self.admit_every = int(admit_every)
         self.max_world_size = None if max_world_size is None else int(max_world_size)
+        self.min_world_size = None if min_world_size is None else int(min_world_size)
+        self.min_world_timeout = float(min_world_timeout)
+
+    def _refill(self) -> None:
+        """Below ``min_world_size`` (torchrun's minimum of ``--nnodes``):
+        stop at this step boundary and admit newcomers as they come, until
+        the job has its minimum again; if it has not within
+        ``min_world_timeout`` seconds, every member raises CommError.
+        Collective over the members; a failure meanwhile is recovered from
+        (the wait goes on with the survivors)."""
+        if self.min_world_size is None or self.comm.world_size >= self.min_world_size:
+            return
+        t0 = time.monotonic()
+        logger.warning("pycomm.elastic: %s, below min_world_size=%d: waiting up to %g s for newcomers at step %d",
+                       self._world_text(), self.min_world_size, self.min_world_timeout, self.steps_done)
+        while self.comm.world_size < self.min_world_size:
+            t1 = time.monotonic()
+            try:
+                # 1. Agree on what the members saw: enough tickets for an
+                #    admission, or a wait that is over (a member's clock
+                #    ran out). Every member then does the same: admit
+                #    calls stay in lockstep, and idle looks write nothing
+                #    to the Store.
+                seen = torch.tensor([waiting(self.comm), int(t1 - t0 >= self.min_world_timeout)], dtype=torch.int64)
+                self.comm.all_reduce(seen, op="max")
+                tickets, late = seen.tolist()
+                # 2. Admit (and heal) the newcomers there is room for.
+                if tickets >= self._admit_multiple:
+                    new = admit(self.comm, timeout=self.shrink_timeout, multiple=self._admit_multiple,
+                                max_world_size=self.max_world_size)
+                    if new is not self.comm:
+                        self._bind(new)
+                        self._heal()
+                        self._event("admit", t1)
+                        continue
+            except CommError as e:
+                self._recover(e)
+                continue
+            # 3. Give up together, or look again.
+            if late:
+                raise CommError(f"pycomm.elastic: the job has {self.comm.world_size} ranks, fewer than "
+                                f"min_world_size={self.min_world_size}, and not enough newcomers came within "
+                                f"{self.min_world_timeout:g} s; restart it from a checkpoint (state_dict())")
+            time.sleep(self._REFILL_POLL_S)
 
     def _train_until(self, steps: int, step: Callable[[], Any]) -> None:
         """Call ``step()`` until ``steps`` steps are done on every rank,
@@ -61,6 +116,9 @@ class ElasticLoop:
         """At a step boundary, every ``admit_every`` steps (once per step
         count): admit the newcomers waiting in :func:`~pycomm.elastic.join`
         and heal them. Collective over the members."""
+        if self.min_world_size is not None and self.comm.world_size < self.min_world_size:
+            self._refill()
+            return
         if not self.admit_every or self.steps_done % self.admit_every or self.steps_done == self._admit_checked:
             return
         self._admit_checked = self.steps_done

@@ -497,6 +497,16 @@ def admit(comm: "Communicator", *, timeout: float = 30.0, multiple: int = 1,
     return new
 
 
+def waiting(comm: "Communicator") -> int:
+    """How many tickets newcomers took since ``comm``'s last admission (one
+    Store operation; a ticket of a newcomer that died or withdrew counts
+    until an :func:`admit` passes it over)."""
+    try:
+        return int(_job_store(comm._root_store, comm.job).add("tickets", 0)) - comm._admitted_upto
+    except Exception as e:
+        raise CommError(f"pycomm.elastic: the Store cannot be reached ({type(e).__name__}: {e})") from e
+
+
 def _member_records(comm: "Communicator") -> Dict[int, str]:
     """The process record each rank of ``comm`` published when it bootstrapped
     it (:func:`pycomm.bootstrap.process_record`), by rank."""

@@ -90,6 +90,9 @@ class FaultTolerantPipeline(ElasticLoop):
         max_world_size: never grow past this many ranks (None: no bound;
             else at least ``num_stages``): replicas beyond it wait in
             ``join`` as spares until a failure makes room.
+        min_world_size, min_world_timeout: never train with fewer ranks
+            than this (None: go on with any whole replica); as
+            FaultTolerantDDP's.
         rejoin: a survivor of a broken replica joins the job again as a
             newcomer (else it raises :class:`pycomm.elastic.FencedOut`).
         shrink_timeout, grace, max_recoveries: as FaultTolerantDDP's.
@@ -102,7 +105,8 @@ class FaultTolerantPipeline(ElasticLoop):
                  virtual_stages: Optional[int] = None, loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
                  loss_reduction: str = "mean", checkpoint: bool = False,
                  scheduler_fn: Optional[Callable[[torch.optim.Optimizer], Any]] = None, on_failure: str = "redo",
-                 admit_every: int = 10, max_world_size: Optional[int] = None, rejoin: bool = True, shrink_timeout: float = 30.0, grace: float = 2.0,
+                 admit_every: int = 10, max_world_size: Optional[int] = None,
+                 min_world_size: Optional[int] = None, min_world_timeout: float = 600.0, rejoin: bool = True, shrink_timeout: float = 30.0, grace: float = 2.0,
                  max_recoveries: int = 8, join_timeout: float = 300.0) -> None:
         if not isinstance(comm, Communicator):
             raise TypeError(f"pycomm.elastic.FaultTolerantPipeline: comm must be a pycomm.Communicator, got "
@@ -114,7 +118,7 @@ class FaultTolerantPipeline(ElasticLoop):
             raise ValueError(f"pycomm.elastic.FaultTolerantPipeline: on_failure={on_failure!r}; use 'redo' or "
                              "'drop'")
         self.num_stages = int(num_stages)
-        self._set_admission("FaultTolerantPipeline", admit_every, max_world_size)
+        self._set_admission("FaultTolerantPipeline", admit_every, max_world_size, min_world_size, min_world_timeout)
         self.stage_fn, self.optimizer_fn, self.scheduler_fn = stage_fn, optimizer_fn, scheduler_fn
         self._pipeline_args = dict(num_microbatches=num_microbatches, schedule=schedule,
                                    virtual_stages=virtual_stages, loss_fn=loss_fn, loss_reduction=loss_reduction,
@@ -181,6 +185,7 @@ class FaultTolerantPipeline(ElasticLoop):
                 return self._attempt(batch_fn)
             except CommError as e:
                 self._recover(e)
+                self._refill()
             if self.steps_done > attempt:
                 return None
             if self.on_failure == "drop":
