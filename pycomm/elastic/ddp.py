@@ -311,9 +311,13 @@ class FaultTolerantDDP(torch.nn.Module, ElasticLoop):
             # Every rank counts the failed attempt's buckets alike: none of them.
             self.state.iteration = iteration
             self._recover(self._failures[0])
-            self._refill()
             if self.steps_done > attempt:
                 return None
+            # Below min_world_size, wait for newcomers before the redo. Only
+            # here, where every member is (a member that had completed the
+            # step is in its next one, or in train()'s final count, and the
+            # next step's _maybe_admit waits instead).
+            self._refill()
             if self.on_failure == "drop":
                 self.steps_done += 1
                 return None

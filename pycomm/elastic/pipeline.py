@@ -185,9 +185,9 @@ class FaultTolerantPipeline(ElasticLoop):
                 return self._attempt(batch_fn)
             except CommError as e:
                 self._recover(e)
-                self._refill()
             if self.steps_done > attempt:
                 return None
+            self._refill()  # before the redo (see FaultTolerantDDP.step)
             if self.on_failure == "drop":
                 self.steps_done += 1
                 return None
