@@ -604,7 +604,8 @@ def main() -> int:
           f"wrong; accuracy {res['acc']} vs {base['acc']} without failures ({t_base:.0f} s); "
           f"crashes {len(res['crashes'])}, hung {len(res['hung'])}, leaked {len(res['leaked'])}; frozen: "
           f"{res['fenced']} fenced out, {res['freezes'] - res['fenced'] - len(res['not_fenced'])} waited for, "
-          f"{len(res['not_fenced'])} neither, {res['back']} back as members; joiners not admitted before the end {len(res['late_joiners'])}; "
+          f"{len(res['not_fenced'])} neither, {res['back']} back as members; joiners not admitted before the end "
+          f"{len(res['late_joiners'])}; "
           f"failure to the next step every survivor completed: {spread('kill')}; {spread('freeze')} (found by the "
           f"{args.heartbeat:g} s heartbeat)", flush=True)
     for uid, why in list(res["crashes"].items())[:3]:

@@ -315,6 +315,8 @@ def api_checks() -> Dict[str, Any]:
     model = digits_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for key, kwargs in dict(on_failure=dict(on_failure="retry"), admit_every=dict(admit_every=-1),
+                            max_world=dict(max_world_size=0), min_world=dict(min_world_size=5, max_world_size=4),
+                            min_wait=dict(min_world_size=2, min_world_timeout=-1.0),
                             state=dict(state=object()), comm=dict(comm=object())).items():
         args = dict(comm=comm, **kwargs) if key != "comm" else kwargs
         try:

@@ -215,6 +215,9 @@ def test_arguments_and_state_dict(zygote):
     out = zygote.run(fc.api_checks)
     assert "on_failure='retry'" in out["on_failure"], out
     assert "admit_every must be >= 0" in out["admit_every"], out
+    assert "max_world_size must be >= 1" in out["max_world"], out
+    assert "min_world_size must be >= 1 and <= max_world_size (4), got 5" in out["min_world"], out
+    assert "min_world_timeout must be >= 0" in out["min_wait"], out
     assert out["state"].startswith("TypeError") and "hook state" in out["state"], out
     assert out["comm"].startswith("TypeError") and "pycomm.Communicator" in out["comm"], out
     assert "on the CPU or on one GPU" in out["device"] and "meta" in out["device"], out

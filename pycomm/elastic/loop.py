@@ -1,12 +1,11 @@
 """What the fault-tolerant trainers share (:class:`~pycomm.elastic.FaultTolerantDDP`,
 :class:`~pycomm.elastic.FaultTolerantPipeline`): training until every rank
-agrees it is done, newcomers admitted at step boundaries, and the record of
-membership changes.
+agrees it is done, newcomers admitted at step boundaries (and waited for below
+the job's minimum size), and the record of membership changes.
 
 A trainer that mixes :class:`ElasticLoop` in keeps ``comm``, ``steps_done``,
-``admit_every``, ``max_world_size``, ``min_world_size``, ``min_world_timeout``
-(set by ``_set_admission``),
-``shrink_timeout``, ``events`` and ``_admit_checked``, and
+``shrink_timeout``, ``events`` and ``_admit_checked``, calls
+``_set_admission`` (when newcomers come in, and the job's size bounds), and
 provides ``_bind(comm)`` (take a new membership's communicator), ``_heal()``
 (every rank takes the most advanced rank's state; collective) and
 ``_recover(error)`` (shrink to the survivors and heal).

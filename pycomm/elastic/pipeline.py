@@ -106,8 +106,9 @@ class FaultTolerantPipeline(ElasticLoop):
                  loss_reduction: str = "mean", checkpoint: bool = False,
                  scheduler_fn: Optional[Callable[[torch.optim.Optimizer], Any]] = None, on_failure: str = "redo",
                  admit_every: int = 10, max_world_size: Optional[int] = None,
-                 min_world_size: Optional[int] = None, min_world_timeout: float = 600.0, rejoin: bool = True, shrink_timeout: float = 30.0, grace: float = 2.0,
-                 max_recoveries: int = 8, join_timeout: float = 300.0) -> None:
+                 min_world_size: Optional[int] = None, min_world_timeout: float = 600.0, rejoin: bool = True,
+                 shrink_timeout: float = 30.0, grace: float = 2.0, max_recoveries: int = 8,
+                 join_timeout: float = 300.0) -> None:
         if not isinstance(comm, Communicator):
             raise TypeError(f"pycomm.elastic.FaultTolerantPipeline: comm must be a pycomm.Communicator, got "
                             f"{type(comm).__name__}")
