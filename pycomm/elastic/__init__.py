@@ -12,7 +12,8 @@
 * :mod:`pycomm.elastic.epoch_group` — the process group of one membership
   epoch, for CUDA models (NCCL) and the group path (Gloo).
 * :mod:`pycomm.elastic.loop` — what both trainers share: train until every
-  rank agrees it is done, admit newcomers at step boundaries, record changes.
+  rank agrees it is done, admit newcomers at step boundaries (within the
+  job's size bounds, waiting for them below its minimum), record changes.
 """
 from .membership import FencedOut, admit, join, shrink
 from .ddp import FaultTolerantDDP

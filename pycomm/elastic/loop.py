@@ -20,7 +20,7 @@ import torch
 
 from .._loader import CommError
 from ..communicator import Communicator
-from .membership import admit, waiting
+from .membership import _waiting, admit
 
 logger = logging.getLogger("pycomm")
 
@@ -74,7 +74,7 @@ class ElasticLoop:
                 #    ran out). Every member then does the same: admit
                 #    calls stay in lockstep, and idle looks write nothing
                 #    to the Store.
-                seen = torch.tensor([waiting(self.comm), int(t1 - t0 >= self.min_world_timeout)], dtype=torch.int64)
+                seen = torch.tensor([_waiting(self.comm), int(t1 - t0 >= self.min_world_timeout)], dtype=torch.int64)
                 self.comm.all_reduce(seen, op="max")
                 tickets, late = seen.tolist()
                 # 2. Admit (and heal) the newcomers there is room for.

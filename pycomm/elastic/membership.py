@@ -497,7 +497,7 @@ def admit(comm: "Communicator", *, timeout: float = 30.0, multiple: int = 1,
     return new
 
 
-def waiting(comm: "Communicator") -> int:
+def _waiting(comm: "Communicator") -> int:
     """How many tickets newcomers took since ``comm``'s last admission (one
     Store operation; a ticket of a newcomer that died or withdrew counts
     until an :func:`admit` passes it over)."""
