@@ -312,7 +312,9 @@ class Soak:
             for step, dg, t, world, _epoch, *stage in msg["steps"]:
                 if p["state"] == "continued" and t > p["continued_at"]:
                     # A frozen process back as a member (waited for, or a
-                    # pipeline rank that rejoined): a member again.
+                    # pipeline rank that rejoined): a member again. (One
+                    # that only finishes the step it was frozen in is
+                    # fenced at its next: the verdict goes by its end.)
                     p["state"], p["back"] = "member", True
                 self.digests.setdefault((step, stage[0] if stage else 0), {}).setdefault(dg, []).append(uid)
                 self.completions.append((t, uid, step, world))
@@ -515,7 +517,7 @@ class Soak:
         accs = ([round(a, 4) for a in pipeline_accuracy(done)] if self.args.job == "pipeline" else
                 sorted({round(r["acc"], 4) for r in done.values()}))
         return dict(failures=injected, kills=sum(e["kind"] == "kill" for e in self.events),
-                    freezes=len(frozen), fenced=len(fenced), back=sum(bool(self.procs[u].get("back")) for u in frozen),
+                    freezes=len(frozen), fenced=len(fenced), back=sum(bool(self.procs[u].get("back")) and u not in fenced for u in frozen),
                     steps=max(s for s, _ in self.digests) if self.digests else 0,
                     checked_steps=len({s for s, _ in self.digests}), wrong_steps=len({s for s, _ in wrong}),
                     wrong={str(k): v for k, v in list(wrong.items())[:3]},
