@@ -517,7 +517,8 @@ class Soak:
         accs = ([round(a, 4) for a in pipeline_accuracy(done)] if self.args.job == "pipeline" else
                 sorted({round(r["acc"], 4) for r in done.values()}))
         return dict(failures=injected, kills=sum(e["kind"] == "kill" for e in self.events),
-                    freezes=len(frozen), fenced=len(fenced), back=sum(bool(self.procs[u].get("back")) and u not in fenced for u in frozen),
+                    freezes=len(frozen), fenced=len(fenced),
+                    back=sum(bool(self.procs[u].get("back")) and u not in fenced for u in frozen),
                     steps=max(s for s, _ in self.digests) if self.digests else 0,
                     checked_steps=len({s for s, _ in self.digests}), wrong_steps=len({s for s, _ in wrong}),
                     wrong={str(k): v for k, v in list(wrong.items())[:3]},

@@ -61,12 +61,12 @@ class ElasticLoop:
         ``min_world_timeout`` seconds, every member raises CommError.
         Collective over the members; a failure meanwhile is recovered from
         (the wait goes on with the survivors)."""
-        if self.min_world_size is None or self.comm.world_size >= self.min_world_size:
+        if not self._below_min():
             return
         t0 = time.monotonic()
         logger.warning("pycomm.elastic: %s, below min_world_size=%d: waiting up to %g s for newcomers at step %d",
                        self._world_text(), self.min_world_size, self.min_world_timeout, self.steps_done)
-        while self.comm.world_size < self.min_world_size:
+        while self._below_min():
             t1 = time.monotonic()
             try:
                 # 1. Agree on what the members saw: enough tickets for an
@@ -78,14 +78,8 @@ class ElasticLoop:
                 self.comm.all_reduce(seen, op="max")
                 tickets, late = seen.tolist()
                 # 2. Admit (and heal) the newcomers there is room for.
-                if tickets >= self._admit_multiple:
-                    new = admit(self.comm, timeout=self.shrink_timeout, multiple=self._admit_multiple,
-                                max_world_size=self.max_world_size)
-                    if new is not self.comm:
-                        self._bind(new)
-                        self._heal()
-                        self._event("admit", t1)
-                        continue
+                if tickets >= self._admit_multiple and self._admit_and_heal(t1):
+                    continue
             except CommError as e:
                 self._recover(e)
                 continue
@@ -115,24 +109,34 @@ class ElasticLoop:
         """At a step boundary, every ``admit_every`` steps (once per step
         count): admit the newcomers waiting in :func:`~pycomm.elastic.join`
         and heal them. Collective over the members."""
-        if self.min_world_size is not None and self.comm.world_size < self.min_world_size:
+        if self._below_min():
             self._refill()
             return
         if not self.admit_every or self.steps_done % self.admit_every or self.steps_done == self._admit_checked:
             return
         self._admit_checked = self.steps_done
-        t0 = time.monotonic()
         try:
-            new = admit(self.comm, timeout=self.shrink_timeout, multiple=self._admit_multiple,
-                        max_world_size=self.max_world_size)
-            if new is self.comm:
-                return
-            self._bind(new)
-            self._heal()
+            self._admit_and_heal(time.monotonic())
         except CommError as e:
             self._recover(e)
-            return
+
+    def _admit_and_heal(self, t0: float) -> bool:
+        """Admit the newcomers waiting in :func:`~pycomm.elastic.join` that
+        there is room for, heal them and record it (an admission that began
+        at ``t0``). Collective over the members; whether anyone came in.
+        Raises CommError (a member or newcomer lost meanwhile)."""
+        new = admit(self.comm, timeout=self.shrink_timeout, multiple=self._admit_multiple,
+                    max_world_size=self.max_world_size)
+        if new is self.comm:
+            return False
+        self._bind(new)
+        self._heal()
         self._event("admit", t0)
+        return True
+
+    def _below_min(self) -> bool:
+        """Whether the job has fewer ranks than its ``min_world_size``."""
+        return self.min_world_size is not None and self.comm.world_size < self.min_world_size
 
     def _adopt(self, comm: Communicator) -> None:
         """Take a new membership's communicator and heal (what a shrink hands over)."""
