@@ -22,7 +22,9 @@ of the previous failure)). A frozen one's peers find it by its heartbeat
 its peers were waiting for it where no heartbeat is judged (on the Store, in
 an admission), go on as a member; once it completes a step again (a pipeline
 rank also after it rejoined) it is a member like any other, and may be hit
-again. At least ``--min-world`` ranks stay alive.
+again. At least ``--min-world`` ranks stay alive; in PP x DP, a member is
+hit only while another replica untouched since the job last settled holds
+its stage (else the job would rightly end: that stage's state lost).
 
 Checked: every step, every rank's parameters and optimizer state hashed
 (sha256) and sent to the driver in batches: all ranks that completed step s
@@ -202,7 +204,7 @@ def _digits_stage(i: int) -> torch.nn.Module:
 
 def pipeline_main(uid: int, world: int, port: int, conn: Any, args: argparse.Namespace, joining: bool) -> None:
     """One process of the PP x DP job: replicas of a 2-stage pipeline
-    (FaultTolerantPipeline); the rows carry the stage, and the "done"
+    (FaultTolerantPipeline); the rows carry the stage and replica, and the "done"
     report this rank's stage state (the driver assembles the model)."""
     reporting(uid, conn, lambda report: _pipeline_job(uid, world, port, report, args, joining))
 
@@ -228,7 +230,8 @@ def _pipeline_job(uid: int, world: int, port: int, report: Reporter, args: argpa
 
     while ft.steps_done < args.steps:
         ft.step(shard)
-        report.row(ft.steps_done, digest(ft), time.monotonic(), ft.comm.world_size, ft.comm.epoch, ft.stage)
+        report.row(ft.steps_done, digest(ft), time.monotonic(), ft.comm.world_size, ft.comm.epoch, ft.stage,
+                   ft.replica)
     ft.train(args.steps, shard)
     state = io.BytesIO()  # bytes: a tensor sent through a pipe would travel as a file descriptor
     torch.save(ft.module.state_dict(), state)
@@ -267,6 +270,11 @@ class Soak:
         self.reports: Dict[int, Dict[str, Any]] = {}
         self.max_step = 0
         self.first_done = 0.0
+        self.last_done: Dict[int, tuple] = {}  # uid -> (time, stage, replica) of its latest completed step
+        # (PP x DP) Each member's (stage, replica) when the job last settled,
+        # and the processes hit since (see pipeline_victims).
+        self.picture: Dict[int, tuple] = {}
+        self.hit_since: set = set()
 
     # ---------------------------------------------------------- processes
 
@@ -305,7 +313,8 @@ class Soak:
                 msg = c.recv()
             except (EOFError, OSError):
                 self.procs[uid]["conn"] = None
-                if self.procs[uid]["state"] not in ("dead", "done", "fenced", "crash"):
+                # (Not one the driver ended itself: a late joiner, or one stuck.)
+                if self.procs[uid]["state"] not in ("dead", "done", "fenced", "crash", "late-joiner", "stuck"):
                     self.procs[uid]["state"] = "vanished"
                 continue
             p = self.procs[uid]
@@ -318,6 +327,7 @@ class Soak:
                     p["state"], p["back"] = "member", True
                 self.digests.setdefault((step, stage[0] if stage else 0), {}).setdefault(dg, []).append(uid)
                 self.completions.append((t, uid, step, world))
+                self.last_done[uid] = (t, *stage)
                 self.max_step = max(self.max_step, step)
             kind = msg["kind"]
             if kind == "member":
@@ -333,6 +343,30 @@ class Soak:
             return False
         members = {u for u in running if self.procs[u]["state"] == "member" and u not in frozen}
         return members <= {u for (tc, u, _, _) in self.completions[-200:] if tc > t}
+
+    def pipeline_victims(self, live: List[int], members: List[int]) -> List[int]:
+        """(PP x DP) Who of ``live`` may be hit without taking the last copy
+        of a stage's state with it (the job could not go on, rightly):
+        newcomers always; a member only while another replica that no
+        failure touched since the job last settled holds its stage (that
+        replica is whole, and stays whole through the survivors' regroup).
+        Settled: every member completed a step since the last failure, so
+        each one's stage and replica are known and no survivor waits to
+        rejoin. (The last completed step's world did not say it: a member
+        frozen, or killed milliseconds ago, still counted.)"""
+        t = self.events[-1]["t"] if self.events else 0.0
+        if members and all(self.last_done.get(u, (-1.0,))[0] > t for u in members):
+            self.picture = {u: self.last_done[u][1:] for u in members}
+            self.hit_since = set()
+        broken = {self.picture[v][1] for v in self.hit_since if v in self.picture}
+
+        def spared(v: int) -> bool:
+            if v not in self.picture or v in self.hit_since:
+                return False
+            stage, replica = self.picture[v]
+            return any(st == stage and rep != replica and rep not in broken
+                       for u, (st, rep) in self.picture.items() if u not in self.hit_since)
+        return [u for u in live if self.procs[u]["state"] == "joining" or spared(u)]
 
     def alive(self) -> List[int]:
         # "continued": a frozen process woken up, until it reports how it
@@ -399,10 +433,8 @@ class Soak:
                 # how it ends is what it is checked on.)
                 live = [u for u in running if u not in frozen and self.procs[u]["state"] != "continued"
                         and (not args.calm or self.procs[u]["state"] == "member")]
-                if args.job == "pipeline" and (not self.completions or self.completions[-1][3] < args.world):
-                    # Until the replacement replica is in, only newcomers: a
-                    # member now could be of the one whole replica left.
-                    live = [u for u in live if self.procs[u]["state"] == "joining"]
+                if args.job == "pipeline":
+                    live = self.pipeline_victims(live, members)
                 if not live:
                     # Nobody to hit yet (a pipeline's replacement replica is
                     # not in, and no newcomer is on its way): look again soon.
@@ -413,6 +445,7 @@ class Soak:
                         freeze = self.rng.random() < 0.25 and self.procs[victim]["state"] == "member"
                         t = time.monotonic()
                         os.kill(self.procs[victim]["pid"], signal.SIGSTOP if freeze else signal.SIGKILL)
+                        self.hit_since.add(victim)
                         recent = bool(self.events) and t - self.events[-1]["t"] < 0.5
                         during = ("recovery" if recent else "a join" if self.procs[victim]["state"] == "joining"
                                   else "a step")

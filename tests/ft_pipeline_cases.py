@@ -109,14 +109,16 @@ def _trains(uid: int, completions: List[tuple]) -> bool:
 
 def train(schedule: str = "1f1b", *, steps: int = 24, failure: Optional[str] = "kill", victim: Optional[int] = None,
           seed: int = 0, local_size: Optional[int] = None, on_failure: str = "redo",
-          replacement: bool = True, pace: float = 0.25, min_world: Optional[int] = None) -> Dict[str, Any]:
-    """4 ranks (2 replicas x 2 stages) train ``steps`` steps; with
-    ``failure`` ("kill" or "freeze"), ``victim`` (default: a random rank) is
-    killed -9 / frozen at a random step and moment and (``replacement``) a
-    new process joins; while only one replica trains, each of its steps is
-    followed by ``pace`` seconds of sleep (``min_world``: the job's
-    min_world_size instead). Returns what the driver saw: per (step, stage) the
-    distinct digests, the losses, the processes' ends, recovery time."""
+          replacement: bool = True, pace: float = 0.25, min_world: Optional[int] = None, world: int = 4,
+          victims: Optional[List[int]] = None) -> Dict[str, Any]:
+    """``world`` ranks (replicas of 2 stages; 4: 2 replicas) train ``steps``
+    steps; with ``failure`` ("kill" or "freeze"), ``victim`` (default: a
+    random rank; ``victims``: several at the same moment) is killed -9 /
+    frozen at a random step and moment and (``replacement``) a new process
+    joins; while only one replica trains, each of its steps is followed by
+    ``pace`` seconds of sleep (``min_world``: the job's min_world_size
+    instead). Returns what the driver saw: per (step, stage) the distinct
+    digests, the losses, the processes' ends, recovery time."""
     import reliability_cases as rc
     from harness import free_port
 
@@ -124,9 +126,11 @@ def train(schedule: str = "1f1b", *, steps: int = 24, failure: Optional[str] = "
     cfg = dict(steps=steps, stages=2, schedule=schedule, local_size=local_size, on_failure=on_failure, pace=pace,
                min_world=min_world)
     port = free_port()
-    store_pid, pids, conns = rc.fork_ranks(4, _rank, cfg, port=port)
-    procs = {u: dict(pid=pids[u], conn=conns[u]) for u in range(4)}
-    victim = rng.randrange(4) if victim is None else victim
+    store_pid, pids, conns = rc.fork_ranks(world, _rank, cfg, port=port)
+    procs = {u: dict(pid=pids[u], conn=conns[u]) for u in range(world)}
+    victim = rng.randrange(world) if victim is None else victim
+    victims = [victim] if victims is None else list(victims)
+    victim = victims[0]
     at_step = rng.randrange(3, steps // 3)  # time left to admit the replacement replica
     digests: Dict[tuple, set] = {}
     losses: Dict[int, List[float]] = {}
@@ -150,13 +154,15 @@ def train(schedule: str = "1f1b", *, steps: int = 24, failure: Optional[str] = "
                         losses.setdefault(step, []).append(loss)
                 if failure and t_fail is None and uid == victim and any(r[0] >= at_step for r in payload):
                     time.sleep(rng.uniform(0, 0.02))  # somewhere in a later step
-                    os.kill(procs[victim]["pid"], signal.SIGKILL if failure == "kill" else signal.SIGSTOP)
+                    for v in victims:
+                        os.kill(procs[v]["pid"], signal.SIGKILL if failure == "kill" else signal.SIGSTOP)
                     t_fail = time.monotonic()
                     if failure == "kill":
-                        ends[victim] = ("killed", None)
+                        ends.update((v, ("killed", None)) for v in victims)
                     if replacement:
                         parent, child = mp.Pipe(duplex=False)
-                        procs[4] = dict(pid=rc._start_rank(_rank, 4, 4, port, child, (cfg,)), conn=parent)
+                        procs[world] = dict(pid=rc._start_rank(_rank, world, world, port, child, (cfg,)),
+                                            conn=parent)
                         child.close()
             elif kind in ("done", "fenced", "crash"):
                 ends[uid] = (kind, payload)
@@ -173,14 +179,14 @@ def train(schedule: str = "1f1b", *, steps: int = 24, failure: Optional[str] = "
     hung = rc.reap([p["pid"] for p in procs.values()], time.monotonic() + 10)
     rc.reap([store_pid], 0)
     # Recovery: the failure to the first step that every rank of the other
-    # replica (it stays a member throughout) completed after the shrink.
-    stayers = [u for u in range(4) if u // 2 != victim // 2]
+    # replicas (they stay members throughout) completed after the shrink.
+    stayers = [u for u in range(world) if u // 2 not in {v // 2 for v in victims}]
     recovery = None
     if t_fail:
         firsts = [min((t for (t, u2, e) in completions if u2 == u and t > t_fail and e > 0), default=None)
                   for u in stayers]
-        recovery = max(firsts) - t_fail if None not in firsts else None
-    return dict(victim=victim, at_step=at_step, ends={u: e[0] for u, e in ends.items()},
+        recovery = max(firsts) - t_fail if firsts and None not in firsts else None
+    return dict(victim=victim, victims=victims, at_step=at_step, ends={u: e[0] for u, e in ends.items()},
                 done={u: e[1] for u, e in ends.items() if e[0] == "done"},
                 why={u: e[1] for u, e in ends.items() if e[0] in ("crash", "fenced")},
                 split=sorted(k for k, v in digests.items() if len(v) > 1), steps_seen=len({k[0] for k in digests}),

@@ -16,6 +16,7 @@ import ft_pipeline_cases as fp
 import reliability_cases as rc
 import pycomm
 from pycomm import elastic
+from pycomm.elastic.pipeline import regroup
 from pycomm.pipeline import SCHEDULES
 
 STEPS = 24
@@ -93,6 +94,78 @@ def test_min_world_size_holds_the_job_until_its_replicas_are_whole_again(zygote,
         events = [(e["kind"], e["step"], e["world"]) for e in res["done"][u]["events"]]
         assert [k for k, _, _ in events] == ["shrink", "admit"] and events[0][1] == events[1][1], events
         assert events[0][2] == 2 and events[1][2] == 4, events
+
+
+def _stages_and_events(res):
+    return {u: (d["stage"], d["replicas"], [e["kind"] for e in d["events"]]) for u, d in res["done"].items()}
+
+
+def test_survivors_of_two_broken_replicas_form_one(zygote, baseline):
+    """Rank 1 (replica 0's stage 1) and rank 2 (replica 1's stage 0) die
+    together: no replica survived whole, yet ranks 0 and 3 hold every
+    stage's state, so they form one replica and train on (no newcomer
+    needed), bit for bit a training without the failure would reach."""
+    res = zygote.run(fp.train, "1f1b", steps=STEPS, failure="kill", victims=[1, 2], seed=3, replacement=False,
+                     pace=0.0, timeout=180)
+    assert res["hung"] == 0 and res["ends"] == {0: "done", 1: "killed", 2: "killed", 3: "done"}, res["why"]
+    assert res["split"] == [] and res["steps_seen"] == STEPS, res["split"][:5]
+    assert _stages_and_events(res) == {0: (0, 1, ["shrink"]), 3: (1, 1, ["shrink"])}, res["done"]
+    assert all(d["events"][0]["regrouped"] == 1 for d in res["done"].values()), res["done"]
+    assert abs(res["final_loss"] - baseline("1f1b")) <= 1e-3 * abs(baseline("1f1b")), res["final_loss"]
+
+
+def test_a_survivor_fills_a_stage_short_of_survivors(zygote, baseline):
+    """3 replicas; both stage-1 ranks of replicas 0 and 1 die together.
+    Replica 2 survived whole; ranks 0 and 2 both hold stage 0, so rank 2
+    takes stage 1 (healed from rank 5) and forms a second replica with rank
+    0, where the old rule kept replica 2 alone and sent 0 and 2 to rejoin."""
+    res = zygote.run(fp.train, "1f1b", steps=STEPS, failure="kill", victims=[1, 3], seed=4, replacement=False,
+                     pace=0.0, world=6, timeout=180)
+    assert res["hung"] == 0, res
+    assert res["ends"] == {0: "done", 1: "killed", 2: "done", 3: "killed", 4: "done", 5: "done"}, res["why"]
+    assert res["split"] == [] and res["steps_seen"] == STEPS, res["split"][:5]
+    assert _stages_and_events(res) == {0: (0, 2, ["shrink"]), 2: (1, 2, ["shrink"]), 4: (0, 2, ["shrink"]),
+                                       5: (1, 2, ["shrink"])}, res["done"]
+    assert all(d["events"][0]["regrouped"] == 1 for d in res["done"].values()), res["done"]  # replica 2 stayed
+    # 3 replicas split the global batch unevenly (11, 11, 10) before the
+    # failure: near the 2-replica training's loss, not bitwise it.
+    assert abs(res["final_loss"] - baseline("1f1b")) <= 0.05 * abs(baseline("1f1b")), res["final_loss"]
+
+
+def test_a_stage_lost_on_every_replica_ends_the_job_at_once(zygote):
+    """Both stage-1 ranks die: no survivor holds stage 1's state. The
+    survivors say so at once, instead of retrying shrinks that cannot help."""
+    res = zygote.run(fp.train, "1f1b", steps=STEPS, failure="kill", victims=[1, 3], seed=5, replacement=False,
+                     pace=0.0, timeout=180)
+    assert res["hung"] == 0 and res["ends"] == {0: "crash", 1: "killed", 2: "crash", 3: "killed"}, res
+    for u in (0, 2):
+        assert "no survivor holds the state of stage 1" in res["why"][u], res["why"][u]
+        assert "could not recover" not in res["why"][u], res["why"][u]
+
+
+def test_regroup_in_closed_form():
+    """Which survivors form the new membership, in the order of their new
+    ranks (rank i*S + s: stage s of replica i)."""
+    T, F = True, False
+    every = {r: T for r in range(12)}
+    assert regroup([0, 1, 2, 3], every, 2) == ([0, 1, 2, 3], [])          # nobody lost
+    assert regroup([0, 2, 3], every, 2) == ([2, 3], [])                   # the old rule: a whole replica stays
+    assert regroup([0, 3], every, 2) == ([0, 3], [])                      # two broken replicas form one
+    assert regroup([1, 2], every, 2) == ([2, 1], [])                      # each keeps its stage
+    assert regroup([0, 2, 4, 5], every, 2) == ([4, 5, 0, 2], [])          # 2 takes stage 1 (from 5)
+    assert regroup([0, 2], every, 2) == ([], [1])                         # stage 1 is lost
+    assert regroup([2, 3, 4, 5], {2: T, 3: T, 4: F, 5: F}, 2) == ([2, 3, 4, 5], [])  # newcomers are healed
+    assert regroup([4, 5], {4: F, 5: F}, 2) == ([], [0, 1])               # newcomers hold nothing
+    assert regroup([0, 4, 5, 7], {0: T, 4: T, 5: F, 7: T}, 3) == ([], [2])
+    # A newcomer at the short stage fills it before a holder of another stage moves.
+    assert regroup([0, 2, 3, 4, 5], {0: T, 2: T, 3: F, 4: T, 5: T}, 2) == ([4, 5, 0, 3], [])
+    # Holders before newcomers: two replicas of holders, the newcomer rejoins.
+    assert regroup([0, 2, 3, 5, 7], {0: T, 2: T, 3: F, 5: T, 7: T}, 2) == ([0, 5, 2, 7], [])
+    assert regroup([1, 2, 3, 4, 5, 6, 7], every, 2) == ([2, 3, 4, 5, 6, 7], [])
+    assert regroup([0, 4, 8, 1, 5, 9], every, 4) == ([], [2, 3])
+    assert regroup([0, 4, 8], every, 3) == ([0, 4, 8], [])                # S=3: one from each replica
+    assert regroup([1, 2, 3, 7, 8], every, 3) == ([3, 1, 2], [])
+    assert regroup([0, 1, 2, 4, 5, 7], every, 3) == ([0, 1, 2, 7, 4, 5], [])  # the whole one first
 
 
 def test_a_rank_lost_before_the_sub_bootstraps_is_seen_at_once(zygote):

@@ -7,8 +7,9 @@
 * :mod:`pycomm.elastic.ddp` — :class:`FaultTolerantDDP`: DDP training that
   shrinks, heals and goes on when a rank dies, and heals a replacement.
 * :mod:`pycomm.elastic.pipeline` — :class:`FaultTolerantPipeline`: pipeline x
-  data-parallel training that drops a broken replica, goes on, and admits
-  whole replacement replicas.
+  data-parallel training that regroups the survivors of broken replicas
+  into whole ones, goes on while every stage's state survives on one rank,
+  and admits whole replacement replicas.
 * :mod:`pycomm.elastic.epoch_group` — the process group of one membership
   epoch, for CUDA models (NCCL) and the group path (Gloo).
 * :mod:`pycomm.elastic.loop` — what both trainers share: train until every

@@ -147,10 +147,11 @@ class ElasticLoop:
         """The membership as the log says it."""
         return f"world {self.comm.world_size}"
 
-    def _event(self, kind: str, t0: float, cause: str = "") -> None:
-        """Record (``events``) and log a membership change that began at ``t0``."""
+    def _event(self, kind: str, t0: float, cause: str = "", **extra: Any) -> None:
+        """Record (``events``) and log a membership change that began at
+        ``t0`` (``extra``: what else the trainer says of it)."""
         seconds = time.monotonic() - t0
         self.events.append(dict(kind=kind, step=self.steps_done, world=self.comm.world_size, epoch=self.comm.epoch,
-                                seconds=seconds, **(dict(cause=cause) if cause else {})))
+                                seconds=seconds, **(dict(cause=cause) if cause else {}), **extra))
         logger.info("pycomm.elastic: %s: %s, epoch %d, step %d (%.3f s)", kind, self._world_text(), self.comm.epoch,
                     self.steps_done, seconds)

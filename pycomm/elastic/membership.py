@@ -308,9 +308,10 @@ def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float 
         timeout: seconds the new communicator's bootstrap may take (a member
             that died meanwhile makes it fail after this long).
         grace: seconds to wait for ranks not known to be gone to check in.
-        select: which of the ranks that checked in stay (a function of
-            their sorted list, the same on every rank; say, whole pipeline
-            replicas only); the others are fenced out.
+        select: which of the ranks that checked in stay, in the order of
+            their new ranks (a function of their sorted list; say, whole
+            pipeline replicas, stage by stage); the others are fenced out.
+            Each rank calls it; the first proposal holds for all.
 
     Returns the new communicator: its ``epoch`` one more than ``comm``'s, its
     timeout and heartbeat bound ``comm``'s, and ``parent_ranks`` the members' ranks in ``comm``
@@ -347,7 +348,7 @@ def shrink(comm: "Communicator", exclude: Sequence[int] = (), *, timeout: float 
                 time.sleep(_POLL_S)
         seen = [r for r in range(world) if r not in excluded and (r == me or store.check([f"alive/{r}"]))]
         if select is not None:
-            seen = sorted(set(select(seen)) & set(seen))
+            seen = [r for r in dict.fromkeys(select(seen)) if r in seen]
         # 3. One proposal wins; everybody reads it.
         members: List[int] = json.loads(_first_proposal(store, _members_key(epoch), json.dumps(seen)))
     except CommError:

@@ -23,11 +23,16 @@ A step (:meth:`FaultTolerantPipeline.step`):
 
 A failure anywhere (a rank dies or freezes) makes every rank's step raise
 within milliseconds (the pipeline aborts its communicators). The survivors
-shrink the job communicator to the replicas that are still whole; the
-survivors of a broken replica are fenced out of it and, with ``rejoin``
-(default), join the job again as newcomers, to form a replacement replica
-with new processes. Then the step is redone by the remaining replicas, the
-batch split among them (``on_failure="redo"``), or skipped (``"drop"``).
+shrink the job communicator to as many whole replicas as they can form
+(:func:`regroup`): the replicas that survived whole, and survivors of broken
+replicas paired up stage by stage, each keeping its stage's state (a stage
+short of survivors is filled by one left over, healed from a holder). The
+job goes on as long as every stage's state survives on one rank, not only
+while one replica survives whole. Survivors beyond whole replicas are
+fenced out and, with ``rejoin`` (default), join the job again as newcomers,
+to form a replacement replica with new processes. Then the step is redone
+by the remaining replicas, the batch split among them
+(``on_failure="redo"``), or skipped (``"drop"``).
 
 Example (every rank; a replacement runs the same script and joins)::
 
@@ -128,7 +133,8 @@ class FaultTolerantPipeline(ElasticLoop):
         self.shrink_timeout, self.grace, self.max_recoveries = float(shrink_timeout), float(grace), int(max_recoveries)
         self.join_timeout = float(join_timeout)
         self.steps_done = 0
-        #: Membership changes: dicts of kind ("shrink", "admit", "rejoin"), step, world, epoch, seconds.
+        #: Membership changes: dicts of kind ("shrink", "admit", "rejoin"), step, world, epoch, seconds
+        #: (a shrink: its cause, and ``regrouped``, replicas formed anew from survivors of broken ones).
         self.events: List[Dict[str, Any]] = []
         self.stage = -1
         self.module: Optional[nn.Module] = None
@@ -137,6 +143,7 @@ class FaultTolerantPipeline(ElasticLoop):
         self.pipe: Optional[Pipeline] = None
         self._reduced = False      # this step's gradients are averaged; the commit is pending
         self._newcomer = comm.joined
+        self._lost_stages: List[int] = []  # what the last regroup found held by no survivor
         self._force = not comm.joined  # the job's first heal: every replica takes replica 0's state
         self._admit_checked = -1
         self.comm = comm
@@ -307,14 +314,30 @@ class FaultTolerantPipeline(ElasticLoop):
                             "membership", [])
         self.pipe = None
 
-    def _whole_replicas(self, members: List[int]) -> List[int]:
-        """The ranks of ``members`` whose whole replica checked in."""
-        S = self.num_stages
-        return [r for r in members if all(r // S * S + s in members for s in range(S))]
+    def _shrinking(self) -> Communicator:
+        """The communicator to shrink, once this rank said in its keys
+        whether it holds its stage's state (what :meth:`_select` reads: a
+        newcomer not healed yet holds none)."""
+        comm = self.comm
+        holds = not self._newcomer and self.stage == comm.rank % self.num_stages
+        try:
+            bootstrap.key_space(comm._root_store, comm.name, "elastic/holds/").set(str(comm.rank), str(int(holds)))
+        except Exception as e:  # the Store's own errors, said as shrink says them
+            raise CommError(f"pycomm.elastic: the Store cannot be reached ({type(e).__name__}: {e})") from e
+        return comm
+
+    def _select(self, seen: List[int]) -> List[int]:
+        """Which survivors (ranks of the communicator being shrunk) form the
+        new membership, replica by replica (see :func:`regroup`)."""
+        keys = bootstrap.key_space(self.comm._root_store, self.comm.name, "elastic/holds/")
+        # Every rank that checked in said it first (_shrinking).
+        holds = {r: v == b"1" for r, v in zip(seen, keys.multi_get([str(r) for r in seen]))}
+        members, self._lost_stages = regroup(seen, holds, self.num_stages)
+        return members
 
     def _recover(self, error: BaseException) -> None:
-        """Shrink to the whole replicas (again while more die) and heal; a
-        survivor of a broken replica rejoins or raises FencedOut."""
+        """Shrink to the replicas the survivors can form (again while more
+        die) and heal; a survivor left over rejoins or raises FencedOut."""
         t0 = time.monotonic()
         logger.warning("pycomm.elastic: rank %d of %d (stage %d of replica %d): step %d failed (%s); shrinking",
                        self.comm.rank, self.comm.world_size, self.stage, self.replica, self.steps_done,
@@ -324,17 +347,27 @@ class FaultTolerantPipeline(ElasticLoop):
         # instead of after the grace, left out with its whole replica.
         self._close_pipeline()
         try:
-            shrink_and_adopt(lambda: self.comm, self._adopt, error, max_recoveries=self.max_recoveries,
-                             timeout=self.shrink_timeout, grace=self.grace, select=self._whole_replicas)
+            shrink_and_adopt(self._shrinking, self._adopt, error, max_recoveries=self.max_recoveries,
+                             timeout=self.shrink_timeout, grace=self.grace, select=self._select)
         except FencedOut as e:
+            if not e.members:
+                lost = ", ".join(map(str, self._lost_stages)) or "one or more stages"
+                raise CommError(f"pycomm.elastic.FaultTolerantPipeline: no survivor holds the state of stage {lost}; "
+                                "the training cannot go on (restart it from a checkpoint)") from e
             if not self.rejoin:
                 raise
-            if not e.members:
-                raise CommError("pycomm.elastic.FaultTolerantPipeline: no pipeline replica survived whole; "
-                                "the training cannot go on (restart it from a checkpoint)") from e
             self._rejoin(t0)
             return
-        self._event("shrink", t0, cause=str(error).splitlines()[0][:300])
+        regrouped = self._regrouped()
+        self._event("shrink", t0, cause=str(error).splitlines()[0][:300],
+                    **({"regrouped": regrouped} if regrouped else {}))
+
+    def _regrouped(self) -> int:
+        """How many replicas the last shrink formed anew from survivors of
+        broken ones (not a replica that survived whole)."""
+        S, parents = self.num_stages, self.comm.parent_ranks or []
+        return sum(parents[i:i + S] != [parents[i] - parents[i] % S + s for s in range(S)]
+                   for i in range(0, len(parents), S))
 
     def _rejoin(self, t0: float) -> None:
         """This rank's replica broke: join the job again as a newcomer."""
@@ -409,3 +442,43 @@ class FaultTolerantPipeline(ElasticLoop):
 
     def _world_text(self) -> str:
         return f"world {self.comm.world_size} ({self.replicas} replicas)"
+
+
+def regroup(seen: List[int], holds: Dict[int, bool], num_stages: int) -> Tuple[List[int], List[int]]:
+    """The membership that survivors ``seen`` (ranks of the old job
+    communicator, where rank ``r`` ran stage ``r % num_stages``; ``holds[r]``:
+    whether it holds its stage's state) regroup into, and the stages whose
+    state no survivor holds (then none: the job cannot go on).
+
+    As many whole replicas as the survivors make, ``len(seen) // S``: the
+    replicas that survived whole stay as they were; the other survivors are
+    paired up stage by stage, a holder keeping its stage, and a stage short
+    of holders filled by a survivor left over (a newcomer not healed yet
+    first, a holder of another stage next), which is healed from a holder
+    of that stage. Survivors beyond whole replicas are left out (they rejoin
+    as newcomers). Returns the members in the order of their new ranks:
+    rank ``i * S + s`` runs stage ``s`` of replica ``i``.
+
+    Example: 2 replicas of 2 stages lose rank 1 (replica 0's stage 1) and
+    rank 2 (replica 1's stage 0); ranks 0 and 3 form one replica::
+
+        regroup([0, 3], {0: True, 3: True}, 2)   # ([0, 3], [])
+    """
+    S = num_stages
+    lost = [s for s in range(S) if not any(holds.get(r) for r in seen if r % S == s)]
+    if lost:
+        return [], lost
+    whole = [q for q in sorted({r // S for r in seen})
+             if all(q * S + s in seen and holds.get(q * S + s) for s in range(S))]
+    rest = [r for r in seen if r // S not in whole]
+    extra = len(seen) // S - len(whole)
+    slots: List[List[int]] = [[r for r in rest if r % S == s and holds.get(r)][:extra] for s in range(S)]
+    taken = {r for slot in slots for r in slot}
+    spare = sorted((r for r in rest if r not in taken), key=lambda r: bool(holds.get(r)))
+    for s, slot in enumerate(slots):
+        while len(slot) < extra:
+            # One already at stage s keeps its built modules (healed all the same).
+            pick = next((r for r in spare if r % S == s), spare[0])
+            spare.remove(pick)
+            slot.append(pick)
+    return [q * S + s for q in whole for s in range(S)] + [slots[s][i] for i in range(extra) for s in range(S)], []
