@@ -370,10 +370,12 @@ class FaultTolerantPipeline(ElasticLoop):
                    for i in range(0, len(parents), S))
 
     def _rejoin(self, t0: float) -> None:
-        """This rank's replica broke: join the job again as a newcomer."""
+        """This rank's replica broke and the survivors' replicas left it
+        out: join the job again as a newcomer."""
         self._close_pipeline()
         root, job = self.comm._root_store, self.comm.job
-        logger.warning("pycomm.elastic: rank %d: its pipeline replica broke; joining %r again", self.comm.rank, job)
+        logger.warning("pycomm.elastic: rank %d: its pipeline replica broke and no regrouped replica took it; "
+                       "joining %r again", self.comm.rank, job)
         for _ in range(self.max_recoveries):
             try:
                 comm = join(root, job, timeout=self.join_timeout)
