@@ -304,6 +304,40 @@ def below_min_world(world: int = 4, steps: int = 60, victim: int = 1, kill_step:
                     dead=(victim,))
 
 
+def _orphan_rank(rank: int, procs: int, port: int) -> Dict[str, Any]:
+    """Rank 0 trains alone and admits process 1, then dies in the heal that
+    would hand the newcomer its state: the newcomer is the only survivor
+    and holds nothing of the training but its own initialization."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=False, timeout=datetime.timedelta(seconds=30))
+    if rank == 1:
+        store.wait(["ft-orphan/go"], datetime.timedelta(seconds=60))
+        comm = pycomm.elastic.join(store, "ft-orphan", timeout=60)
+    else:
+        comm = pycomm.Communicator(store=store, rank=0, world_size=1, name="ft-orphan", timeout=20)
+
+    def on_step(ft, step):
+        if step == 0:
+            ft._heal = functools.partial(os._exit, 1)  # the member dies in the admission's heal
+            store.set("ft-orphan/go", "1")
+        time.sleep(0.05)  # the newcomer's ticket is in by the admission at step 5
+
+    t0 = time.monotonic()
+    try:
+        out = train(comm, "allreduce", 20, on_step=on_step, admit_every=5)
+    except pycomm.CommError as e:
+        return dict(error=f"{type(e).__name__}: {e}", after_s=time.monotonic() - t0)
+    return dict(trained=out["steps"], world=out["world"])
+
+
+def newcomer_left_alone() -> Dict[str, Any]:
+    """The only survivor is a newcomer not healed yet (see _orphan_rank)."""
+    return _collect(2, _reporting(_orphan_rank), dead=(0,))
+
+
 def api_checks() -> Dict[str, Any]:
     """Bad arguments and a state_dict round trip, on a one-rank communicator."""
     import torch.distributed as dist

@@ -170,6 +170,18 @@ def test_min_world_size_waits_for_a_spare_or_gives_up_together(zygote):
         assert list(rep["seen"]) == [4], (r, rep["seen"])
 
 
+def test_a_newcomer_left_alone_says_the_state_is_lost(zygote):
+    """The one member dies in the heal that would give the newcomer its
+    state. The newcomer must not train on from its own initialization as if
+    it were the job (it did: 20 steps from scratch, no error): it raises
+    StateLost at once, without retrying shrinks that cannot help."""
+    res = zygote.run(fc.newcomer_left_alone, timeout=120)
+    rep = res["reports"][1]
+    assert res["hung"] == 0, res
+    assert rep.get("error", "").startswith("StateLost: ") and "newcomer not healed yet" in rep["error"], rep
+    assert rep["after_s"] < 15, rep
+
+
 # The group path: every hook under PYCOMM_LONG=1, two kinds in CI
 # (compressed through a GroupCommunicator, a delayed average); plain buckets
 # take it in the frozen-rank test below.

@@ -16,8 +16,8 @@
   rank agrees it is done, admit newcomers at step boundaries (within the
   job's size bounds, waiting for them below its minimum), record changes.
 """
-from .membership import FencedOut, admit, join, shrink
+from .membership import FencedOut, StateLost, admit, join, shrink
 from .ddp import FaultTolerantDDP
 from .pipeline import FaultTolerantPipeline
 
-__all__ = ["FaultTolerantDDP", "FaultTolerantPipeline", "FencedOut", "admit", "join", "shrink"]
+__all__ = ["FaultTolerantDDP", "FaultTolerantPipeline", "FencedOut", "StateLost", "admit", "join", "shrink"]

@@ -78,7 +78,7 @@ from ..hooks.futures import GroupFutures
 from .epoch_group import EpochGroup
 from .heal import broadcast_state
 from .loop import ElasticLoop
-from .membership import shrink_and_adopt
+from .membership import StateLost, shrink_and_adopt
 
 logger = logging.getLogger("pycomm")
 
@@ -446,6 +446,8 @@ class FaultTolerantDDP(torch.nn.Module, ElasticLoop):
 
     def _recover(self, error: BaseException) -> None:
         """Shrink to the survivors (again while more die) and heal."""
+        if isinstance(error, StateLost):  # no shrink brings the state back
+            raise error
         t0 = time.monotonic()
         logger.warning("pycomm.elastic: rank %d of %d: step %d failed (%s); shrinking", self.comm.rank,
                        self.comm.world_size, self.steps_done, str(error).splitlines()[0][:200])
@@ -472,6 +474,9 @@ class FaultTolerantDDP(torch.nn.Module, ElasticLoop):
         rows = every.view(comm.world_size, 5).tolist()
         src = max(range(comm.world_size), key=lambda r: (rows[r][0], rows[r][1], rows[r][2], -r))
         best = rows[src]
+        if not best[0]:  # a newcomer's state is its own initialization, not the training's
+            raise StateLost("pycomm.elastic.FaultTolerantDDP: every survivor is a newcomer not healed yet: the "
+                            "training's state is lost; restart it from a checkpoint (state_dict())")
         # Decided on what every rank said, so all of them broadcast or none.
         if any(row[4] for row in rows) or any(row[:3] != best[:3] for row in rows):
             self._send_state(src)

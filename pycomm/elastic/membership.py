@@ -87,6 +87,13 @@ class FencedOut(CommError):
         self.members: List[int] = list(members)
 
 
+class StateLost(CommError):
+    """Raised by the fault-tolerant trainers when no survivor holds the
+    training's state (every survivor a newcomer not healed yet, or, in a
+    pipeline, no survivor of some stage): no shrink can bring it back, so
+    every survivor raises at once. Restart from a checkpoint."""
+
+
 def _kept(comm: "Communicator") -> Dict[str, float]:
     """The settings a communicator's successor keeps (a user may have changed them since it was built)."""
     return dict(timeout=comm.timeout, heartbeat_timeout=comm.heartbeat_timeout)
@@ -219,8 +226,8 @@ def shrink_and_adopt(current: Callable[[], "Communicator"], adopt: Callable[["Co
     """A wrapper's recovery from ``error``: :func:`shrink` the current
     communicator (``current()``) and ``adopt`` the result (rebind, heal),
     again while attempts fail, within ``max_recoveries`` (see
-    :func:`attempt_cost`). FencedOut is raised as it is; CommError when the
-    budget runs out."""
+    :func:`attempt_cost`). FencedOut and StateLost are raised as they are;
+    CommError when the budget runs out."""
     budget = float(max_recoveries)
     while budget > 0:
         try:
@@ -233,6 +240,8 @@ def shrink_and_adopt(current: Callable[[], "Communicator"], adopt: Callable[["Co
             continue
         try:
             adopt(new)
+        except StateLost:
+            raise
         except CommError as e:
             logger.warning("pycomm.elastic: healing failed (%s); shrinking again", e)
             budget -= attempt_cost(e)

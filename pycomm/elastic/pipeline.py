@@ -63,7 +63,7 @@ from ..communicator import Communicator
 from ..pipeline import Pipeline, get_schedule, stages_of
 from .heal import broadcast_state
 from .loop import ElasticLoop
-from .membership import FencedOut, _fence, _member_records, join, shrink_and_adopt
+from .membership import FencedOut, StateLost, _fence, _member_records, join, shrink_and_adopt
 
 logger = logging.getLogger("pycomm")
 
@@ -338,6 +338,8 @@ class FaultTolerantPipeline(ElasticLoop):
     def _recover(self, error: BaseException) -> None:
         """Shrink to the replicas the survivors can form (again while more
         die) and heal; a survivor left over rejoins or raises FencedOut."""
+        if isinstance(error, StateLost):  # no shrink brings the state back
+            raise error
         t0 = time.monotonic()
         logger.warning("pycomm.elastic: rank %d of %d (stage %d of replica %d): step %d failed (%s); shrinking",
                        self.comm.rank, self.comm.world_size, self.stage, self.replica, self.steps_done,
@@ -352,7 +354,7 @@ class FaultTolerantPipeline(ElasticLoop):
         except FencedOut as e:
             if not e.members:
                 lost = ", ".join(map(str, self._lost_stages)) or "one or more stages"
-                raise CommError(f"pycomm.elastic.FaultTolerantPipeline: no survivor holds the state of stage {lost}; "
+                raise StateLost(f"pycomm.elastic.FaultTolerantPipeline: no survivor holds the state of stage {lost}; "
                                 "the training cannot go on (restart it from a checkpoint)") from e
             if not self.rejoin:
                 raise
@@ -415,7 +417,8 @@ class FaultTolerantPipeline(ElasticLoop):
         rows = every.view(comm.world_size, 4).tolist()
         members = [r for r, row in enumerate(rows) if not row[0]]
         if not members:
-            raise CommError("pycomm.elastic.FaultTolerantPipeline: every rank is a newcomer: no state to heal from")
+            raise StateLost("pycomm.elastic.FaultTolerantPipeline: every rank is a newcomer not healed yet: the "
+                            "training's state is lost; restart it from a checkpoint (state_dict())")
         top = max(rows[r][1] for r in members)
 
         def current(r: int) -> bool:  # at `top` once the roll-forward is done
@@ -427,8 +430,8 @@ class FaultTolerantPipeline(ElasticLoop):
         group = [r for r in range(comm.world_size) if r % S == self.stage]
         sources = [r for r in group if current(r)]
         if not sources:
-            raise CommError(f"pycomm.elastic.FaultTolerantPipeline: no member holds stage {self.stage}'s state at "
-                            f"step {top}")
+            raise StateLost(f"pycomm.elastic.FaultTolerantPipeline: no member holds stage {self.stage}'s state at "
+                            f"step {top}; restart the training from a checkpoint (state_dict())")
         if len(group) > 1 and (any(row[3] for row in rows) or not all(current(r) for r in group)):
             src = sources[0]
             got = broadcast_state(self.pipe.dp_comm, self._state() if comm.rank == src else None, src // S)
