@@ -344,7 +344,8 @@ def test_gpu_kernel_benchmark_checks_itself_on_cpu(tmp_path, capsys):
     kernels = [line for line in rows if "(float32)" in line or "(bfloat16)" in line]
     assert len(kernels) == 10 and all(line.rsplit("|", 1)[1].strip() == "0" for line in kernels), r.stdout
     topk = [line for line in r.stdout.splitlines() if line.startswith("top-k")]
-    assert len(topk) == 1 and topk[0].endswith("#wrong 0"), r.stdout
+    assert len(topk) == 2 and all(line.endswith("#wrong 0") for line in topk), r.stdout
+    assert "1024-column rows" in topk[1], r.stdout  # a gradient's structure
     # The script's other modes in this process (the launch above checked how
     # it starts). --offset: the same rows on tensors one element off, checked
     # the same way.
@@ -369,7 +370,7 @@ def test_gpu_kernel_benchmark_checks_itself_on_cpu(tmp_path, capsys):
     kernels_py.main(["--summarize", log, log, moved])
     out = capsys.readouterr().out
     summary = out.splitlines()
-    assert len(summary) == 1 + 10 + 2 + 1, out
+    assert len(summary) == 1 + 10 + 3 + 1, out
     name = first.split("|")[0].strip()
     row = next(line for line in summary if line.strip().startswith(name))
     assert f"{share}% / {share}% / {share + 7}%" in row and "|        3 |" in row, row

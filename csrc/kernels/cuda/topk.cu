@@ -7,7 +7,7 @@
 // refining as soon as the keys at or above the chosen byte are within
 // [k, k(1 + tolerance)], after one to three passes; on a large
 // tensor its passes run over a sample of chunks of it, and the count of the
-// kept keys checks the threshold on the whole (kSampleChunk's comment). The
+// kept keys checks the threshold on the whole (topk_sample.h). The
 // exact mode runs all four and then keeps the ties of the k-th key with the
 // lowest indices (found by counting ties per range of the tensor: no pass
 // at all once the approximate mode settled).
@@ -24,6 +24,7 @@
 
 #include "../kernels_cuda.h"
 #include "../quant.h"
+#include "../topk_sample.h"
 #include "common.cuh"
 
 namespace pycomm {
@@ -72,54 +73,6 @@ constexpr int kHistLoads = 4;
 // (histogram_kernel); more take a match first.
 constexpr int kFewBinned = 8;
 
-// Sampled mode on a large tensor: the radix passes run first over a sample
-// of it, chunks of kSampleChunk consecutive elements (whole 32-byte sectors,
-// and whole spans of histogram_kernel's warps), one chunk in `stride`. Each
-// pass then reads 1/stride of the tensor instead of all of it (with two or
-// three passes and step 3's two, sampled top-k read 16M float32 four or five
-// times: 0.221 ms on an H200, 2.1x torch.topk). Step 3's
-// count of the kept keys, which it takes anyway, checks the threshold on the
-// whole tensor; only outside [k, k (1 + tolerance)] do the passes run again
-// on all of it. The sample aims at the middle of that window, a quarter of
-// the tolerance from either edge: with 10,000 sampled keys at or above the
-// threshold its count errs by 1 % (a standard deviation), 2.5 of them at
-// tolerance 0.1.
-constexpr size_t kSampleChunk = 256;
-
-// Element of sample position j (stride 1: the tensor itself).
-__device__ __forceinline__ size_t sampled_index(size_t j, size_t stride) {
-  return stride == 1 ? j : (j / kSampleChunk) * (stride * kSampleChunk) + j % kSampleChunk;
-}
-
-// The sample of a sampled-mode selection (kSampleChunk's comment): one chunk
-// in `stride` (1: no sample), its m positions (the last chunk may run past
-// n), and the window its count at or above the threshold should fall in.
-struct Sample {
-  size_t stride = 1, m = 0;
-  uint32_t lo = 0, hi = 0;
-  Sample(size_t n, size_t k, bool exact, double tolerance) {
-    if (exact || !(tolerance > 0) || k >= n) return;
-    // Sampled keys at or above the threshold for a count within a quarter
-    // of the window at 2.5 standard deviations (10,000 at tolerance 0.1).
-    const double need = (10.0 / tolerance) * (10.0 / tolerance);
-    size_t s = 64;
-    while (s > 1 && !(n / s >= (size_t{1} << 16) && static_cast<double>(k) / s >= need)) s /= 2;
-    if (s < 4) return;
-    const size_t chunks = (n + kSampleChunk - 1) / kSampleChunk;
-    const size_t taken = (chunks + s - 1) / s;
-    const size_t last = (taken - 1) * s * kSampleChunk;  // first element of the last sampled chunk
-    const double valid = static_cast<double>((taken - 1) * kSampleChunk + std::min(kSampleChunk, n - last));
-    const double ratio = valid / static_cast<double>(n);
-    const double lo_d = std::ceil(static_cast<double>(k) * (1 + tolerance / 4) * ratio);
-    const double hi_d = std::floor(static_cast<double>(k) * (1 + 3 * tolerance / 4) * ratio);
-    if (!(hi_d >= lo_d) || lo_d < 1) return;
-    stride = s;
-    m = taken * kSampleChunk;
-    lo = static_cast<uint32_t>(lo_d);
-    hi = static_cast<uint32_t>(hi_d);
-  }
-};
-
 // The histogram of the keys at sample positions [0, m) (elements past n
 // carry none) under the state's prefix, by the byte at `shift`.
 template <typename T>
@@ -147,7 +100,7 @@ __global__ void histogram_kernel(const T* x, size_t n, size_t m, size_t stride, 
     // that they are in flight together. A span is consecutive elements.
     uint32_t key[kHistLoads];
     bool in[kHistLoads];
-    const size_t first = sampled_index(w, stride);
+    const size_t first = sampled_index(w, stride, n);
     const bool whole = w + kSpan <= m && first + kSpan <= n;  // warp-uniform
     if (whole) {
 #pragma unroll
@@ -591,7 +544,7 @@ size_t topk_cuda(const TopK& s, DType dtype, const void* x, float* residual, siz
       if (sample.stride > 1) {
         // 1a. Sampled mode on a large tensor: the passes over the sample,
         //     then step 3's count of the kept keys checks the threshold on
-        //     the whole tensor (kSampleChunk's comment); a miss starts over.
+        //     the whole tensor (topk_sample.h); a miss starts over.
         SelectState on_sample = init;
         on_sample.k_left = sample.lo;
         init_kernel<<<1, kBins, 0, stream>>>(st, on_sample, hist);
