@@ -1,9 +1,10 @@
 """Pipeline x data-parallel training that survives failures
 (pycomm.elastic.FaultTolerantPipeline), in ranks forked from a zygote
-(reliability_cases): 2 replicas of a 2-rank pipeline, a rank killed (or
-frozen) at a random step and moment, a replacement process that joins; the
-broken replica's survivor rejoins, and with the replacement forms a new
-replica that is healed stage by stage."""
+(reliability_cases): 2 replicas of a 2-rank pipeline (or 3), a rank killed
+(or frozen; or several killed at once) at a random step and moment, a
+replacement process that joins; the broken replica's survivor rejoins, and
+with the replacement forms a new replica that is healed stage by stage (or
+the survivors of broken replicas regroup into whole ones)."""
 from __future__ import annotations
 
 import hashlib
@@ -128,9 +129,8 @@ def train(schedule: str = "1f1b", *, steps: int = 24, failure: Optional[str] = "
     port = free_port()
     store_pid, pids, conns = rc.fork_ranks(world, _rank, cfg, port=port)
     procs = {u: dict(pid=pids[u], conn=conns[u]) for u in range(world)}
-    victim = rng.randrange(world) if victim is None else victim
-    victims = [victim] if victims is None else list(victims)
-    victim = victims[0]
+    victims = list(victims) if victims is not None else [rng.randrange(world) if victim is None else victim]
+    victim = victims[0]  # the one whose progress times the failure
     at_step = rng.randrange(3, steps // 3)  # time left to admit the replacement replica
     digests: Dict[tuple, set] = {}
     losses: Dict[int, List[float]] = {}

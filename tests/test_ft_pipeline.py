@@ -6,7 +6,9 @@ hosts: the other replica finishes every step, the broken replica's survivor
 rejoins and forms a new replica with a replacement process, healed stage by
 stage; every step, each stage's parameters and optimizer state are
 bitwise identical on every replica, and the final loss is the loss of the
-same training without a failure."""
+same training without a failure. Ranks of several replicas killed at once:
+the survivors regroup into whole replicas while every stage's state
+survives, and end the job at once when one does not."""
 import copy
 
 import pytest
