@@ -162,19 +162,38 @@ def test_topk_matches_cpu(dtype):
     assert (x.float().abs()[idx] >= 0.9 * kth).float().mean() > 0.99
 
 
-@pytest.mark.parametrize("skew", [1.0, 0.5, 2.0], ids=["even", "sample-low", "sample-high"])
-def test_sampled_topk_from_a_sample_of_chunks_or_the_whole_tensor(skew):
+def _sampled_chunks(n: int, stride: int) -> torch.Tensor:
+    """The chunks of 256 that CUDA top-k's sample takes, one in each group of
+    ``stride`` (csrc/kernels/topk_sample.h's hash, written again here)."""
+    mask64, chunks = (1 << 64) - 1, (n + 255) // 256
+    out = []
+    for g in range((chunks + stride - 1) // stride):
+        z = (g + 0x9E3779B97F4A7C15) & mask64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask64
+        z ^= z >> 31
+        out.append(g * stride + z % min(stride, chunks - g * stride))
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("case", ["even", "sample-low", "sample-high", "rows"])
+def test_sampled_topk_from_a_sample_of_chunks_or_the_whole_tensor(case):
     """At 4M elements and k = 1 %, sampled top-k picks its threshold from one
     chunk of 256 elements in 4, and checks it on the whole tensor. With the
-    sampled chunks scaled (skew), the sample's threshold misses the window,
-    and the selection starts over on the whole tensor. Either way it keeps
-    every key above a threshold and none below, k to k (1 + tolerance) of
-    them."""
+    sampled chunks scaled (sample-low, sample-high), the sample's threshold
+    misses the window, and the selection starts over on the whole tensor.
+    Rows of 1024 columns whose first 256 are 8x the rest (a gradient's
+    structure) are sampled without bias. Either way it keeps every key above
+    a threshold and none below, k to k (1 + tolerance) of them."""
     n, tol = 1 << 22, 0.1
     k = n // 100
     x = torch.randn(n, generator=torch.Generator().manual_seed(31))
-    chunk = torch.arange(n) // 256
-    x[chunk % 4 == 0] *= skew
+    if case == "rows":
+        x.view(-1, 1024)[:, :256] *= 8
+    elif case != "even":
+        scaled = torch.zeros(n // 256, dtype=torch.bool)
+        scaled[_sampled_chunks(n, 4)] = True
+        x.view(-1, 256)[scaled] *= 0.5 if case == "sample-low" else 2.0
     buf, kept, cap = OPS.topk(x.cuda(), k, False, tol, 0.01, 0, None)
     assert k <= kept <= cap == int(k * (1 + tol)), (kept, cap)
     off = (cap * x.element_size() + 7) // 8 * 8
