@@ -102,13 +102,16 @@ def _stages_and_events(res):
     return {u: (d["stage"], d["replicas"], [e["kind"] for e in d["events"]]) for u, d in res["done"].items()}
 
 
-def test_survivors_of_two_broken_replicas_form_one(zygote, baseline):
+@pytest.mark.parametrize("local_size", [None, 2], ids=["one host", "two simulated hosts"])
+def test_survivors_of_two_broken_replicas_form_one(zygote, baseline, local_size):
     """Rank 1 (replica 0's stage 1) and rank 2 (replica 1's stage 0) die
     together: no replica survived whole, yet ranks 0 and 3 hold every
     stage's state, so they form one replica and train on (no newcomer
-    needed), bit for bit a training without the failure would reach."""
+    needed), bit for bit a training without the failure would reach. On two
+    simulated hosts (replica r on host r), that replica's pipeline crosses
+    between them."""
     res = zygote.run(fp.train, "1f1b", steps=STEPS, failure="kill", victims=[1, 2], seed=3, replacement=False,
-                     pace=0.0, timeout=180)
+                     pace=0.0, local_size=local_size, timeout=180)
     assert res["hung"] == 0 and res["ends"] == {0: "done", 1: "killed", 2: "killed", 3: "done"}, res["why"]
     assert res["split"] == [] and res["steps_seen"] == STEPS, res["split"][:5]
     assert _stages_and_events(res) == {0: (0, 1, ["shrink"]), 3: (1, 1, ["shrink"])}, res["done"]
