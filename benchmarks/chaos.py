@@ -24,7 +24,10 @@ an admission), go on as a member; once it completes a step again (a pipeline
 rank also after it rejoined) it is a member like any other, and may be hit
 again. At least ``--min-world`` ranks stay alive; in PP x DP, a member is
 hit only while another replica untouched since the job last settled holds
-its stage (else the job would rightly end: that stage's state lost).
+its stage (else the job would rightly end: that stage's state lost). One
+kill in eight of a PP x DP member takes a member of another replica with it
+at the same moment ("together": a host lost), where one may be hit: the
+survivors of the two replicas regroup.
 
 Checked: every step, every rank's parameters and optimizer state hashed
 (sha256) and sent to the driver in batches: all ranks that completed step s
@@ -38,7 +41,7 @@ state, before or after the last step) the driver asks every live rank for its
 Python stacks and fails; on any failure of its own it kills every rank, so
 a caller never waits on ranks it left behind.
 
-About 600 lines: the two jobs (DDP, PP x DP) and the driver share one report
+About 700 lines: the two jobs (DDP, PP x DP) and the driver share one report
 protocol and one verdict, which one file keeps in step.
 
 Examples::
@@ -368,6 +371,25 @@ class Soak:
                        for u, (st, rep) in self.picture.items() if u not in self.hit_since)
         return [u for u in live if self.procs[u]["state"] == "joining" or spared(u)]
 
+    def hit(self, victim: int, freeze: bool, frozen: Dict[int, float], during: str = "") -> None:
+        """Kill -9 ``victim`` (or freeze it, until ``frozen`` says), record
+        it, and start its replacement."""
+        t = time.monotonic()
+        os.kill(self.procs[victim]["pid"], signal.SIGSTOP if freeze else signal.SIGKILL)
+        self.hit_since.add(victim)
+        if not during:
+            recent = bool(self.events) and t - self.events[-1]["t"] < 0.5
+            during = "recovery" if recent else "a join" if self.procs[victim]["state"] == "joining" else "a step"
+        self.events.append(dict(t=t, uid=victim, kind="freeze" if freeze else "kill", during=during,
+                                step=self.max_step))
+        if freeze:
+            frozen[victim] = t + self.args.heartbeat + 2.0
+            self.procs[victim]["state"] = "frozen"
+        else:
+            self.procs[victim]["state"] = "dead"
+        self.start(self.next_uid, joining=True)  # its replacement
+        self.next_uid += 1
+
     def alive(self) -> List[int]:
         # "continued": a frozen process woken up, until it reports how it
         # ended (fenced out, or done as a member its peers had waited for).
@@ -399,7 +421,7 @@ class Soak:
         self.start_store()
         for r in range(args.world):
             self.start(r, joining=False)
-        next_uid = args.world
+        self.next_uid = args.world
         injected = 0
         next_at = None
         frozen: Dict[int, float] = {}  # uid -> when to continue it
@@ -440,25 +462,23 @@ class Soak:
                     # not in, and no newcomer is on its way): look again soon.
                     next_at = now + 0.05
                 else:
-                    if len(members) - sum(1 for u in members if u in frozen) > args.min_world:
+                    standing = len(members) - sum(1 for u in members if u in frozen)
+                    if standing > args.min_world:
                         victim = self.rng.choice(live)
                         freeze = self.rng.random() < 0.25 and self.procs[victim]["state"] == "member"
-                        t = time.monotonic()
-                        os.kill(self.procs[victim]["pid"], signal.SIGSTOP if freeze else signal.SIGKILL)
-                        self.hit_since.add(victim)
-                        recent = bool(self.events) and t - self.events[-1]["t"] < 0.5
-                        during = ("recovery" if recent else "a join" if self.procs[victim]["state"] == "joining"
-                                  else "a step")
-                        self.events.append(dict(t=t, uid=victim, kind="freeze" if freeze else "kill", during=during,
-                                                step=self.max_step))
+                        was_member = self.procs[victim]["state"] == "member"
+                        self.hit(victim, freeze, frozen)
                         injected += 1
-                        if freeze:
-                            frozen[victim] = t + args.heartbeat + 2.0
-                            self.procs[victim]["state"] = "frozen"
-                        else:
-                            self.procs[victim]["state"] = "dead"
-                        self.start(next_uid, joining=True)  # its replacement
-                        next_uid += 1
+                        if (args.job == "pipeline" and was_member and not freeze and injected < self.failures
+                                and standing - 1 > args.min_world and self.rng.random() < 0.125):
+                            # A host lost: a member of another replica dies at
+                            # the same moment, and the survivors regroup.
+                            mine = self.picture.get(victim, (None, None))[1]
+                            others = [u for u in self.pipeline_victims(live, members) if u != victim
+                                      and self.procs[u]["state"] == "member" and self.picture[u][1] != mine]
+                            if others:
+                                self.hit(self.rng.choice(others), False, frozen, during="together")
+                                injected += 1
                     last = now
                     quick = self.rng.random() < 0.25 and not args.calm
                     next_at = now + (self.rng.uniform(0.0, 0.3) if quick else self.rng.uniform(0.5, 1.5) * args.gap)
