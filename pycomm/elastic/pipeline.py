@@ -353,8 +353,8 @@ class FaultTolerantPipeline(ElasticLoop):
                              timeout=self.shrink_timeout, grace=self.grace, select=self._select)
         except FencedOut as e:
             if not e.members:
-                lost = ", ".join(map(str, self._lost_stages)) or "one or more stages"
-                raise StateLost(f"pycomm.elastic.FaultTolerantPipeline: no survivor holds the state of stage {lost}; "
+                lost = f"stage {', '.join(map(str, self._lost_stages))}" if self._lost_stages else "some stage"
+                raise StateLost(f"pycomm.elastic.FaultTolerantPipeline: no survivor holds the state of {lost}; "
                                 "the training cannot go on (restart it from a checkpoint)") from e
             if not self.rejoin:
                 raise
