@@ -344,8 +344,11 @@ class Soak:
         waits to be admitted and every live member completed a step since."""
         if any(self.procs[u]["state"] in ("joining", "starting") for u in running):
             return False
-        members = {u for u in running if self.procs[u]["state"] == "member" and u not in frozen}
-        return members <= {u for (tc, u, _, _) in self.completions[-200:] if tc > t}
+        return self.completed_since(t, [u for u in running if self.procs[u]["state"] == "member" and u not in frozen])
+
+    def completed_since(self, t: float, uids: List[int]) -> bool:
+        """Whether each of ``uids`` completed a step after time ``t``."""
+        return all(self.last_done.get(u, (-1.0,))[0] > t for u in uids)
 
     def pipeline_victims(self, live: List[int], members: List[int]) -> List[int]:
         """(PP x DP) Who of ``live`` may be hit without taking the last copy
@@ -358,7 +361,7 @@ class Soak:
         rejoin. (The last completed step's world did not say it: a member
         frozen, or killed milliseconds ago, still counted.)"""
         t = self.events[-1]["t"] if self.events else 0.0
-        if members and all(self.last_done.get(u, (-1.0,))[0] > t for u in members):
+        if members and self.completed_since(t, members):
             self.picture = {u: self.last_done[u][1:] for u in members}
             self.hit_since = set()
         broken = {self.picture[v][1] for v in self.hit_since if v in self.picture}

@@ -221,14 +221,18 @@ def main(argv=None):
         return  # the layouts compared; top-k takes no offset
     print("target: each >= 80 % of copy:", "hit" if all(r[3] >= 0.8 for r in rows) else "MISSED")
 
+    def sampled_topk(v, k):
+        """torch.topk's time, sampled top-k's, and how many it kept."""
+        t_torch = time_ms(lambda: torch.topk(v.abs(), k), max(3, args.repeats // 4), device)
+        t_sampled = time_ms(lambda: OPS.topk(v, k, False, 0.1, 0.01, 0, None), args.repeats, device)
+        return t_torch, t_sampled, OPS.topk(v, k, False, 0.1, 0.01, 0, None)[1]
+
     ok = True
     for m in sorted({min(n, 16 << 20), n}):
         v = torch.randn(m, device=device)
         k = m // 100
-        t_torch = time_ms(lambda: torch.topk(v.abs(), k), max(3, args.repeats // 4), device)
-        t_sampled = time_ms(lambda: OPS.topk(v, k, False, 0.1, 0.01, 0, None), args.repeats, device)
+        t_torch, t_sampled, kept = sampled_topk(v, k)
         t_exact = time_ms(lambda: OPS.topk(v, k, True, 0.1, 0.01, 0, None), max(3, args.repeats // 4), device)
-        _, kept, _ = OPS.topk(v, k, False, 0.1, 0.01, 0, None)
         # Exact top-k is the CPU kernel's payload, bit for bit (on a slice);
         # sampled keeps at least k.
         sub = min(m, 1 << 20)
@@ -246,9 +250,7 @@ def main(argv=None):
     v = torch.randn(m, device=device).view(-1, 1024)
     v[:, :256] *= 8
     v, k = v.view(-1), m // 100
-    t_torch = time_ms(lambda: torch.topk(v.abs(), k), max(3, args.repeats // 4), device)
-    t_sampled = time_ms(lambda: OPS.topk(v, k, False, 0.1, 0.01, 0, None), args.repeats, device)
-    _, kept, _ = OPS.topk(v, k, False, 0.1, 0.01, 0, None)
+    t_torch, t_sampled, kept = sampled_topk(v, k)
     print(f"top-k 1 % of {m} in 1024-column rows (a quarter 8x): torch.topk {t_torch:.3f} ms | sampled "
           f"{t_sampled:.3f} ms ({t_torch / t_sampled:.1f}x, kept {kept / k:.3f} k) | #wrong {int(kept < k)}")
     if device.type == "cuda":

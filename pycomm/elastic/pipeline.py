@@ -321,7 +321,7 @@ class FaultTolerantPipeline(ElasticLoop):
         comm = self.comm
         holds = not self._newcomer and self.stage == comm.rank % self.num_stages
         try:
-            bootstrap.key_space(comm._root_store, comm.name, "elastic/holds/").set(str(comm.rank), str(int(holds)))
+            _holds_keys(comm).set(str(comm.rank), str(int(holds)))
         except Exception as e:  # the Store's own errors, said as shrink says them
             raise CommError(f"pycomm.elastic: the Store cannot be reached ({type(e).__name__}: {e})") from e
         return comm
@@ -329,9 +329,8 @@ class FaultTolerantPipeline(ElasticLoop):
     def _select(self, seen: List[int]) -> List[int]:
         """Which survivors (ranks of the communicator being shrunk) form the
         new membership, replica by replica (see :func:`regroup`)."""
-        keys = bootstrap.key_space(self.comm._root_store, self.comm.name, "elastic/holds/")
         # Every rank that checked in said it first (_shrinking).
-        holds = {r: v == b"1" for r, v in zip(seen, keys.multi_get([str(r) for r in seen]))}
+        holds = {r: v == b"1" for r, v in zip(seen, _holds_keys(self.comm).multi_get([str(r) for r in seen]))}
         members, self._lost_stages = regroup(seen, holds, self.num_stages)
         return members
 
@@ -447,6 +446,12 @@ class FaultTolerantPipeline(ElasticLoop):
 
     def _world_text(self) -> str:
         return f"world {self.comm.world_size} ({self.replicas} replicas)"
+
+
+def _holds_keys(comm: Communicator) -> torch.distributed.Store:
+    """Where the ranks of ``comm`` say, before they shrink it, whether they
+    hold their stage's state (written by _shrinking, read by _select)."""
+    return bootstrap.key_space(comm._root_store, comm.name, "elastic/holds/")
 
 
 def regroup(seen: List[int], holds: Dict[int, bool], num_stages: int) -> Tuple[List[int], List[int]]:
