@@ -1,10 +1,13 @@
 """Compression kernels and compressed all-reduce, measured side by side.
 
-    python benchmarks/compression_kernels.py [--size 64M] [--repeats 5] [--skip-allreduce]
+    python benchmarks/compression_kernels.py [--size 64M] [--repeats 5] [--skip-allreduce] [--only PART]
 
 1. Kernel throughput on one thread (GB/s of float32 input), next to a plain
    copy of the same tensor measured in the same run.
-2. Top-k of 1% of 16M float32: pycomm (approximate, exact) vs torch.topk.
+2. Top-k of 1% of 16M float32: pycomm (approximate, exact) vs torch.topk;
+   then the approximate selection on structured tensors (a linear layer's
+   weight gradient, rows with outlier columns) over many seeds: how often its
+   sample's threshold missed the window [k, k (1 + tolerance)].
 3. Compressed ring vs direct (gather-then-reduce) reduction, 8 simulated
    ranks in one process: error against float64 and kernel time per rank.
 4. 2-rank all-reduce of the tensor: uncompressed pycomm vs Int8 / Int4 /
@@ -93,6 +96,41 @@ def topk(repeats):
     mass = approx.values.double().pow(2).sum() / exact.values.double().pow(2).sum()
     print(f"\napproximate keeps {approx.values.numel()} entries ({approx.values.numel() / k:.3f} k), "
           f"{mass:.4f} of the exact top-k's L2 mass\n")
+
+
+def structured_tensors(n):
+    """Gradient-like tensors of n elements with structure along their rows."""
+    g = torch.Generator().manual_seed(3)
+    cols = 4096
+    features = torch.randn(32, cols, generator=g)
+    features[:, torch.randperm(cols, generator=g)[:20]] *= 30  # outlier features
+    delta = torch.randn(32, n // cols, generator=g) * torch.rand(32, 1, generator=g)
+    linear = (delta.t() @ features).reshape(-1).contiguous()  # batch 32's weight gradient
+    rows = torch.randn(n // 1024, 1024, generator=g)
+    rows[:, 5::128] *= 20  # 8 outlier columns in 1024, one in every 128
+    return [("random", torch.randn(n, generator=g)),
+            (f"linear layer's gradient, {n // cols} x {cols}, 20 outlier features", linear),
+            ("rows of 1024, every 128th column 20x", rows.reshape(-1))]
+
+
+def topk_structure(seeds):
+    n = 16 << 20
+    k = n // 100
+    print(f"## Top-k's sample on structured tensors, k = 1% of {n} float32, {seeds} seeds, one thread\n")
+    print("A call whose sample's threshold misses [k, 1.1 k] keeps exactly k (cut down, or passed again).\n")
+    print("| tensor | sample_fraction | outside the window | kept / k, mean | time (ms) median / max |")
+    print("|---|---:|---:|---:|---|")
+    for name, x in structured_tensors(n):
+        for fraction in (0.01, 1 / 128):
+            C.topk(x, k, sample_fraction=fraction)
+            kept, ts = [], []
+            for seed in range(seeds):
+                t0 = time.perf_counter()
+                kept.append(C.topk(x, k, sample_fraction=fraction, seed=seed).values.numel())
+                ts.append(time.perf_counter() - t0)
+            print(f"| {name} | {fraction:.4g} | {sum(v == k for v in kept)} of {seeds} | "
+                  f"{statistics.mean(kept) / k:.3f} | {statistics.median(ts) * 1e3:.1f} / {max(ts) * 1e3:.1f} |")
+    print()
 
 
 def ring_vs_direct(n, world, repeats):
@@ -204,13 +242,22 @@ def main():
     ap.add_argument("--size", default="64M", help="bytes of float32 for kernels and all-reduce (default 64M)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-allreduce", action="store_true")
+    ap.add_argument("--only", choices=("kernels", "topk", "ring", "allreduce"), help="run one part only")
+    ap.add_argument("--seeds", type=int, default=40, help="seeds of the structured top-k table (default 40)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     n = parse_size(args.size) // 4
-    kernels(n, args.repeats)
-    topk(args.repeats)
-    ring_vs_direct(1 << 20, 8, args.repeats)
-    if not args.skip_allreduce:
+    parts = {args.only} if args.only else {"kernels", "topk", "ring", "allreduce"}
+    if args.skip_allreduce:
+        parts.discard("allreduce")
+    if "kernels" in parts:
+        kernels(n, args.repeats)
+    if "topk" in parts:
+        topk(args.repeats)
+        topk_structure(args.seeds)
+    if "ring" in parts:
+        ring_vs_direct(1 << 20, 8, args.repeats)
+    if "allreduce" in parts:
         compressed_allreduce(n, args.repeats)
 
 

@@ -328,6 +328,26 @@ def test_topk_approx_quality(dtype):
         assert len(set(s.indices.tolist())) == s.indices.numel()
 
 
+def test_topk_sample_follows_no_period_of_the_rows():
+    """Rows of 1024 whose every 128th column is 20x the rest, sampled one
+    entry in 128. The CPU's sample before runs at hashed places took one
+    entry every 128 from one offset: the same 8 columns of every row, all
+    outliers or none, so its threshold missed the window on every seed (kept
+    cut to exactly k). The window here is [k, 1.5 k], wide for the sample's
+    ~100 keys above the threshold, so only a biased sample misses it."""
+    rows = torch.randn(1024, 1024, generator=gen(4))
+    rows[:, 5::128] *= 20
+    x = rows.reshape(-1)
+    k = x.numel() // 100
+    e = set(C.topk(x, k, exact=True).indices.tolist())
+    inside = 0
+    for seed in range(10):
+        s = C.topk(x, k, tolerance=0.5, sample_fraction=1 / 128, seed=seed)
+        assert k <= s.values.numel() <= 1.5 * k and e <= set(s.indices.tolist())
+        inside += s.values.numel() > k
+    assert inside >= 8, f"the sample's threshold was outside the window on {10 - inside} seeds of 10"
+
+
 def test_topk_ties_and_edge_cases():
     x = torch.ones(1000)  # all tied: exact keeps the lowest indices, approx still within tolerance
     e = C.topk(x, 10, exact=True)

@@ -1,18 +1,24 @@
-// The sample that CUDA top-k's radix passes run over in sampled mode on a
-// large tensor (cuda/topk.cu): which elements, and the window the count of
-// sampled keys at or above the threshold should fall in. Host and device
-// code, free of CUDA, so that a C++ test checks it (tests/cpp/topk_sample.cpp).
+// The samples that top-k's sampled mode estimates its threshold from:
+//   - CUDA (cuda/topk.cu): which elements its radix passes run over on a large
+//     tensor, and the window the count of sampled keys at or above the
+//     threshold should fall in;
+//   - CPU (cpu/topk.cpp): a run of consecutive elements from each of m / 16
+//     equal strata of the tensor.
+// Host and device code, free of CUDA, so that a C++ test checks both
+// (tests/cpp/topk_sample.cpp).
 //
-// The tensor is cut into chunks of kSampleChunk consecutive elements (whole
-// 32-byte sectors, and whole spans of the histogram kernel's warps), and the
-// chunks into groups of `stride`; the sample is one chunk of each group,
-// chosen by a hash of the group's index. Not the group's first chunk: a
-// gradient is rows of a weight matrix, and a row of 1024 (or any multiple of
-// stride x 256) would put the same columns in every sampled chunk. Columns
-// differ in scale (a column's gradient scales with its input feature, and
-// transformers have outlier features), so a sample of a few columns read the
-// threshold of those columns, missed the window, and the passes ran again
-// over the whole tensor (tests/cpp/topk_sample.cpp: 4x off at 1024 columns).
+// Neither sample may follow a period of the tensor. A gradient is rows of a
+// weight matrix, and columns differ in scale (a column's gradient scales with
+// its input feature, and transformers have outlier features): a sample that
+// takes the same columns in every row reads those columns' threshold, misses
+// its window, and the selection passes over the whole tensor again.
+//
+// CUDA: the tensor is cut into chunks of kSampleChunk consecutive elements
+// (whole 32-byte sectors, and whole spans of the histogram kernel's warps),
+// and the chunks into groups of `stride`; the sample is one chunk of each
+// group, chosen by a hash of the group's index. Not the group's first chunk:
+// a row of 1024 (or any multiple of stride x 256) put the same columns in
+// every sampled chunk (tests/cpp/topk_sample.cpp: 4x off at 1024 columns).
 // A pass then reads 1/stride of the tensor instead of all of it. The count of
 // the kept keys that the selection takes anyway checks the threshold on the
 // whole tensor; only outside [k, k (1 + tolerance)] do the passes run again
@@ -22,6 +28,10 @@
 // tolerance 0.1. Structure within a chunk adds to that, as chunks come
 // whole: with a quarter of the columns 8x the rest, the count erred by 3.3 %
 // (the test's tensor), where the group's first chunk erred by 4x.
+//
+// CPU: runs of 16 elements at a hashed place inside each stratum, not single
+// elements at one offset plus multiples of the stratum's width: with a width
+// of 128 and rows of 1024 that grid read 8 columns of every row.
 #pragma once
 
 #include <algorithm>
@@ -30,6 +40,7 @@
 #include <cstdint>
 
 #include "../core/common.h"
+#include "quant.h"
 
 namespace pycomm {
 namespace kernels {
@@ -39,11 +50,7 @@ constexpr size_t kSampleChunk = 256;
 // Which chunk of group g (of `in_group` chunks) the sample takes: a
 // splitmix64 finalizer of g, so that no period of the tensor lines up with it.
 PYCOMM_HOST_DEVICE size_t sampled_chunk_in_group(size_t g, size_t in_group) {
-  uint64_t z = static_cast<uint64_t>(g) + 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  return static_cast<size_t>(z % in_group);
+  return static_cast<size_t>(mix64(static_cast<uint64_t>(g)) % in_group);
 }
 
 // Element of sample position j of a tensor of n elements (stride 1: the
@@ -89,6 +96,23 @@ struct Sample {
     hi = static_cast<uint32_t>(hi_d);
   }
 };
+
+// CPU: runs of kSampleRun consecutive elements (one 64-byte line of float32),
+// one run at a hashed place inside each of ceil(m / kSampleRun) equal strata.
+// Runs, not single elements: a line's elements cost what one does, and the
+// hashed places defeat the hardware prefetcher, which followed the old grid
+// (single elements one stratum apart) at ~20 ns an element against ~75 ns
+// for single elements at hashed places.
+constexpr size_t kSampleRun = 16;
+
+// Where run r of `runs` (runs x kSampleRun < n) starts, for the stream `key`
+// (= mix64(seed)): the run lies inside stratum r, [r n / runs, (r + 1) n /
+// runs), which is at least a run wide, at a uniform place.
+inline size_t sampled_run(size_t r, size_t runs, size_t n, uint64_t key) {
+  const size_t lo = r * n / runs, hi = (r + 1) * n / runs;
+  const size_t room = hi - lo - kSampleRun;  // other places the run could start
+  return lo + std::min(room, static_cast<size_t>(uniform01(key, r) * static_cast<float>(room + 1)));
+}
 
 }  // namespace kernels
 }  // namespace pycomm

@@ -2,7 +2,8 @@
 // feedback, and the sparse scatter-add that undoes it.
 //
 // The approximate selection reads the tensor once in the common case:
-//   1. estimate the k-th largest magnitude from a strided sample;
+//   1. estimate the k-th largest magnitude from a sample, runs of 16
+//      elements at hashed places, one in each stratum (../topk_sample.h);
 //   2. one pass collects every index at or above that threshold (with error
 //      feedback this pass also folds the gradient into the residual);
 //   3. between k and k(1 + tolerance) candidates: done (a superset of the
@@ -19,6 +20,7 @@
 
 #include "../kernels.h"
 #include "../quant.h"
+#include "../topk_sample.h"
 #include "dispatch.h"
 
 namespace pycomm {
@@ -128,14 +130,15 @@ size_t select_approx(const TopK& s, const T* x, float* residual, size_t n, std::
   const double ratio = static_cast<double>(k) / n;
   size_t m = static_cast<size_t>(n * s.sample_fraction);
   m = std::max<size_t>({m, static_cast<size_t>(std::ceil(64.0 / ratio)), 1024});
-  m = std::min(m, n);
-  const double stride = static_cast<double>(n) / m;
-  const double offset = uniform01(mix64(s.seed), 0) * stride;
+  m = std::min(n, (m + kSampleRun - 1) / kSampleRun * kSampleRun);  // whole runs, or the whole tensor
+  const uint64_t key = mix64(s.seed);
   std::vector<uint32_t> sample(m);
-  for (size_t j = 0; j < m; ++j) {
-    const size_t i = std::min(n - 1, static_cast<size_t>(offset + j * stride));
-    const float v = load_acc(x[i]) + (residual ? residual[i] : 0.f);
-    sample[j] = topk_key(v);
+  for (size_t j = 0; j < m; j += kSampleRun) {
+    const size_t start = m == n ? j : sampled_run(j / kSampleRun, m / kSampleRun, n, key);
+    for (size_t e = 0; e < kSampleRun && j + e < m; ++e) {
+      const size_t i = start + e;
+      sample[j + e] = topk_key(load_acc(x[i]) + (residual ? residual[i] : 0.f));
+    }
   }
   // Aim halfway into the accepted window, so one pass usually suffices.
   double rank = k * (1.0 + s.tolerance / 2) * static_cast<double>(m) / n;
