@@ -66,7 +66,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -100,19 +100,27 @@ def step_shard(x: torch.Tensor, y: torch.Tensor, step: int, parts: int, part: in
 
 class Reporter:
     """What one process tells the driver: the rows of its completed steps,
-    in batches, then its last word (done, fenced or crash)."""
+    in batches, then its last word (done, fenced or crash). Each message
+    also carries the membership changes its trainer recorded since the last
+    one (``watch``), so that a rank killed later has told of them."""
 
     def __init__(self, uid: int, conn: Any) -> None:
         self.uid, self.conn, self.rows = uid, conn, []
+        self.events: List[Dict[str, Any]] = []
+        self.sent = 0
+
+    def watch(self, events: List[Dict[str, Any]]) -> None:
+        """The trainer's ``events`` list, read again at every message."""
+        self.events, self.sent = events, 0
 
     def row(self, *row: Any) -> None:
         self.rows.append(row)
-        if len(self.rows) >= 20:
+        if len(self.rows) >= 20 or len(self.events) > self.sent:
             self.flush()
 
     def flush(self, kind: str = "steps", **extra: Any) -> None:
-        self.conn.send(dict(kind=kind, uid=self.uid, steps=self.rows, **extra))
-        self.rows = []
+        self.conn.send(dict(kind=kind, uid=self.uid, steps=self.rows, new_events=self.events[self.sent:], **extra))
+        self.rows, self.sent = [], len(self.events)
 
 
 def reporting(uid: int, conn: Any, body: Callable[[Reporter], None]) -> None:
@@ -178,6 +186,7 @@ def _ddp_job(uid: int, world: int, port: int, report: Reporter, args: argparse.N
     state = hooks.CompressionState(codec=pycomm.Int8(), start_iter=5, path=args.path)
     ft = FaultTolerantDDP(model, opt, comm, hook=hooks.int8_hook, state=state, scheduler=sched,
                           admit_every=args.admit_every, max_world_size=args.max_world or None, bucket_cap_mb=0.03)
+    report.watch(ft.events)
     report.flush("member", joined=comm.joined)
 
     def step_fn(step: int) -> None:
@@ -192,7 +201,7 @@ def _ddp_job(uid: int, world: int, port: int, report: Reporter, args: argparse.N
     ft.train(args.steps, step_fn)  # every rank agrees that all steps are done
     with torch.no_grad():
         acc = (ft.module(xte).argmax(1) == yte).float().mean().item() * 100
-    report.flush("done", acc=acc, events=ft.events, world=ft.world_size)
+    report.flush("done", acc=acc, world=ft.world_size)
     ft.comm.close()
 
 
@@ -226,6 +235,7 @@ def _pipeline_job(uid: int, world: int, port: int, report: Reporter, args: argpa
         num_microbatches=4, schedule=args.schedule, loss_fn=torch.nn.functional.cross_entropy,
         scheduler_fn=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps),
         admit_every=args.admit_every, max_world_size=args.max_world or None, join_timeout=args.join_timeout)
+    report.watch(ft.events)
     report.flush("member", joined=comm.joined)
 
     def shard(step: int, replica: int, replicas: int):
@@ -238,8 +248,23 @@ def _pipeline_job(uid: int, world: int, port: int, report: Reporter, args: argpa
     ft.train(args.steps, shard)
     state = io.BytesIO()  # bytes: a tensor sent through a pipe would travel as a file descriptor
     torch.save(ft.module.state_dict(), state)
-    report.flush("done", events=ft.events, world=ft.comm.world_size, stage=ft.stage, state=state.getvalue())
+    report.flush("done", world=ft.comm.world_size, stage=ft.stage, state=state.getvalue())
     ft.comm.close()
+
+
+def membership_changes(member_events: Dict[int, List[Dict[str, Any]]]) -> Dict[str, int]:
+    """The job's membership changes, from every rank's events: each change
+    once (its members each record it, with the epoch it led to), by kind,
+    and the shrinks that regrouped survivors of broken pipeline replicas."""
+    changes: Dict[Tuple[str, int], int] = {}
+    for events in member_events.values():
+        for e in events:
+            key = (e["kind"], e["epoch"])
+            changes[key] = max(changes.get(key, 0), int(e.get("regrouped", 0)))
+    out = {kind: sum(k == kind for k, _ in changes) for kind in ("shrink", "admit", "rejoin")}
+    out["regrouping_shrinks"] = sum(1 for (k, _), r in changes.items() if k == "shrink" and r)
+    out["regrouped_replicas"] = sum(r for (k, _), r in changes.items() if k == "shrink")
+    return out
 
 
 def pipeline_accuracy(reports: Dict[int, Dict[str, Any]]) -> List[float]:
@@ -271,6 +296,8 @@ class Soak:
         self.completions: List[tuple] = []  # (time, uid, step, world)
         self.events: List[Dict[str, Any]] = []  # the failures injected
         self.reports: Dict[int, Dict[str, Any]] = {}
+        # Each process's membership changes as it told of them (the dead's too).
+        self.member_events: Dict[int, List[Dict[str, Any]]] = {}
         self.max_step = 0
         self.first_done = 0.0
         self.last_done: Dict[int, tuple] = {}  # uid -> (time, stage, replica) of its latest completed step
@@ -332,6 +359,7 @@ class Soak:
                 self.completions.append((t, uid, step, world))
                 self.last_done[uid] = (t, *stage)
                 self.max_step = max(self.max_step, step)
+            self.member_events.setdefault(uid, []).extend(msg.get("new_events", []))
             kind = msg["kind"]
             if kind == "member":
                 self.procs[uid]["state"] = "member"
@@ -582,9 +610,10 @@ class Soak:
                     leaked=leaked, recoveries=recoveries, events=self.events,
                     during=sorted({e["during"] for e in self.events}),
                     late_joiners=[u for u, p in self.procs.items() if p["state"] == "late-joiner"],
-                    # What the ranks that finished saw: each membership change (kind, step, world,
-                    # seconds, cause), for telling where a long recovery went.
-                    member_events={u: r.get("events", []) for u, r in done.items()},
+                    # What every rank saw, the ones that died later too: each membership change
+                    # (kind, step, world, epoch, seconds, cause), for telling where a long recovery went.
+                    member_events={u: ev for u, ev in self.member_events.items() if ev},
+                    changes=membership_changes(self.member_events),
                     frozen_ends={u: ("back as a member, then " if self.procs[u].get("back") else "")
                                  + self.reports.get(u, {}).get("kind", self.procs[u]["state"]) for u in frozen})
 
@@ -664,7 +693,10 @@ def main() -> int:
           f"crashes {len(res['crashes'])}, hung {len(res['hung'])}, leaked {len(res['leaked'])}; frozen: "
           f"{res['fenced']} fenced out, {res['freezes'] - res['fenced'] - len(res['not_fenced'])} waited for, "
           f"{len(res['not_fenced'])} neither, {res['back']} back as members; joiners not admitted before the end "
-          f"{len(res['late_joiners'])}; "
+          f"{len(res['late_joiners'])}; membership changes: {res['changes']['shrink']} shrinks"
+          + (f" ({res['changes']['regrouping_shrinks']} regrouped survivors of broken replicas into "
+             f"{res['changes']['regrouped_replicas']})" if args.job == "pipeline" else "")
+          + f", {res['changes']['admit']} admissions, {res['changes']['rejoin']} rejoins; "
           f"failure to the next step every survivor completed: {spread('kill')}; {spread('freeze')} (found by the "
           f"{args.heartbeat:g} s heartbeat)", flush=True)
     for uid, why in list(res["crashes"].items())[:3]:

@@ -41,6 +41,9 @@ def test_chaos_soak(tmp_path, job):
     assert soak["crashes"] == {} and soak["hung"] == [] and soak["leaked"] == [], (summary, soak["crashes"])
     assert soak["not_fenced"] == [], summary
     assert len(soak["acc"]) == 1 and soak["acc"][0] >= base["acc"][0] - 1.0, (summary, soak["acc"], base["acc"])
+    # Every rank's membership changes, those of ranks killed later too: a
+    # failure of a member shrinks the job, and its replacement is admitted.
+    assert soak["changes"]["shrink"] >= 1 and soak["changes"]["admit"] >= 1, (summary, soak["changes"])
     assert res["ok"] and proc.returncode == 0, summary
 
 
