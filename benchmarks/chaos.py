@@ -411,8 +411,9 @@ class Soak:
         if not during:
             recent = bool(self.events) and t - self.events[-1]["t"] < 0.5
             during = "recovery" if recent else "a join" if self.procs[victim]["state"] == "joining" else "a step"
-        self.events.append(dict(t=t, uid=victim, kind="freeze" if freeze else "kill", during=during,
-                                step=self.max_step))
+        # The pid: the ranks' failure messages name the dead by it.
+        self.events.append(dict(t=t, uid=victim, pid=self.procs[victim]["pid"], kind="freeze" if freeze else "kill",
+                                during=during, step=self.max_step))
         if freeze:
             frozen[victim] = t + self.args.heartbeat + 2.0
             self.procs[victim]["state"] = "frozen"
