@@ -342,10 +342,12 @@ class Communicator(PointToPoint, RegisteredMemory):
         """Reduce ``input`` (world_size x output.numel() elements) over ranks; rank r keeps shard r.
 
         ``input`` may also be a list of world_size tensors shaped like ``output``.
+        In place as with NCCL: ``output`` may be this rank's block of ``input``.
 
         Example::
 
             out = torch.empty(n); comm.reduce_scatter(out, torch.randn(world * n))
+            x = torch.randn(world * n); comm.reduce_scatter(x[rank * n:(rank + 1) * n], x)  # in place
         """
         if not isinstance(input, torch.Tensor):
             input = torch.cat([t.reshape(-1) for t in input])

@@ -124,10 +124,17 @@ def _one(comm, rank, world, coll, algo, dtype, count, op, seed, key):
         # Inputs are built shard by shard, so each rank rebuilds only the
         # shard it checks.
         x = torch.cat([make_input(seed, rank, count, dtype, shard=c) for c in range(world)])
-        out = torch.full((count,), 7, dtype=dtype)
+        # In place (NCCL's form, ZeRO-3's): the output is this rank's block of the input.
+        out = x[rank * count:(rank + 1) * count] if in_place else torch.full((count,), 7, dtype=dtype)
+        before = x.clone()
         comm.reduce_scatter(out, x, op, algorithm=algo)
         shards = [make_input(seed, r, count, dtype, shard=rank) for r in range(world)]
         err = check_reduction(out, shards, op, dtype)
+        others = torch.ones(world * count, dtype=torch.bool)
+        if in_place:
+            others[rank * count:(rank + 1) * count] = False
+        if err is None and not torch.equal(x[others], before[others]):
+            err = "reduce_scatter modified its input" + (" outside this rank's block" if in_place else "")
     elif coll == "all_gather":
         mine = make_input(seed, rank, count, dtype)
         out = torch.full((count * world,), 7, dtype=dtype)

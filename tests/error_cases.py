@@ -50,6 +50,9 @@ def bad_inputs(rank: int, world: int, name: str) -> List[tuple]:
         "unknown algorithm": lambda: comm.all_reduce(good.clone(), algorithm="butterfly"),
         "tree for all_gather": lambda: comm.all_gather(torch.empty(n * world), good, algorithm="tree"),
         "reduce_scatter sizes": lambda: comm.reduce_scatter(torch.empty(n), torch.ones(n * world + 1)),
+        # In place is this rank's block of the input only (NCCL's form).
+        "reduce_scatter overlap": lambda: (lambda b: comm.reduce_scatter(b[rank * n + 1:(rank + 1) * n + 1],
+                                                                         b[:n * world]))(torch.ones(n * world + 1)),
         "all_gather sizes": lambda: comm.all_gather(torch.empty(n * world - 1), good),
         "broadcast src": lambda: comm.broadcast(good.clone(), src=world),
         "async list all_gather": lambda: comm.all_gather([torch.empty(n)] * world, good, async_op=True),

@@ -12,6 +12,10 @@ it (invisible in the rendered page) says how it runs::
   program (a walk-through in several blocks).
 * ``env=K:V,K:V``: environment variables for the example.
 * ``cuda``: needs a GPU (skipped without one, like every ``cuda`` test).
+* ``requires=M``: needs the module M (skipped without it: a library pycomm
+  does not depend on).
+* ``own``: runs in processes of its own, through torchrun, not in the
+  module's ranks (a library that keeps global state, e.g. DeepSpeed).
 
 A block without a comment runs on one rank as written. Blocks in other
 languages (shell commands) are not run here; ``tests/test_bench.py`` runs
@@ -19,7 +23,10 @@ languages (shell commands) are not run here; ``tests/test_bench.py`` runs
 """
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List
@@ -44,6 +51,8 @@ class Example:
     setup: str = ""
     env: Dict[str, str] = field(default_factory=dict)
     cuda: bool = False
+    requires: str = ""
+    own: bool = False
 
 
 def parse_directive(text: str) -> Dict[str, str]:
@@ -51,7 +60,7 @@ def parse_directive(text: str) -> Dict[str, str]:
     for word in text.split():
         key, _, value = word.partition("=")
         out[key] = value
-    unknown = set(out) - {"ranks", "setup", "continues", "env", "cuda"}
+    unknown = set(out) - {"ranks", "setup", "continues", "env", "cuda", "requires", "own"}
     assert not unknown, f"unknown example option(s) {sorted(unknown)} in {text!r}"
     return out
 
@@ -84,7 +93,7 @@ def examples_of(page: Path, root: Path = ROOT) -> List[Example]:
             else:
                 env = dict(kv.split(":", 1) for kv in opts["env"].split(",")) if opts.get("env") else {}
                 found.append(Example(where, code, int(opts.get("ranks") or 1), opts.get("setup", ""), env,
-                                     "cuda" in opts))
+                                     "cuda" in opts, opts.get("requires", ""), "own" in opts))
         i = j + 1
     return found
 
@@ -112,10 +121,11 @@ def test_directive_parsing(tmp_path):
     page = tmp_path / "sample.md"
     page.write_text("<!-- example: ranks=2 setup=comm env=A:1,B:x -->\n```python\nx = 1\n```\n\n"
                     "<!-- example: continues -->\n```python\ny = x\n```\n\n```bash\nls\n```\n\n"
-                    "```python\nz = 2\n```\n")
+                    "```python\nz = 2\n```\n\n<!-- example: ranks=2 own requires=deepspeed -->\n```python\nw = 3\n```\n")
     exs = examples_of(page, root=tmp_path)
-    assert [(e.ranks, e.setup, e.env, e.code) for e in exs] == [
-        (2, "comm", {"A": "1", "B": "x"}, "x = 1\ny = x\n"), (1, "", {}, "z = 2\n")]
+    assert [(e.ranks, e.setup, e.env, e.code, e.requires, e.own) for e in exs] == [
+        (2, "comm", {"A": "1", "B": "x"}, "x = 1\ny = x\n", "", False), (1, "", {}, "z = 2\n", "", False),
+        (2, "", {}, "w = 3\n", "deepspeed", True)]
 
 
 class Pool:
@@ -154,7 +164,18 @@ def _params() -> list:
 
 
 @pytest.mark.parametrize("example", _params())
-def test_example_runs(doc_pool, example: Example):
+def test_example_runs(doc_pool, example: Example, tmp_path):
+    if example.requires:
+        pytest.importorskip(example.requires, reason=f"{example.where} needs {example.requires}")
+    if example.own:
+        assert not example.setup, f"{example.where}: an example in processes of its own takes no setup"
+        script = tmp_path / "example.py"
+        script.write_text(example.code)
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(example.ranks),
+                               "--master-port", str(free_port()), str(script)], capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), **example.env})
+        assert proc.returncode == 0, f"{example.where}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        return
     assert doc_pool.run(example) == ["ok"] * example.ranks
 
 

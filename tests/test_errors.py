@@ -39,6 +39,7 @@ EXPECTED_WORDS = {
     "unknown algorithm": "unknown algorithm",
     "tree for all_gather": "not available",
     "reduce_scatter sizes": "world_size",
+    "reduce_scatter overlap": "not this rank's block",
     "all_gather sizes": "world_size",
     "broadcast src": "src=",
     "async list all_gather": "flat output",

@@ -452,9 +452,30 @@ std::shared_ptr<Work> Communicator::reduce_scatter(const at::Tensor& output, con
                                                    Staging staging) {
   const Collective coll = Collective::kReduceScatter;
   std::string why = check_io(coll, input, output, world(), 1, world());
-  if (why.empty() && overlaps(input, output)) why = "pycomm.reduce_scatter: output overlaps input";
+  bool in_place = false;
+  if (why.empty() && overlaps(input, output)) {
+    // NCCL's in-place form, which ZeRO-3 uses: the output is this rank's
+    // block of the input.
+    const char* block = static_cast<const char*>(input.data_ptr()) + rank() * output.numel() * output.element_size();
+    in_place = output.data_ptr() == block;
+    if (!in_place)
+      why = "pycomm.reduce_scatter: output overlaps input but is not this rank's block of it (in place, as with "
+            "NCCL: output = input[rank * n:(rank + 1) * n] of a flat input)";
+  }
   if (!why.empty()) return reject(why);
-  return launch(coll, op, 0, output.numel(), input, output, algo, strict, async_op, std::move(staging));
+  if (!in_place)
+    return launch(coll, op, 0, output.numel(), input, output, algo, strict, async_op, std::move(staging));
+  // In place, the result goes through a buffer of the output's size (a
+  // world-th of the input's), copied in at completion: not every algorithm
+  // reads this rank's block of the input before it writes the output.
+  at::Tensor result = at::empty_like(output);
+  staging.after = [result, output, then = std::move(staging.after)] {
+    output.copy_(result);
+    if (then) then();
+  };
+  staging.keep.push_back(output);
+  if (staging.result.empty()) staging.result = {output};
+  return launch(coll, op, 0, output.numel(), input, result, algo, strict, async_op, std::move(staging));
 }
 
 std::shared_ptr<Work> Communicator::all_gather(const at::Tensor& output, const at::Tensor& input, Algorithm algo,
