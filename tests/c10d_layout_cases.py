@@ -93,6 +93,29 @@ def layouts(rank: int, world: int) -> Dict[str, object]:
     want = torch.cat([data(r, 3 * world, 2).view(world, 3)[rank] for r in range(world)])
     out["all_to_all_single strided"] = torch.equal(dst, want) and bool((buf[1::2] == -7).all())
 
+    # Outputs that overlap their inputs: the input is read whole first (Gloo
+    # writes as it goes: its in-place all_to_all_single came out wrong on a
+    # rank). In place all-to-all; a reduce-scatter's output half a block off
+    # its own block; an all-gather's input in another rank's block.
+    x = data(rank, 3 * world, 3).clone()
+    dist.all_to_all_single(x, x, group=g)
+    want = torch.cat([data(r, 3 * world, 3).view(world, 3)[rank] for r in range(world)])
+    out["all_to_all_single in place"] = torch.equal(x, want)
+    x = data(rank, 4 * world, 4).clone()
+    at = (rank * 4 + 2) % (4 * world - 3)  # 4 elements from here, never this rank's block
+    dist.reduce_scatter_tensor(x[at:at + 4], x, group=g)
+    want = sum(data(r, 4 * world, 4) for r in range(world)).view(world, 4)[rank]
+    rest = torch.ones(4 * world, dtype=torch.bool)
+    rest[at:at + 4] = False
+    out["reduce_scatter_tensor output off its block"] = (torch.equal(x[at:at + 4], want)
+                                                         and torch.equal(x[rest], data(rank, 4 * world, 4)[rest]))
+    y = torch.zeros(5 * world, dtype=torch.int64)
+    other = (rank + 1) % world  # the input sits in the next rank's block of the output
+    y[other * 5:(other + 1) * 5] = data(rank, 5, 5)
+    dist.all_gather_into_tensor(y, y[other * 5:(other + 1) * 5], group=g)
+    out["all_gather_into_tensor input in another block"] = torch.equal(y, torch.cat([data(r, 5, 5)
+                                                                                      for r in range(world)]))
+
     # An output whose elements share memory cannot hold a result: refused on
     # every rank, in turn, and the group goes on.
     try:

@@ -95,7 +95,7 @@ def test_tensors_that_are_not_contiguous(pool, world):
         refused = res.pop("expanded output")
         assert refused.startswith("CommError") and "share memory" in refused, (rank, refused)
         failed = [k for k, ok in res.items() if ok is not True]
-        assert not failed and len(res) == 12, (rank, res)
+        assert not failed and len(res) == 15, (rank, res)
 
 def test_ddp_with_a_bool_buffer(pool):
     """DDP's constructor broadcasts buffers of every dtype; its logging names the backend."""

@@ -6,6 +6,8 @@
 
 #include <ATen/MemoryOverlap.h>
 
+#include "tensor_checks.h"
+
 namespace pycomm {
 
 namespace {
@@ -268,6 +270,22 @@ at::Tensor C10dBackend::dense_output(const at::Tensor& t, Staging& s, bool in_pl
   return dense;
 }
 
+at::Tensor C10dBackend::apart_output(const at::Tensor& out, const at::Tensor& in, Staging& s) {
+  auto plain = [](const at::Tensor& t) {
+    return t.defined() && t.has_storage() && t.layout() == at::kStrided && t.device().is_cpu() && t.numel() > 0;
+  };
+  if (!plain(out) || !plain(in) || !overlaps(out, in)) return out;
+  at::Tensor apart = at::empty_like(out);
+  // First of the after-steps: a copy-back of `out` itself (dense_output) comes after it.
+  s.after = [apart, out, then = std::move(s.after)] {
+    out.copy_(apart);
+    if (then) then();
+  };
+  s.keep.push_back(out);
+  if (s.result.empty()) s.result = {out};
+  return apart;
+}
+
 // ---------------------------------------------------------------- collectives
 
 c10::intrusive_ptr<c10d::Work> C10dBackend::broadcast(std::vector<at::Tensor>& tensors,
@@ -361,7 +379,10 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::_allgather_base(at::Tensor& output, 
                                                             const c10d::AllgatherOptions& opts) {
   Staging s = timed(opts.timeout);
   const at::Tensor in = dense_input(input, s);
-  const at::Tensor out = dense_output(output, s, /*in_place=*/false, "all_gather_into_tensor");
+  at::Tensor out = dense_output(output, s, /*in_place=*/false, "all_gather_into_tensor");
+  // In place, the input this rank's block of the output, the communicator runs as it is.
+  if (in.numel() == 0 || in.data_ptr() != static_cast<char*>(out.data_ptr()) + getRank() * in.nbytes())
+    out = apart_output(out, in, s);
   return wrap(comm_->all_gather(out, in, algo(Collective::kAllGather), false, opts.asyncOp, std::move(s)),
               c10d::OpType::_ALLGATHER_BASE,
               "pycomm:all_gather_into_tensor");
@@ -495,8 +516,9 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::_reduce_scatter_base(at::Tensor& out
                                                                  const c10d::ReduceScatterOptions& opts) {
   Staging s = timed(opts.timeout);
   const at::Tensor dense = dense_input(input, s);
-  const at::Tensor out = dense_output(output, s, /*in_place=*/false, "reduce_scatter_tensor");
   const auto [op, in] = reduction(opts.reduceOp, dense, s, /*own=*/false, "reduce_scatter_tensor");
+  // (The communicator runs the in-place form itself, the same way.)
+  const at::Tensor out = apart_output(dense_output(output, s, /*in_place=*/false, "reduce_scatter_tensor"), in, s);
   return wrap(comm_->reduce_scatter(out, in, op, algo(Collective::kReduceScatter), false, opts.asyncOp, std::move(s)),
               c10d::OpType::_REDUCE_SCATTER_BASE, "pycomm:reduce_scatter_tensor");
 }
@@ -544,7 +566,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::alltoall_base(at::Tensor& output, at
   if (even(output_splits, output) && even(input_splits, input)) {
     Staging s = timed(opts.timeout);
     const at::Tensor in = dense_input(input, s);
-    const at::Tensor out = dense_output(output, s, /*in_place=*/false, "all_to_all_single");
+    const at::Tensor out = apart_output(dense_output(output, s, /*in_place=*/false, "all_to_all_single"), in, s);
     return wrap(comm_->all_to_all(out, in, opts.asyncOp, std::move(s)), c10d::OpType::ALLTOALL_BASE,
                 "pycomm:all_to_all_single");
   }
