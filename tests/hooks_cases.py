@@ -101,7 +101,8 @@ def train_step(m: torch.nn.Module, opt: torch.optim.Optimizer, batch) -> None:
 
 
 def _grads(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    """Every parameter's gradient, flat (zeros for one this iteration left unused)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in model.parameters()])
 
 
 # ---------------------------------------------------------------- cases
@@ -137,10 +138,26 @@ def grads_match(rank: int, world: int, model_name: str, bucket_mb: float, steps:
             "buckets": len({i for _, i in seen}), "in_place": comm.in_place_calls - in_place}
 
 
+class _WithSideBranch(torch.nn.Module):
+    """The MLP plus a side branch that only some iterations use (what DDP's
+    find_unused_parameters is for: the branch's gradients are zeros in its
+    bucket on the others)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_model("mlp")
+        self.side = torch.nn.Linear(32, 8)
+        self.use_side = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) + self.side(x) if self.use_side else self.body(x)
+
+
 def compose(rank: int, world: int, hook: str, option: str, iters: int = 3, path: str = "auto",
             device: str = "cpu", dtype: torch.dtype = torch.float32) -> Dict[str, object]:
-    """A hook under one DDP option (gradient_as_bucket_view, static_graph or
-    no_sync accumulation), against DDP without a hook on the same data and
+    """A hook under one DDP option (gradient_as_bucket_view, static_graph,
+    no_sync accumulation, or find_unused_parameters with a branch used every
+    other iteration), against DDP without a hook on the same data and
     parameters (no optimizer step: every iteration's gradients are comparable).
     Returns the relative error of the summed gradients (error feedback makes
     the sum, not each step, close) and this rank's gradients."""
@@ -152,17 +169,22 @@ def compose(rank: int, world: int, hook: str, option: str, iters: int = 3, path:
         kw["gradient_as_bucket_view"] = True
     if option == "static_graph":
         kw["static_graph"] = True
-    ref = DDP(make_model("mlp").to(device, dtype), **kw)
-    ours = DDP(make_model("mlp").to(device, dtype), **kw)
+    if option == "find_unused":
+        kw["find_unused_parameters"] = True
+    build = _WithSideBranch if option == "find_unused" else (lambda: make_model("mlp"))
+    ref = DDP(build().to(device, dtype), **kw)
+    ours = DDP(build().to(device, dtype), **kw)
     state = _state(hook, comm, path, g, device)
     ours.register_comm_hook(state, HOOKS[hook])
     gen = torch.Generator().manual_seed(2000 + rank)
     sums = [None, None]
     per_iter = []
-    for _ in range(iters):
+    for it in range(iters):
         micro = [tuple(t.to(device, dtype) for t in make_batch("mlp", gen))
                  for _ in range(3 if option == "no_sync" else 1)]
         for i, m in enumerate((ref, ours)):
+            if option == "find_unused":
+                m.module.use_side = it % 2 == 0
             for p in m.parameters():
                 p.grad = None
             for j, (x, y) in enumerate(micro):

@@ -60,7 +60,7 @@ BOUNDS = {"allreduce": 1e-6, "allreduce_reg": 1e-6, "bf16": 1e-2, "int8": 2e-2, 
 
 
 @pytest.mark.parametrize("path", ["auto", "group"])
-@pytest.mark.parametrize("option", ["bucket_view", "static_graph", "no_sync"])
+@pytest.mark.parametrize("option", ["bucket_view", "static_graph", "no_sync", "find_unused"])
 @pytest.mark.parametrize("hook", ["allreduce", "allreduce_reg", "bf16", "int8", "int4", "topk", "local_sgd"])
 def test_every_hook_composes_with_ddp_options(pool, hook, option, path):
     """On pycomm's communicator (auto, CPU) and on the device-generic group
