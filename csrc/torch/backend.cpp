@@ -274,16 +274,7 @@ at::Tensor C10dBackend::apart_output(const at::Tensor& out, const at::Tensor& in
   auto plain = [](const at::Tensor& t) {
     return t.defined() && t.has_storage() && t.layout() == at::kStrided && t.device().is_cpu() && t.numel() > 0;
   };
-  if (!plain(out) || !plain(in) || !overlaps(out, in)) return out;
-  at::Tensor apart = at::empty_like(out);
-  // First of the after-steps: a copy-back of `out` itself (dense_output) comes after it.
-  s.after = [apart, out, then = std::move(s.after)] {
-    out.copy_(apart);
-    if (then) then();
-  };
-  s.keep.push_back(out);
-  if (s.result.empty()) s.result = {out};
-  return apart;
+  return plain(out) && plain(in) && overlaps(out, in) ? write_apart(out, s) : out;
 }
 
 // ---------------------------------------------------------------- collectives
@@ -517,7 +508,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::_reduce_scatter_base(at::Tensor& out
   Staging s = timed(opts.timeout);
   const at::Tensor dense = dense_input(input, s);
   const auto [op, in] = reduction(opts.reduceOp, dense, s, /*own=*/false, "reduce_scatter_tensor");
-  // (The communicator runs the in-place form itself, the same way.)
+  // Any overlap goes through a buffer here, NCCL's in-place form too.
   const at::Tensor out = apart_output(dense_output(output, s, /*in_place=*/false, "reduce_scatter_tensor"), in, s);
   return wrap(comm_->reduce_scatter(out, in, op, algo(Collective::kReduceScatter), false, opts.asyncOp, std::move(s)),
               c10d::OpType::_REDUCE_SCATTER_BASE, "pycomm:reduce_scatter_tensor");

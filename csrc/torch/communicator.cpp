@@ -466,16 +466,10 @@ std::shared_ptr<Work> Communicator::reduce_scatter(const at::Tensor& output, con
   if (!in_place)
     return launch(coll, op, 0, output.numel(), input, output, algo, strict, async_op, std::move(staging));
   // In place, the result goes through a buffer of the output's size (a
-  // world-th of the input's), copied in at completion: not every algorithm
-  // reads this rank's block of the input before it writes the output.
-  at::Tensor result = at::empty_like(output);
-  staging.after = [result, output, then = std::move(staging.after)] {
-    output.copy_(result);
-    if (then) then();
-  };
-  staging.keep.push_back(output);
-  if (staging.result.empty()) staging.result = {output};
-  return launch(coll, op, 0, output.numel(), input, result, algo, strict, async_op, std::move(staging));
+  // world-th of the input's): not every algorithm reads this rank's block of
+  // the input before it writes the output.
+  const at::Tensor apart = write_apart(output, staging);
+  return launch(coll, op, 0, output.numel(), input, apart, algo, strict, async_op, std::move(staging));
 }
 
 std::shared_ptr<Work> Communicator::all_gather(const at::Tensor& output, const at::Tensor& input, Algorithm algo,
