@@ -84,6 +84,25 @@ print("THREADS", *sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t 
 """
 
 
+def test_in_place_rows(tmp_path):
+    """--in-place: NCCL's in-place forms (a reduce-scatter's output in its
+    input, an all-gather's input in its output) for pycomm's algorithms,
+    registered buffers, the pycomm backend and the baseline, 3 ranks; every
+    row checked; all-to-all (no in-place form) stays out of place."""
+    out = tmp_path / "rows.json"
+    r = bench("--nproc", "3", "-c", "reduce_scatter,all_gather,all_to_all", "-a", "ring,direct,auto,c10d", "-b",
+              "4K", "-e", "64K", "-f", "16", "--registered", "--in-place", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    heads = [line for line in r.stdout.splitlines() if line.startswith("# pycomm-bench: ")]
+    assert [", in place," in h for h in heads] == [True, True, False], heads
+    rows = [row for row in json.loads(out.read_text()) if row["backend"] != "memcpy"]
+    assert {row["backend"] for row in rows} == {"pycomm", "gloo"}
+    for row in rows:
+        assert row["wrong"] == 0, row
+        assert row["in_place"] == (row["collective"] != "all_to_all"), row
+    assert {row["algorithm"] for row in rows if row["collective"] == "reduce_scatter"} >= {"ring+reg", "c10d", "gloo"}
+
+
 def test_deepspeed_row_checks_its_sums_and_leaves_no_segment_nor_group(tmp_path):
     pytest.importorskip("deepspeed", reason="the --deepspeed row needs DeepSpeed (pip install deepspeed)")
     out = tmp_path / "rows.json"

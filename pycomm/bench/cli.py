@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time pycomm's compressed all-reduce with these codecs, comma-separated: int8, int4, "
                         "topk, with a block or ratio (int8:64, int4:128:stochastic, topk:0.001, topk:0.01:exact); "
                         "each element is checked against the codec's accuracy")
+    p.add_argument("--in-place", action="store_true",
+                   help="run reduce_scatter and all_gather in place, as nccl-tests' in-place columns (all_reduce "
+                        "and broadcast always are; all_to_all has no in-place form in NCCL): the output is this "
+                        "rank's block of the input (reduce_scatter), the input this rank's block of the output "
+                        "(all_gather); the baseline too")
     p.add_argument("--deepspeed", action="store_true",
                    help="also time DeepSpeed's shared-memory all-reduce in the same processes (needs "
                         "`pip install deepspeed`; all_reduce, op sum, float32/bfloat16/float16)")
@@ -193,12 +198,14 @@ def _rank_main(rank: int, world: int, port: Optional[int], args: argparse.Namesp
     for coll, algos in plan.items():
         if rank == 0:
             print(f"# pycomm-bench: {coll}, {world} ranks, dtype {args.dtype}, op {args.op}, "
-                  f"algorithms {','.join(algos)}{', compression ' + args.compression if args.compression else ''}, "
+                  f"algorithms {','.join(algos)}{', compression ' + args.compression if args.compression else ''}"
+                  f"{', in place' if args.in_place and coll in ('reduce_scatter', 'all_gather') else ''}, "
                   f"baseline {'none' if args.no_baseline else dist.get_backend()}"
                   f"{' and deepspeed-shm' if args.deepspeed else ''}")
             print(HEADER, flush=True)
         cfg = BenchConfig(coll, sizes(args), algos, args.dtype, args.op, args.iters, args.warmup,
-                          not args.no_baseline, registered=args.registered, codecs=codecs(args, coll))
+                          not args.no_baseline, registered=args.registered, codecs=codecs(args, coll),
+                          in_place=args.in_place)
         cfg.deepspeed = deepspeed
         cfg.c10d_group = c10d_group if "c10d" in algos else None
         got = run_rank(cfg, comm)

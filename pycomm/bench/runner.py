@@ -44,6 +44,9 @@ class BenchConfig:
     # Codecs (pycomm.Int8(), ...) of compressed all-reduce rows, checked
     # against each codec's accuracy (compressed.py).
     codecs: List = field(default_factory=list)
+    # Reduce-scatter and all-gather in place (Case), as nccl-tests'
+    # in-place columns; all-reduce and broadcast always are.
+    in_place: bool = False
 
 
 def auto_iters(size: int) -> int:
@@ -60,10 +63,14 @@ _BLOCK_OUT = ("all_gather", "all_to_all")
 class Case:
     """Buffers of one (collective, size) point, filled so that the result has
     a closed form: rank r holds r + 1 + (i % 7) at position i, which every
-    supported dtype represents and sums exactly for up to 8 ranks."""
+    supported dtype represents and sums exactly for up to 8 ranks.
+
+    ``in_place`` (NCCL's forms): a reduce-scatter's output is this rank's
+    block of its input, an all-gather's input this rank's block of its
+    output (an all-to-all has none: it stays out of place)."""
 
     def __init__(self, collective: str, size: int, dtype: torch.dtype, op: str, rank: int, world: int,
-                 empty: Callable[..., torch.Tensor] = torch.empty) -> None:
+                 empty: Callable[..., torch.Tensor] = torch.empty, in_place: bool = False) -> None:
         self.collective, self.op, self.rank, self.world = collective, op, rank, world
         esize = torch.empty((), dtype=dtype).element_size()
         # nccl-tests' size: the larger buffer (all_gather: the output,
@@ -77,15 +84,25 @@ class Case:
         self.dtype = dtype
         n_in = self.count * (world if collective in _BLOCK_IN else 1)
         n_out = self.count * world if collective in _BLOCK_OUT else (self.count if collective in _BLOCK_IN else 0)
-        self.inp = empty(n_in, dtype=dtype)
-        self.out = empty(n_out, dtype=dtype)
+        self.in_place = in_place and collective in ("reduce_scatter", "all_gather")
+        mine = slice(rank * self.count, (rank + 1) * self.count)
+        if not self.in_place:
+            self.inp = empty(n_in, dtype=dtype)
+            self.out = empty(n_out, dtype=dtype)
+        elif collective == "all_gather":
+            self.out = empty(n_out, dtype=dtype)
+            self.inp = self.out[mine]
+        else:
+            self.inp = empty(n_in, dtype=dtype)
+            self.out = self.inp[mine]
 
     def pattern(self, n: int, rank: int) -> torch.Tensor:
         return (torch.arange(n, dtype=torch.int64) % 7 + rank + 1).to(self.dtype)
 
     def fill(self) -> None:
+        if not (self.in_place and self.collective == "reduce_scatter"):  # else the output is in the input
+            self.out.fill_(-1)
         self.inp.copy_(self.pattern(self.inp.numel(), self.rank))
-        self.out.fill_(-1)
 
     def expected(self) -> torch.Tensor:
         w = self.world
@@ -190,11 +207,12 @@ def run_rank(cfg: BenchConfig, comm: "pycomm.Communicator") -> Optional[List[Dic
     backend = dist.get_backend()
     rows: List[Dict] = []
     for size in cfg.sizes:
-        case = Case(cfg.collective, size, dtype, cfg.op, rank, world)
+        case = Case(cfg.collective, size, dtype, cfg.op, rank, world, in_place=cfg.in_place)
         iters = cfg.iters or auto_iters(case.size_bytes)
         warmup = cfg.warmup if cfg.warmup is not None else max(2, iters // 10)
         runs = []
-        reg_case = Case(cfg.collective, size, dtype, cfg.op, rank, world, comm.empty) if cfg.registered else None
+        reg_case = (Case(cfg.collective, size, dtype, cfg.op, rank, world, comm.empty, in_place=cfg.in_place)
+                    if cfg.registered else None)
         for a in cfg.algorithms:
             runs.append(("pycomm", a, case, _baseline_call(case, cfg.c10d_group) if a == "c10d"
                          else _pycomm_call(comm, case, a)))
@@ -237,7 +255,7 @@ def run_rank(cfg: BenchConfig, comm: "pycomm.Communicator") -> Optional[List[Dic
                 "dtype": cfg.dtype, "op": cfg.op if cfg.collective in ("all_reduce", "reduce_scatter") else "none",
                 "size_bytes": case.size_bytes, "count": case.elements, "nranks": world,
                 "time_us": t * 1e6, "algbw_gbps": algbw, "busbw_gbps": algbw * busbw_factor(cfg.collective, world),
-                "wrong": int(wrong_total.item()), "iters": iters,
+                "wrong": int(wrong_total.item()), "iters": iters, "in_place": getattr(case, "in_place", False),
             }
             if isinstance(case, CompressedCase):
                 # Lossy: the summary never names it the best algorithm.
