@@ -76,9 +76,13 @@ def _one(comm, rank: int, world: int, coll: str, algo: str, dtype: torch.dtype, 
         x_plain = torch.cat([make_input(seed, rank, count, dtype, shard=c) for c in range(world)])
         ref = filled(count)
         comm.reduce_scatter(ref, x_plain, op, algorithm=algo)
-        # 0: registered input; 1: registered input and output; 2: plain input, registered output.
+        # 0: registered input; 1: registered input and output; 2: plain input,
+        # registered output; plus, on odd seeds, 3: in place (NCCL's form: the
+        # output this rank's block of the registered input).
+        variant = 3 if seed % 2 and variant == 0 else variant
         x = x_plain.clone() if variant == 2 else reg(pa, off_a, count * world).copy_(x_plain)
-        out = filled(count) if variant == 0 else reg(pb, off_b, count).fill_(7)
+        out = (filled(count) if variant == 0 else x[rank * count:(rank + 1) * count] if variant == 3
+               else reg(pb, off_b, count).fill_(7))
         before = comm.in_place_calls
         comm.reduce_scatter(out, x, op, algorithm=algo)
         in_place = variant != 2 and _resolved(comm, coll, algo, count * world * es) == "direct(two-shot)"

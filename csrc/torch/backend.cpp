@@ -508,8 +508,10 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::_reduce_scatter_base(at::Tensor& out
   Staging s = timed(opts.timeout);
   const at::Tensor dense = dense_input(input, s);
   const auto [op, in] = reduction(opts.reduceOp, dense, s, /*own=*/false, "reduce_scatter_tensor");
-  // Any overlap goes through a buffer here, NCCL's in-place form too.
-  const at::Tensor out = apart_output(dense_output(output, s, /*in_place=*/false, "reduce_scatter_tensor"), in, s);
+  at::Tensor out = dense_output(output, s, /*in_place=*/false, "reduce_scatter_tensor");
+  // In place, the output this rank's block of the input, the communicator runs as it is.
+  if (out.numel() == 0 || out.data_ptr() != static_cast<char*>(in.data_ptr()) + getRank() * out.nbytes())
+    out = apart_output(out, in, s);
   return wrap(comm_->reduce_scatter(out, in, op, algo(Collective::kReduceScatter), false, opts.asyncOp, std::move(s)),
               c10d::OpType::_REDUCE_SCATTER_BASE, "pycomm:reduce_scatter_tensor");
 }

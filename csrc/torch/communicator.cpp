@@ -452,24 +452,22 @@ std::shared_ptr<Work> Communicator::reduce_scatter(const at::Tensor& output, con
                                                    Staging staging) {
   const Collective coll = Collective::kReduceScatter;
   std::string why = check_io(coll, input, output, world(), 1, world());
-  bool in_place = false;
   if (why.empty() && overlaps(input, output)) {
     // NCCL's in-place form, which ZeRO-3 uses: the output is this rank's
     // block of the input.
     const char* block = static_cast<const char*>(input.data_ptr()) + rank() * output.numel() * output.element_size();
-    in_place = output.data_ptr() == block;
-    if (!in_place)
+    if (output.data_ptr() != block)
       why = "pycomm.reduce_scatter: output overlaps input but is not this rank's block of it (in place, as with "
             "NCCL: output = input[rank * n:(rank + 1) * n] of a flat input)";
   }
   if (!why.empty()) return reject(why);
-  if (!in_place)
-    return launch(coll, op, 0, output.numel(), input, output, algo, strict, async_op, std::move(staging));
-  // In place, the result goes through a buffer of the output's size (a
-  // world-th of the input's): not every algorithm reads this rank's block of
-  // the input before it writes the output.
-  const at::Tensor apart = write_apart(output, staging);
-  return launch(coll, op, 0, output.numel(), input, apart, algo, strict, async_op, std::move(staging));
+  // In place runs as it is: only this rank reads its own block of the input
+  // (peers take the other blocks, from its mailboxes or registered memory,
+  // or through the process group), in the step that writes the same
+  // elements of the output, or before; a multi-host call reads all of it in
+  // its local phase, before its cross phase writes the output. The
+  // collective matrix runs every algorithm in place, over several rounds.
+  return launch(coll, op, 0, output.numel(), input, output, algo, strict, async_op, std::move(staging));
 }
 
 std::shared_ptr<Work> Communicator::all_gather(const at::Tensor& output, const at::Tensor& input, Algorithm algo,
