@@ -171,8 +171,8 @@ def test_example_runs(doc_pool, example: Example, tmp_path):
         assert not example.setup, f"{example.where}: an example in processes of its own takes no setup"
         script = tmp_path / "example.py"
         script.write_text(example.code)
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(example.ranks),
-                               "--master-port", str(free_port()), str(script)], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                               str(example.ranks), str(script)], capture_output=True, text=True,
                               timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), **example.env})
         assert proc.returncode == 0, f"{example.where}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         return

@@ -274,7 +274,16 @@ at::Tensor C10dBackend::apart_output(const at::Tensor& out, const at::Tensor& in
   auto plain = [](const at::Tensor& t) {
     return t.defined() && t.has_storage() && t.layout() == at::kStrided && t.device().is_cpu() && t.numel() > 0;
   };
-  return plain(out) && plain(in) && overlaps(out, in) ? write_apart(out, s) : out;
+  if (!plain(out) || !plain(in) || !overlaps(out, in)) return out;
+  at::Tensor apart = at::empty_like(out);
+  // The first of the after-steps: a copy-back staged before (dense_output's) may read `out`.
+  s.after = [apart, out, then = std::move(s.after)] {
+    out.copy_(apart);
+    if (then) then();
+  };
+  s.keep.push_back(out);
+  if (s.result.empty()) s.result = {out};
+  return apart;
 }
 
 // ---------------------------------------------------------------- collectives
@@ -372,8 +381,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::_allgather_base(at::Tensor& output, 
   const at::Tensor in = dense_input(input, s);
   at::Tensor out = dense_output(output, s, /*in_place=*/false, "all_gather_into_tensor");
   // In place, the input this rank's block of the output, the communicator runs as it is.
-  if (in.numel() == 0 || in.data_ptr() != static_cast<char*>(out.data_ptr()) + getRank() * in.nbytes())
-    out = apart_output(out, in, s);
+  if (!is_rank_block(in, out, getRank())) out = apart_output(out, in, s);
   return wrap(comm_->all_gather(out, in, algo(Collective::kAllGather), false, opts.asyncOp, std::move(s)),
               c10d::OpType::_ALLGATHER_BASE,
               "pycomm:all_gather_into_tensor");
@@ -510,8 +518,7 @@ c10::intrusive_ptr<c10d::Work> C10dBackend::_reduce_scatter_base(at::Tensor& out
   const auto [op, in] = reduction(opts.reduceOp, dense, s, /*own=*/false, "reduce_scatter_tensor");
   at::Tensor out = dense_output(output, s, /*in_place=*/false, "reduce_scatter_tensor");
   // In place, the output this rank's block of the input, the communicator runs as it is.
-  if (out.numel() == 0 || out.data_ptr() != static_cast<char*>(in.data_ptr()) + getRank() * out.nbytes())
-    out = apart_output(out, in, s);
+  if (!is_rank_block(out, in, getRank())) out = apart_output(out, in, s);
   return wrap(comm_->reduce_scatter(out, in, op, algo(Collective::kReduceScatter), false, opts.asyncOp, std::move(s)),
               c10d::OpType::_REDUCE_SCATTER_BASE, "pycomm:reduce_scatter_tensor");
 }

@@ -138,9 +138,10 @@ class C10dBackend : public c10d::Backend {
   at::Tensor dense_input(const at::Tensor& t, Staging& s);
   at::Tensor dense_output(const at::Tensor& t, Staging& s, bool in_place, const char* what);
   // What a collective writes in place of `out`: where it overlaps the
-  // input, a buffer of its own (write_apart), so that the input is read
-  // whole first (Gloo writes such an output as it goes: an in-place
-  // all_to_all_single came out wrong on one rank of two); else `out`.
+  // input, a buffer of its own, copied into `out` when the op completes, so
+  // that the input is read whole first (Gloo writes such an output as it
+  // goes: an in-place all_to_all_single came out wrong on one rank of two);
+  // else `out`.
   at::Tensor apart_output(const at::Tensor& out, const at::Tensor& in, Staging& s);
   c10::intrusive_ptr<c10d::Work> uneven_all_to_all(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                                    const c10d::AllToAllOptions& opts);

@@ -452,14 +452,11 @@ std::shared_ptr<Work> Communicator::reduce_scatter(const at::Tensor& output, con
                                                    Staging staging) {
   const Collective coll = Collective::kReduceScatter;
   std::string why = check_io(coll, input, output, world(), 1, world());
-  if (why.empty() && overlaps(input, output)) {
-    // NCCL's in-place form, which ZeRO-3 uses: the output is this rank's
-    // block of the input.
-    const char* block = static_cast<const char*>(input.data_ptr()) + rank() * output.numel() * output.element_size();
-    if (output.data_ptr() != block)
-      why = "pycomm.reduce_scatter: output overlaps input but is not this rank's block of it (in place, as with "
-            "NCCL: output = input[rank * n:(rank + 1) * n] of a flat input)";
-  }
+  // NCCL's in-place form, which ZeRO-3 uses: the output is this rank's
+  // block of the input.
+  if (why.empty() && overlaps(input, output) && !is_rank_block(output, input, rank()))
+    why = "pycomm.reduce_scatter: output overlaps input but is not this rank's block of it (in place, as with "
+          "NCCL: output = input[rank * n:(rank + 1) * n] of a flat input)";
   if (!why.empty()) return reject(why);
   // In place runs as it is: only this rank reads its own block of the input
   // (peers take the other blocks, from its mailboxes or registered memory,
@@ -474,11 +471,9 @@ std::shared_ptr<Work> Communicator::all_gather(const at::Tensor& output, const a
                                                bool strict, bool async_op, Staging staging) {
   const Collective coll = Collective::kAllGather;
   std::string why = check_io(coll, input, output, 1, world(), world());
-  if (why.empty() && overlaps(input, output)) {
-    // In place is allowed when the input is exactly this rank's slot.
-    const char* slot = static_cast<const char*>(output.data_ptr()) + rank() * input.numel() * input.element_size();
-    if (input.data_ptr() != slot) why = "pycomm.all_gather: input overlaps output but is not this rank's slot of it";
-  }
+  // In place is allowed when the input is exactly this rank's slot.
+  if (why.empty() && overlaps(input, output) && !is_rank_block(input, output, rank()))
+    why = "pycomm.all_gather: input overlaps output but is not this rank's slot of it";
   if (!why.empty()) return reject(why);
   return launch(coll, RedOp::kSum, 0, input.numel(), input, output, algo, strict, async_op, std::move(staging));
 }

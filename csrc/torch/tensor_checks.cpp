@@ -76,6 +76,11 @@ std::string check_tensor(const at::Tensor& t, const char* role, Collective coll)
   return "";
 }
 
+bool is_rank_block(const at::Tensor& part, const at::Tensor& whole, int rank) {
+  return part.has_storage() && whole.has_storage() &&
+         part.data_ptr() == static_cast<const char*>(whole.data_ptr()) + rank * part.nbytes();
+}
+
 bool overlaps(const at::Tensor& a, const at::Tensor& b) {
   const char* a0 = static_cast<const char*>(a.data_ptr());
   const char* b0 = static_cast<const char*>(b.data_ptr());

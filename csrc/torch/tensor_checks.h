@@ -31,6 +31,11 @@ std::string memory_mismatch(const at::Tensor& t);
 
 bool overlaps(const at::Tensor& a, const at::Tensor& b);
 
+// Whether `part` is block `rank` of `whole` (blocks of part's size): NCCL's
+// in-place forms, an all-gather's input in its output and a reduce-scatter's
+// output in its input. False for a tensor without storage of its own.
+bool is_rank_block(const at::Tensor& part, const at::Tensor& whole, int rank);
+
 // A collective with an input and an output tensor: each usable on its own,
 // same dtype, and input.numel() * out_mult == output.numel() * in_mult.
 std::string check_io(Collective coll, const at::Tensor& input, const at::Tensor& output, int64_t in_mult,

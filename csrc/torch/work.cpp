@@ -121,15 +121,4 @@ void StageRanges::enter(const char* name) {
   if (current_->isActive()) current_->before(name);
 }
 
-at::Tensor write_apart(const at::Tensor& out, Staging& s) {
-  at::Tensor apart = at::empty_like(out);
-  s.after = [apart, out, then = std::move(s.after)] {
-    out.copy_(apart);
-    if (then) then();
-  };
-  s.keep.push_back(out);
-  if (s.result.empty()) s.result = {out};
-  return apart;
-}
-
 }  // namespace pycomm

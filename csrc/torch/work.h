@@ -40,12 +40,6 @@ struct Staging {
   double timeout_s = 0;
 };
 
-// A buffer like `out` for the op to write instead of `out`, which overlaps
-// what the op reads: copied into `out` when the op completes, first of the
-// after-steps (a copy-back staged before may read `out`); `out` stays the
-// op's result. The input is then read whole before `out` changes.
-at::Tensor write_apart(const at::Tensor& out, Staging& s);
-
 class Work {
  public:
   // Blocks until the op finished (or `timeout_s` passed, if >= 0); rethrows
